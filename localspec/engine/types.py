@@ -1,0 +1,128 @@
+"""The engine's public data: what callers (the server, the bench) hand in and get back.
+
+Plain dataclasses, no llama.cpp types: the server knows nothing of ctypes and the engine
+knows nothing of HTTP. Everything a request can tune is here, parsed once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+SpecMode = Literal["off", "draft", "ngram", "hybrid", "auto"]
+StopType = Literal["eos", "word", "limit", "none"]
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """How one GGUF is loaded (target or draft)."""
+
+    path: str
+    n_gpu_layers: int = 0
+    n_ctx: int = 4096  # per slot; the llama context holds n_ctx * n_seq_max cells
+    n_batch: int = 1024
+    n_ubatch: int = 1024
+    flash_attn: bool | None = None  # None = llama.cpp's auto
+    type_k: str = "f16"  # f16 | q8_0 | q4_0
+    type_v: str = "f16"
+    n_threads: int | None = None  # None = a sensible split of the physical cores
+    n_threads_batch: int | None = None
+
+
+@dataclass(frozen=True)
+class SpecSettings:
+    """Speculative decoding defaults; a request may override n_max/n_min/p_min."""
+
+    mode: SpecMode = "auto"
+    n_max: int = 16
+    n_min: int = 0
+    p_min: float = 0.75
+    ngram_min: int = 2  # shortest suffix match the n-gram drafter accepts
+    draft_window: int = 512  # the draft model sees only the last N prompt tokens
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    target: ModelSettings
+    draft: ModelSettings | None = None
+    n_slots: int = 1
+    spec: SpecSettings = field(default_factory=SpecSettings)
+    cache_reuse: int = 256  # min chunk length moved by KV shift; 0 disables chunk reuse
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """llama-server's sampling fields; samplers apply in order, then a seeded draw."""
+
+    samplers: tuple[str, ...] = ("top_k", "top_p", "min_p", "temperature")
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    temperature: float = 0.8
+    seed: int = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED: random
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0 or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    slot: int
+    prompt: list[int]  # already assembled and truncated to fit the slot's context
+    n_predict: int = -1  # -1: until a stop rule or the context ends; 0: fill the cache only
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    n_indent: int = 0
+    t_max_predict_ms: int = 0
+    cache_prompt: bool = True
+    spec_n_max: int | None = None  # None: the engine's setting; 0 disables speculation
+    spec_n_min: int | None = None
+    spec_p_min: float | None = None
+
+
+@dataclass
+class TokenEvent:
+    """One emitted piece of text, for streaming (stop strings already held back)."""
+
+    token: int
+    text: str
+
+
+@dataclass
+class DraftStats:
+    drafted: int = 0
+    accepted: int = 0
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]
+    text: str
+    stop_type: StopType
+    stopping_word: str = ""
+    n_prompt: int = 0  # prompt length
+    n_cached: int = 0  # prompt tokens reused from the slot's cache (target)
+    n_evaluated: int = 0  # prompt tokens the target evaluated for this request
+    draft_n_cached: int = 0
+    draft_n_evaluated: int = 0
+    prompt_ms: float = 0.0
+    predicted_ms: float = 0.0
+    drafted: dict[str, DraftStats] = field(default_factory=dict)  # by source: draft, ngram
+    t_draft_ms: float = 0.0
+    t_verify_ms: float = 0.0
+    t_sample_ms: float = 0.0
+    t_outside_ms: float = 0.0  # wall time not spent inside llama.cpp calls
+    cancelled: bool = False
+
+    @property
+    def draft_n(self) -> int:
+        return sum(s.drafted for s in self.drafted.values())
+
+    @property
+    def draft_n_accepted(self) -> int:
+        return sum(s.accepted for s in self.drafted.values())
+
+
+TokenCallback = Callable[[TokenEvent], None]
