@@ -1,0 +1,650 @@
+"""One settings model, built from layers, with keys that IT can lock.
+
+Layers, lowest first: built-in defaults → system profiles (``*.toml`` in
+:func:`localspec.paths.system_config_dir`, sorted by name) → the user's ``config.toml`` →
+``LOCALSPEC_*`` environment → command-line flags. Each layer is a flat mapping of dotted keys
+(``server.port``) to raw values with the place they came from, so ``profile explain`` can say
+where every effective value was set and which attempts a lock ignored.
+
+A system profile may say ``locked = ["server.host", "hub"]``: those keys (a section name locks
+all its keys) keep the value they had after that profile; a higher layer that tries to change
+one is recorded as a :class:`LockViolation` and ignored, never an error, so an IT policy never
+stops a developer's daemon from starting.
+"""
+
+from __future__ import annotations
+
+import difflib
+import ipaddress
+import os
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from localspec import paths
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+LAYER_KINDS = ("default", "system", "user", "env", "flag")
+SECRET_KEYS = frozenset({"server.api_key"})
+ENV_PREFIX = "LOCALSPEC_"
+# Environment variables other tools already define, read as a lower-precedence spelling of a key.
+ENV_ALIASES: dict[str, str] = {"HF_ENDPOINT": "hub.endpoint", "HF_HUB_OFFLINE": "hub.offline"}
+# LOCALSPEC_* variables that are not settings (directory overrides, see localspec.paths).
+ENV_NOT_SETTINGS = frozenset(
+    {"CONFIG_DIR", "SYSTEM_CONFIG_DIR", "DATA_DIR", "MODELS_DIR", "STATE_DIR", "CACHE_DIR"}
+)
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True, frozen=True)
+
+
+class ModelsSettings(_Section):
+    allowed: list[str] = Field(
+        default_factory=list,
+        description="catalog pairs (or fnmatch patterns of pair and GGUF file names) that may "
+        "run; empty allows all",
+    )
+    dirs: list[Path] = Field(
+        default_factory=list, description="extra model directories searched before downloading"
+    )
+    pair: str | None = Field(None, description="catalog pair to serve; unset lets the plan pick")
+
+
+class HubSettings(_Section):
+    endpoint: str | None = Field(None, description="Hugging Face hub URL or mirror")
+    offline: bool = Field(False, description="never touch the network; use local files only")
+    proxy: str | None = Field(None, description="HTTP(S) proxy URL for downloads")
+    ca_bundle: Path | None = Field(None, description="PEM file of CA certificates to trust")
+    token_file: Path | None = Field(None, description="file holding a hub access token")
+
+    @field_validator("endpoint", "proxy")
+    @classmethod
+    def _url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError("must be an http:// or https:// URL")
+        return value.rstrip("/") if value else value
+
+
+class ServerSection(_Section):
+    host: str = Field("127.0.0.1", description="address to bind; loopback unless a key is set")
+    port: int = Field(8012, ge=1, le=65535, description="TCP port (llama-vscode expects 8012)")
+    api_key: SecretStr | None = Field(None, description="Bearer key clients must send")
+    api_key_file: Path | None = Field(None, description="file holding the API key (mode 600)")
+    api_key_required: bool = Field(False, description="refuse to start without an API key")
+    slots: int | None = Field(None, ge=1, le=256, description="parallel slots; unset: the plan")
+    queue_limit: int = Field(64, ge=0, description="requests waiting beyond the slots; 0: none")
+    request_timeout_s: float = Field(600.0, gt=0, description="cancel a request after this")
+    metrics: bool = Field(True, description="serve Prometheus metrics at /metrics")
+    cors_origins: list[str] = Field(default_factory=list, description="allowed CORS origins")
+
+
+class LimitsSettings(_Section):
+    context: int | None = Field(None, ge=256, description="context tokens per slot; unset: plan")
+    gpu_memory_gb: float | None = Field(None, gt=0, description="cap on GPU memory to use")
+    threads: int | None = Field(None, ge=1, description="CPU threads for llama.cpp; unset: auto")
+
+
+class SpeculativeSettings(_Section):
+    mode: Literal["off", "draft", "ngram", "hybrid", "auto"] = Field(
+        "auto", description="drafter: a draft model, n-grams of the prompt, both, or auto"
+    )
+    n_max: int = Field(16, ge=0, le=128, description="most tokens drafted per step")
+    n_min: int = Field(0, ge=0, le=128, description="skip drafts shorter than this")
+    p_min: float = Field(0.75, ge=0.0, le=1.0, description="stop drafting below this prob.")
+
+    @model_validator(mode="after")
+    def _min_below_max(self) -> SpeculativeSettings:
+        if self.n_min > self.n_max:
+            raise ValueError(f"n_min ({self.n_min}) is larger than n_max ({self.n_max})")
+        return self
+
+
+class CacheSettings(_Section):
+    reuse_chunk: int = Field(
+        256, ge=0, description="min chunk moved by KV shift (llama-server --cache-reuse); 0: off"
+    )
+
+
+class LogSettings(_Section):
+    level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+    format: Literal["text", "json"] = Field("text", description="log line format")
+    requests: bool = Field(False, description="log one line per request (no prompt text)")
+
+
+class Settings(_Section):
+    models: ModelsSettings = Field(default_factory=ModelsSettings)
+    hub: HubSettings = Field(default_factory=HubSettings)
+    server: ServerSection = Field(default_factory=ServerSection)
+    limits: LimitsSettings = Field(default_factory=LimitsSettings)
+    speculative: SpeculativeSettings = Field(default_factory=SpeculativeSettings)
+    cache: CacheSettings = Field(default_factory=CacheSettings)
+    log: LogSettings = Field(default_factory=LogSettings)
+    telemetry: bool = Field(False, description="always off: localspec sends nothing anywhere")
+
+    @field_validator("telemetry")
+    @classmethod
+    def _no_telemetry(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("localspec has no telemetry; only false is accepted")
+        return value
+
+    def get(self, key: str) -> Any:
+        """The value at a dotted key (``server.port``)."""
+        value: Any = self
+        for part in key.split("."):
+            value = getattr(value, part)
+        return value
+
+
+# --- the key table ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    key: str
+    annotation: Any
+    description: str
+
+    @property
+    def env_name(self) -> str:
+        return ENV_PREFIX + self.key.replace(".", "_").upper()
+
+    @property
+    def is_list(self) -> bool:
+        return get_origin(self.annotation) is list
+
+    @property
+    def type_name(self) -> str:
+        return _type_name(self.annotation)
+
+
+def _type_name(annotation: Any) -> str:
+    origin = get_origin(annotation)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in get_args(annotation))
+    if origin is list:
+        return f"list of {_type_name(get_args(annotation)[0])}"
+    args = [a for a in get_args(annotation) if a is not type(None)]
+    if args and origin is not None:
+        return " | ".join(_type_name(a) for a in args)
+    if annotation is SecretStr:
+        return "str (secret)"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _walk(model: type[BaseModel], prefix: str = "") -> Iterable[KeyInfo]:
+    for name, info in model.model_fields.items():
+        annotation = info.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            yield from _walk(annotation, f"{prefix}{name}.")
+        else:
+            yield KeyInfo(f"{prefix}{name}", annotation, info.description or "")
+
+
+KEYS: dict[str, KeyInfo] = {k.key: k for k in _walk(Settings)}
+SECTIONS = frozenset(k.split(".", 1)[0] for k in KEYS if "." in k)
+ENV_KEYS: dict[str, str] = {info.env_name: key for key, info in KEYS.items()}
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for a near miss, else an empty string."""
+    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+# --- layers ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a value came from: ``kind`` is one of LAYER_KINDS, ``label`` says which one."""
+
+    kind: str
+    label: str
+
+    def __str__(self) -> str:
+        return {
+            "default": "default",
+            "system": f"system profile {self.label}",
+            "user": f"user config {self.label}",
+            "env": f"env {self.label}",
+            "flag": f"flag {self.label}",
+        }[self.kind]
+
+
+DEFAULT_ORIGIN = Origin("default", "built-in")
+
+
+@dataclass
+class Layer:
+    origin: Origin  # the layer as a whole (a file, "environment", "command line")
+    values: dict[str, tuple[Any, Origin]] = field(default_factory=dict)
+    locks: list[str] = field(default_factory=list)  # system profiles only
+
+
+@dataclass(frozen=True)
+class LockViolation:
+    key: str
+    attempted: Any
+    by: Origin
+    locked_by: Origin
+
+    def __str__(self) -> str:
+        shown = "<secret>" if self.key in SECRET_KEYS else _show(self.attempted)
+        return (
+            f"{self.key}: {self.by} tried to set {shown}, but {self.locked_by} locks it; "
+            "using the locked value"
+        )
+
+
+class SettingsError(ValueError):
+    """Bad settings: every problem found, each naming its file/env/flag and key."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+def _flatten(table: Mapping[str, Any], origin: Origin, prefix: str = "") -> tuple[dict, list]:
+    values: dict[str, tuple[Any, Origin]] = {}
+    problems: list[str] = []
+    for name, value in table.items():
+        key = f"{prefix}{name}"
+        if key in KEYS:
+            values[key] = (value, origin)
+        elif isinstance(value, dict) and key in SECTIONS:
+            sub_values, sub_problems = _flatten(value, origin, f"{key}.")
+            values.update(sub_values)
+            problems += sub_problems
+        elif key in SECTIONS:
+            problems.append(f"{origin}: '{key}' is a section; write [{key}] with keys under it")
+        elif isinstance(value, dict):
+            sub_values, sub_problems = _flatten(value, origin, f"{key}.")
+            problems += sub_problems or [f"{origin}: unknown section '{key}'"]
+        else:
+            problems.append(f"{origin}: unknown key '{key}'{did_you_mean(key, KEYS)}")
+    return values, problems
+
+
+def _check_key_list(names: Any, origin: Origin, what: str) -> tuple[list[str], list[str]]:
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        return [], [f"{origin}: '{what}' must be a list of key names"]
+    good: list[str] = []
+    problems: list[str] = []
+    for name in names:
+        if name in KEYS or name in SECTIONS:
+            good.append(name)
+        else:
+            hint = did_you_mean(name, [*KEYS, *SECTIONS])
+            problems.append(f"{origin}: '{what}' names unknown key '{name}'{hint}")
+    return good, problems
+
+
+def read_toml_layer(path: Path, kind: Literal["system", "user"]) -> tuple[Layer, list[str]]:
+    """One profile or config file as a layer; problems name the file and the key."""
+    origin = Origin(kind, str(path))
+    try:
+        table = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        return Layer(origin), [f"{origin}: not valid TOML: {exc}"]
+    except OSError as exc:
+        return Layer(origin), [f"{origin}: cannot read: {exc.strerror or exc}"]
+    locked = table.pop("locked", None)
+    values, problems = _flatten(table, origin)
+    layer = Layer(origin, values)
+    if locked is not None:
+        if kind != "system":
+            problems.append(
+                f"{origin}: 'locked' is honoured only in system profiles "
+                f"({paths.system_config_dir()})"
+            )
+        else:
+            layer.locks, lock_problems = _check_key_list(locked, origin, "locked")
+            problems += lock_problems
+    return layer, problems
+
+
+def _parse_text(info: KeyInfo, text: str) -> Any:
+    """A value given as text (env, --set): TOML literal when it parses, else the string."""
+    stripped = text.strip()
+    if info.is_list and not stripped.startswith("["):
+        return [part.strip() for part in stripped.split(",") if part.strip()]
+    try:
+        return tomllib.loads(f"v = {stripped}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def env_layer(environ: Mapping[str, str]) -> tuple[Layer, list[str]]:
+    layer = Layer(Origin("env", "environment"))
+    problems: list[str] = []
+    for name, key in ENV_ALIASES.items():
+        if environ.get(name):
+            layer.values[key] = (_parse_text(KEYS[key], environ[name]), Origin("env", name))
+    for name, text in sorted(environ.items()):
+        if not name.startswith(ENV_PREFIX) or name[len(ENV_PREFIX) :] in ENV_NOT_SETTINGS:
+            continue
+        key = ENV_KEYS.get(name)
+        if key is None:
+            problems.append(f"env {name}: not a localspec setting{did_you_mean(name, ENV_KEYS)}")
+            continue
+        layer.values[key] = (_parse_text(KEYS[key], text), Origin("env", name))
+    return layer, problems
+
+
+def flag_layer(flags: Mapping[str, tuple[Any, str]]) -> tuple[Layer, list[str]]:
+    """Flags as ``{key: (value, flag_label)}``; string values from ``--set`` are parsed."""
+    layer = Layer(Origin("flag", "command line"))
+    problems: list[str] = []
+    for key, (value, label) in flags.items():
+        origin = Origin("flag", label)
+        if key not in KEYS:
+            problems.append(f"{origin}: unknown key '{key}'{did_you_mean(key, KEYS)}")
+            continue
+        if isinstance(value, str) and label.startswith("--set"):
+            value = _parse_text(KEYS[key], value)
+        layer.values[key] = (value, origin)
+    return layer, problems
+
+
+def parse_set_options(items: Iterable[str]) -> tuple[dict[str, tuple[Any, str]], list[str]]:
+    """``--set key=value`` options as flag-layer entries."""
+    flags: dict[str, tuple[Any, str]] = {}
+    problems: list[str] = []
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            problems.append(f"flag --set {item}: expected KEY=VALUE, e.g. --set server.port=8013")
+        else:
+            flags[key] = (value, f"--set {key}")
+    return flags, problems
+
+
+def system_profile_paths(directory: Path | None = None) -> list[Path]:
+    directory = directory if directory is not None else paths.system_config_dir()
+    return sorted(directory.glob("*.toml")) if directory.is_dir() else []
+
+
+def user_config_path() -> Path:
+    return paths.user_config_dir() / "config.toml"
+
+
+# --- resolution ------------------------------------------------------------------------------
+
+
+@dataclass
+class ResolvedSettings:
+    settings: Settings
+    origins: dict[str, Origin]  # where each effective value came from
+    locks: dict[str, Origin]  # key -> the system profile that locks it
+    violations: list[LockViolation]
+    layers: list[Layer]
+
+
+def _nest(flat: Mapping[str, Any]) -> dict[str, Any]:
+    nested: dict[str, Any] = {}
+    for key, value in flat.items():
+        *sections, leaf = key.split(".")
+        node = nested
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[leaf] = value
+    return nested
+
+
+def _validation_problems(
+    exc: ValidationError,
+    origin_of: Mapping[str, Origin],
+    fallback: Origin,
+    *,
+    keys_only: bool = False,
+) -> list[str]:
+    problems = []
+    for error in exc.errors():
+        loc = [str(p) for p in error["loc"] if isinstance(p, str)]
+        key = ".".join(loc)
+        while key and key not in KEYS and key not in SECTIONS and "." in key:
+            key = key.rsplit(".", 1)[0]
+        if keys_only and key not in KEYS:
+            continue
+        message = error["msg"].removeprefix("Value error, ")
+        where = origin_of.get(key)
+        if where is None:  # a cross-field rule: name every origin inside the section
+            inside = sorted({str(o) for k, o in origin_of.items() if k.startswith(f"{key}.")})
+            where_text = ", ".join(inside) if inside else str(fallback)
+        else:
+            where_text = str(where)
+        problems.append(f"{where_text}: {key or 'settings'}: {message}")
+    return problems
+
+
+def validate_layer(layer: Layer) -> list[str]:
+    """Type-check one layer on its own, so a bad value names its own file even when a higher
+    layer happens to override it."""
+    try:
+        Settings.model_validate(_nest({k: v for k, (v, _) in layer.values.items()}))
+    except ValidationError as exc:
+        origins = {k: o for k, (_, o) in layer.values.items()}
+        # Cross-field rules (located at a section, not a key) need the other layers' values:
+        # the merged check reports those.
+        return _validation_problems(exc, origins, layer.origin, keys_only=True)
+    return []
+
+
+def resolve(layers: list[Layer]) -> ResolvedSettings:
+    """Merge layers (lowest first), apply locks, validate. Raises SettingsError."""
+    problems: list[str] = []
+    for layer in layers:
+        problems += validate_layer(layer)
+    if problems:
+        raise SettingsError(problems)
+    defaults = Settings()
+    flat: dict[str, Any] = {key: defaults.get(key) for key in KEYS}
+    origins: dict[str, Origin] = dict.fromkeys(KEYS, DEFAULT_ORIGIN)
+    locks: dict[str, Origin] = {}
+    violations: list[LockViolation] = []
+    for layer in layers:
+        for key, (value, origin) in layer.values.items():
+            if key in locks:
+                if _normalise(key, value) != _normalise(key, flat[key]):
+                    violations.append(LockViolation(key, value, origin, locks[key]))
+                continue
+            flat[key], origins[key] = value, origin
+        for name in layer.locks:
+            for key in KEYS:
+                if (key == name or key.startswith(f"{name}.")) and key not in locks:
+                    locks[key] = layer.origin
+    try:
+        settings = Settings.model_validate(_nest(flat))
+    except ValidationError as exc:
+        raise SettingsError(_validation_problems(exc, origins, DEFAULT_ORIGIN)) from None
+    return ResolvedSettings(settings, origins, locks, violations, layers)
+
+
+def _normalise(key: str, value: Any) -> Any:
+    """Compare raw and validated values alike (a TOML "8012" vs 8012 is still a change)."""
+    try:
+        section = Settings.model_validate(_nest({key: value}))
+        return section.get(key)
+    except ValidationError:
+        return value
+
+
+def load(
+    *,
+    flags: Mapping[str, tuple[Any, str]] | None = None,
+    environ: Mapping[str, str] | None = None,
+    system_dir: Path | None = None,
+    user_file: Path | None = None,
+) -> ResolvedSettings:
+    """Read every layer from disk, the environment and the flags; raise SettingsError."""
+    problems: list[str] = []
+    layers = [Layer(DEFAULT_ORIGIN)]
+    for path in system_profile_paths(system_dir):
+        layer, layer_problems = read_toml_layer(path, "system")
+        layers.append(layer)
+        problems += layer_problems
+    user_file = user_file if user_file is not None else user_config_path()
+    if user_file.is_file():
+        layer, layer_problems = read_toml_layer(user_file, "user")
+        layers.append(layer)
+        problems += layer_problems
+    layer, layer_problems = env_layer(os.environ if environ is None else environ)
+    layers.append(layer)
+    problems += layer_problems
+    layer, layer_problems = flag_layer(flags or {})
+    layers.append(layer)
+    problems += layer_problems
+    try:
+        resolved = resolve(layers)
+    except SettingsError as exc:
+        raise SettingsError(problems + exc.problems) from None
+    if problems:
+        raise SettingsError(problems)
+    return resolved
+
+
+# --- explain ---------------------------------------------------------------------------------
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "(unset)"
+    if isinstance(value, SecretStr):
+        return "<secret>"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ", ".join(_show(v) for v in value) + "]"
+    return str(value)
+
+
+@dataclass(frozen=True)
+class ExplainRow:
+    key: str
+    value: str
+    origin: str
+    locked_by: str | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "value": self.value,
+            "origin": self.origin,
+            "locked_by": self.locked_by,
+        }
+
+
+def explain(resolved: ResolvedSettings) -> list[ExplainRow]:
+    """Every effective value and its origin; secrets show only whether they are set."""
+    rows = []
+    for key in KEYS:
+        value = resolved.settings.get(key)
+        origin = str(resolved.origins[key])
+        if key in SECRET_KEYS:
+            shown = f"set (from {origin})" if value is not None else "not set"
+        else:
+            shown = _show(value)
+        locked = resolved.locks.get(key)
+        rows.append(ExplainRow(key, shown, origin, str(locked) if locked else None))
+    return rows
+
+
+def to_toml_dict(settings: Settings) -> dict[str, Any]:
+    """The effective settings as a TOML-ready table (secrets redacted, unset keys left out)."""
+    flat: dict[str, Any] = {}
+    for key in KEYS:
+        value = settings.get(key)
+        if value is None:
+            continue
+        if isinstance(value, SecretStr):
+            value = "<secret>"
+        elif isinstance(value, Path):
+            value = str(value)
+        elif isinstance(value, list):
+            value = [str(v) if isinstance(v, Path) else v for v in value]
+        flat[key] = value
+    return _nest(flat)
+
+
+# --- security --------------------------------------------------------------------------------
+
+
+def is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def read_secret_file(path: Path, key: str) -> str:
+    """A secret's file: must exist, be non-empty and, on POSIX, unreadable by group/others."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as exc:
+        raise SettingsError([f"{key}: cannot read {path}: {exc.strerror or exc}"]) from None
+    if os.name == "posix" and mode & 0o044:
+        raise SettingsError(
+            [
+                f"{key}: {path} is readable by group or others (mode {mode & 0o777:o}); "
+                f"run: chmod 600 {path}"
+            ]
+        )
+    text = path.read_text(encoding="utf-8").strip()
+    if not text:
+        raise SettingsError([f"{key}: {path} is empty"])
+    return text
+
+
+def resolve_api_key(settings: Settings) -> str | None:
+    server = settings.server
+    if server.api_key is not None and server.api_key_file is not None:
+        raise SettingsError(["server: set api_key or api_key_file, not both"])
+    if server.api_key_file is not None:
+        return read_secret_file(server.api_key_file.expanduser(), "server.api_key_file")
+    if server.api_key is not None:
+        return server.api_key.get_secret_value() or None
+    return None
+
+
+def check_security(settings: Settings) -> str | None:
+    """The API key to serve with, after the start-up rules; raises SettingsError to refuse."""
+    api_key = resolve_api_key(settings)
+    host = settings.server.host
+    if api_key is None and settings.server.api_key_required:
+        raise SettingsError(
+            [
+                "server.api_key_required is true but no key is set: "
+                "set server.api_key_file (a mode-600 file holding the key)"
+            ]
+        )
+    if api_key is None and not is_loopback(host):
+        raise SettingsError(
+            [
+                f"server.host = {host} is reachable from other machines and no API key is set; "
+                "set server.api_key_file, or bind 127.0.0.1"
+            ]
+        )
+    if settings.hub.token_file is not None:
+        read_secret_file(settings.hub.token_file.expanduser(), "hub.token_file")
+    return api_key
