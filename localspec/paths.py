@@ -16,9 +16,7 @@ def user_config_dir() -> Path:
 
 def system_config_dir() -> Path:
     """IT-managed profiles: /etc/xdg/localspec on Linux, /Library/Application Support on macOS."""
-    return Path(
-        os.environ.get("LOCALSPEC_SYSTEM_CONFIG_DIR") or platformdirs.site_config_dir(APP)
-    )
+    return Path(os.environ.get("LOCALSPEC_SYSTEM_CONFIG_DIR") or platformdirs.site_config_dir(APP))
 
 
 def user_data_dir() -> Path:
