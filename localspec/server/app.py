@@ -1,0 +1,253 @@
+"""The routes: each parses its body, builds a job, and hands it to the service. Nothing here
+touches the model; ``create_app`` wires the worker, the gate and the error format together."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
+from starlette.responses import Response
+
+from localspec import __version__
+from localspec.engine.types import EngineSettings
+from localspec.server import prompts
+from localspec.server.dispatch import error_response
+from localspec.server.errors import ApiError, InvalidRequest, NotSupported
+from localspec.server.fim import Extra
+from localspec.server.gate import Gate
+from localspec.server.metrics import CONTENT_TYPE
+from localspec.server.results import CompactJSONResponse
+from localspec.server.schemas import (
+    CompletionRequest,
+    DetokenizeRequest,
+    InfillRequest,
+    OpenAICompletionRequest,
+    TokenizeRequest,
+)
+from localspec.server.service import Service
+from localspec.server.settings import ServerSettings
+
+router = APIRouter()
+
+
+def service(request: Request) -> Service:
+    return request.app.state.service
+
+
+Svc = Annotated[Service, Depends(service)]
+
+
+@router.get("/health")
+@router.get("/v1/health", include_in_schema=False)
+async def health() -> Response:
+    return CompactJSONResponse({"status": "ok"})
+
+
+@router.post("/infill")
+async def infill(body: InfillRequest, request: Request, svc: Svc) -> Response:
+    """Fill in the middle, as llama-vscode and llama.vim call it."""
+    try:
+        prompts.fim_ids(svc.engine.vocab)  # 501 before queueing, as llama-server
+        params = svc.params(body)
+    except ApiError as exc:
+        return error_response(exc)
+    prepare = prompts.infill(
+        input_prefix=body.input_prefix,
+        input_suffix=body.input_suffix,
+        input_extra=[Extra(c.text, c.filename) for c in body.input_extra or ()],
+        prompt=body.prompt or "",
+        spm=svc.settings.spm_infill,
+    )
+    return await svc.native(request, "infill", svc.job(params, prepare))
+
+
+@router.post("/completion")
+@router.post("/completions", include_in_schema=False)
+async def completion(body: CompletionRequest, request: Request, svc: Svc) -> Response:
+    """llama-server's native completion API."""
+    try:
+        params = svc.params(body)
+    except ApiError as exc:
+        return error_response(exc)
+    return await svc.native(request, "completion", svc.job(params, prompts.completion(body.prompt)))
+
+
+@router.post("/v1/completions")
+async def openai_completions(body: OpenAICompletionRequest, request: Request, svc: Svc) -> Response:
+    """OpenAI completions; a ``suffix`` makes it fill-in-the-middle (no extra context)."""
+    try:
+        params = svc.params(body)
+        if body.suffix is not None:
+            prompts.fim_ids(svc.engine.vocab)
+            if not isinstance(body.prompt, str):
+                raise InvalidRequest("with a suffix, the prompt must be a string")
+            prepare = prompts.infill(
+                input_prefix=body.prompt,
+                input_suffix=body.suffix,
+                input_extra=[],
+                prompt="",
+                spm=svc.settings.spm_infill,
+            )
+        else:
+            prepare = prompts.completion(body.prompt)
+    except ApiError as exc:
+        return error_response(exc)
+    return await svc.openai(request, svc.job(params, prepare))
+
+
+@router.get("/props")
+async def props(svc: Svc) -> Response:
+    return CompactJSONResponse(svc.props())
+
+
+@router.get("/v1/models")
+@router.get("/models", include_in_schema=False)
+async def models(svc: Svc) -> Response:
+    return CompactJSONResponse(svc.models())
+
+
+@router.get("/slots")
+async def slots(svc: Svc) -> Response:
+    return CompactJSONResponse(svc.slots())
+
+
+@router.get("/metrics")
+async def metrics(svc: Svc) -> Response:
+    if svc.metrics is None:
+        return error_response(
+            NotSupported("This server does not support metrics endpoint; enable metrics")
+        )
+    return Response(svc.metrics.render(), media_type=CONTENT_TYPE)
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, svc: Svc) -> Response:
+    vocab = svc.engine.vocab
+
+    def run() -> dict[str, Any]:
+        pieces = [body.content] if isinstance(body.content, str) else body.content
+        tokens: list[int] = []
+        for piece in pieces:
+            if isinstance(piece, str):
+                tokens.extend(vocab.tokenize(piece, special=body.parse_special))
+            else:
+                tokens.append(piece)
+        if body.add_special and vocab.add_bos and vocab.bos is not None:
+            tokens.insert(0, vocab.bos)
+        if not body.with_pieces:
+            return {"tokens": tokens}
+        return {"tokens": [{"id": t, "piece": vocab.detokenize([t])} for t in tokens]}
+
+    return CompactJSONResponse(await run_in_threadpool(run))
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, svc: Svc) -> Response:
+    vocab = svc.engine.vocab
+    try:
+        prompts.check_ids(body.tokens, vocab.n_vocab)
+    except ApiError as exc:
+        return error_response(exc)
+    content = await run_in_threadpool(vocab.detokenize, body.tokens)
+    return CompactJSONResponse({"content": content})
+
+
+# ---------------------------------------------------------------------- errors
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err.get("loc", ())[1:]) or "body"
+        parts.append(f"{loc}: {err.get('msg', 'invalid')}")
+    return "Invalid request: " + "; ".join(parts)
+
+
+async def _on_validation_error(_request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    return error_response(InvalidRequest(_validation_message(exc)))
+
+
+async def _on_http_error(_request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    if exc.status_code == 404:
+        body = {"error": {"code": 404, "message": "File Not Found", "type": "not_found_error"}}
+    else:
+        body = {
+            "error": {
+                "code": exc.status_code,
+                "message": str(exc.detail),
+                "type": "invalid_request_error",
+            }
+        }
+    return CompactJSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+
+async def _on_error(_request: Request, exc: Exception) -> Response:
+    return error_response(exc)
+
+
+# ---------------------------------------------------------------------- factory
+
+
+def default_loader(engine_settings: EngineSettings) -> Callable[[], Any]:
+    def load() -> Any:
+        from localspec.engine import Engine  # imported here: llama.cpp loads only when serving
+
+        return Engine.load(engine_settings)
+
+    return load
+
+
+def create_app(
+    server_settings: ServerSettings,
+    engine_settings: EngineSettings,
+    *,
+    load: Callable[[], Any] | None = None,
+    on_ready: Callable[[], None] | None = None,
+    on_failure: Callable[[BaseException], None] | None = None,
+) -> FastAPI:
+    """The ASGI app; the engine loads in a background thread at startup (/health: 503 till then)."""
+    svc = Service.create(
+        server_settings,
+        engine_settings,
+        load or default_loader(engine_settings),
+        on_ready=on_ready,
+        on_failure=on_failure,
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        svc.worker.start()
+        try:
+            yield
+        finally:
+            await run_in_threadpool(svc.worker.stop)
+
+    app = FastAPI(
+        title="localspec",
+        version=__version__,
+        description="llama-server compatible completion API (llama-vscode, llama.vim).",
+        default_response_class=CompactJSONResponse,
+        lifespan=lifespan,
+    )
+    app.state.service = svc
+    app.include_router(router)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(Exception, _on_error)
+    app.add_middleware(Gate, api_key=server_settings.api_key, not_ready=svc.not_ready)
+    if server_settings.cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(server_settings.cors_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
+    return app

@@ -1,0 +1,237 @@
+"""Bridge one HTTP request to the worker: submit, watch for the client leaving, await or stream.
+
+The editor aborts its previous request on every keystroke, so every generation request runs
+with a watcher on the ASGI receive channel: the moment the connection closes, the job is
+dropped (queued) or cancelled (running; the engine stops within one step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from localspec.engine.types import TokenEvent
+from localspec.server.errors import ApiError, InvalidRequest, Unavailable
+from localspec.server.results import CompactJSONResponse, dumps, sse
+from localspec.server.worker import Job, JobResult, Worker
+
+log = logging.getLogger("localspec.server")
+
+T0_KEY = "localspec.t0"  # set in the ASGI scope by the timing middleware
+
+_DONE = object()
+
+
+def request_t0(request: Request) -> float:
+    return request.scope.get(T0_KEY) or time.perf_counter()
+
+
+def server_timing(request: Request, result: JobResult | None) -> dict[str, str]:
+    """A ``Server-Timing`` header: queue wait, prompt assembly, engine, and everything else.
+
+    ``app`` is the wall time spent in localspec outside the engine (parsing, queueing, prompt
+    assembly, JSON), the server's own overhead as measured from inside the process.
+    """
+    total_ms = (time.perf_counter() - request_t0(request)) * 1e3
+    if result is None:
+        return {"Server-Timing": f"total;dur={total_ms:.3f}"}
+    app_ms = total_ms - result.t_engine_ms
+    return {
+        "Server-Timing": (
+            f"queue;dur={result.t_queue_ms:.3f}, prep;dur={result.t_prep_ms:.3f}, "
+            f"engine;dur={result.t_engine_ms:.3f}, app;dur={app_ms:.3f}, total;dur={total_ms:.3f}"
+        )
+    }
+
+
+def as_api_error(exc: BaseException) -> ApiError:
+    """Any failure of one request, in llama-server's error format (bad input: 400, else 500)."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, ValueError):
+        return InvalidRequest(str(exc))
+    log.error("request failed: %s: %s", type(exc).__name__, exc)
+    return ApiError(f"{type(exc).__name__}: {exc}")
+
+
+def error_response(exc: BaseException) -> CompactJSONResponse:
+    err = as_api_error(exc)
+    return CompactJSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+async def _watch_disconnect(request: Request, on_gone: Callable[[], None]) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            on_gone()
+            return
+
+
+class Pending:
+    """A submitted job as the event loop sees it: its future, its token queue, its watcher."""
+
+    def __init__(self, request: Request, worker: Worker, job: Job, timeout_s: float) -> None:
+        self.request = request
+        self.worker = worker
+        self.job = job
+        self.deadline = time.monotonic() + timeout_s
+        self.timeout_s = timeout_s
+        self.client_gone = False
+        self.tokens: asyncio.Queue[Any] | None = None
+        self.future: asyncio.Future[JobResult] = asyncio.wrap_future(job.future)
+        self.watcher: asyncio.Task[None] | None = None
+
+    def enable_streaming(self) -> None:
+        """Route the worker's tokens into an asyncio queue (thread-safe hop onto the loop)."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.tokens = queue
+
+        def sink(index: int, event: TokenEvent) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, (index, event))
+
+        self.job.on_token = sink
+        self.future.add_done_callback(lambda _f: queue.put_nowait(_DONE))
+
+    def submit(self) -> None:
+        self.worker.submit(self.job)  # raises Unavailable (503) when full or loading
+        self.watcher = asyncio.create_task(_watch_disconnect(self.request, self._gone))
+
+    def _gone(self) -> None:
+        self.client_gone = True
+        self.worker.abandon(self.job)
+
+    def close(self) -> None:
+        if self.watcher is not None:
+            self.watcher.cancel()
+        if not self.job.future.done():
+            self.worker.abandon(self.job, "client left")
+        if self.future.done() and not self.future.cancelled():
+            self.future.exception()  # retrieved: no "never retrieved" warning
+
+    def _timed_out(self) -> Unavailable:
+        self.worker.abandon(self.job, "timed out")
+        return Unavailable(f"Request timed out after {self.timeout_s:g} s")
+
+    async def result(self) -> JobResult | None:
+        """The job's result, or None when the client left first; raises the job's error."""
+        assert self.watcher is not None
+        remaining = max(0.0, self.deadline - time.monotonic())
+        done, _ = await asyncio.wait(
+            {self.future, self.watcher}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+        )
+        if self.future in done:
+            return self.future.result()
+        if self.watcher in done:
+            return None
+        raise self._timed_out()
+
+    async def next_item(self) -> Any:
+        """The next streamed (index, event), or _DONE; None when the client left."""
+        assert self.tokens is not None and self.watcher is not None
+        remaining = max(0.0, self.deadline - time.monotonic())
+        getter = asyncio.ensure_future(self.tokens.get())
+        done, _ = await asyncio.wait(
+            {getter, self.watcher}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+        )
+        if getter in done:
+            return getter.result()
+        getter.cancel()
+        if self.watcher in done:
+            return None
+        raise self._timed_out()
+
+
+async def respond(
+    request: Request,
+    worker: Worker,
+    job: Job,
+    *,
+    timeout_s: float,
+    render: Callable[[JobResult], Any],
+    on_result: Callable[[JobResult], None] | None = None,
+) -> Response:
+    """Run a job and answer with ``render(result)`` as compact JSON."""
+    pending = Pending(request, worker, job, timeout_s)
+    try:
+        pending.submit()
+        result = await pending.result()
+        if result is None:
+            return Response(status_code=499)  # nobody is listening any more
+        if on_result is not None:
+            on_result(result)
+        body = dumps(render(result))
+    except Exception as exc:  # one request's failure never takes the daemon down
+        return error_response(exc)
+    finally:
+        pending.close()
+    return Response(
+        body, media_type=CompactJSONResponse.media_type, headers=server_timing(request, result)
+    )
+
+
+async def respond_stream(
+    request: Request,
+    worker: Worker,
+    job: Job,
+    *,
+    timeout_s: float,
+    partial: Callable[[int, TokenEvent], Any],
+    final: Callable[[JobResult], list[Any]],
+    done_marker: bytes = b"",
+    on_result: Callable[[JobResult], None] | None = None,
+) -> Response:
+    """Stream ``data: {...}`` events; an error before the first event is a plain error answer."""
+    pending = Pending(request, worker, job, timeout_s)
+    pending.enable_streaming()
+
+    def finish() -> list[bytes]:
+        result = pending.future.result()
+        if on_result is not None:
+            on_result(result)
+        return [sse(obj) for obj in final(result)]
+
+    early_tail: list[bytes] = []
+    try:
+        pending.submit()
+        first = await pending.next_item()
+        if first is _DONE:  # nothing streamed: an error here is a plain error answer
+            early_tail = finish()
+    except Exception as exc:  # one request's failure never takes the daemon down
+        pending.close()
+        return error_response(exc)
+    if first is None:
+        pending.close()
+        return Response(status_code=499)
+
+    async def events() -> AsyncIterator[bytes]:
+        item = first
+        try:
+            while item is not _DONE:
+                if item is None:
+                    return
+                yield sse(partial(*item))
+                item = await pending.next_item()
+            try:
+                tail = early_tail if first is _DONE else finish()
+            except Exception as exc:  # the stream is open: report, do not crash
+                yield sse(as_api_error(exc).body())
+                return
+            for chunk in tail:
+                yield chunk
+            if done_marker:
+                yield done_marker
+        except ApiError as exc:  # timed out mid-stream
+            yield sse(exc.body())
+        finally:
+            pending.close()
+
+    return StreamingResponse(
+        events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )

@@ -1,0 +1,139 @@
+"""The fill-in-the-middle prompt, laid out exactly as llama-server's ``format_prompt_infill``.
+
+A pure function of a tokenizer callable, the FIM token ids and the batch/context budgets, so
+the layout is testable without a model. Every piece is tokenized on its own with special-token
+parsing off (a literal ``<|fim_prefix|>`` typed in user code stays text); the cursor-line
+``prompt`` arrives already tokenized with parsing on, as llama-server does.
+
+Layout (Qwen2.5-Coder's repo-level pattern)::
+
+    [FIM_REP]myproject\\n [FIM_SEP]file0\\n chunk0 ... [FIM_SEP]filename\\n   <- extra, end kept
+    [BOS] [FIM_PRE] prefix(end kept) prompt [FIM_SUF] suffix(start kept) [FIM_MID]
+
+Budgets: the prefix gets 3/4 of ``n_batch``, the suffix the rest minus the prompt and two
+special tokens, the extra context what is left of ``n_ctx`` after a batch and twice the
+server's default ``n_predict``. ``spm`` swaps the prefix and suffix blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+Tokenize = Callable[[str], list[int]]  # text -> ids, no BOS, special-token parsing off
+
+# "\n\n--- snippet ---\n\n": separates extra chunks when the vocab has no FIM_SEP token.
+SNIPPET_SEPARATOR = "\n\n--- snippet ---\n\n"
+PROJECT_NAME = "myproject"  # llama-server's fixed repository name
+FILE_PLACEHOLDER = "filename"  # llama-server's fixed name for the file being edited
+
+
+@dataclass(frozen=True)
+class FimIds:
+    pre: int
+    suf: int
+    mid: int
+    rep: int | None = None
+    sep: int | None = None
+
+
+@dataclass(frozen=True)
+class Extra:
+    text: str
+    filename: str = "tmp"
+
+
+def tokenize_mixed(tokenize: Tokenize, value: str | Sequence[int | str]) -> list[int]:
+    """Text, or a list mixing token ids and text pieces (each piece tokenized alone)."""
+    if isinstance(value, str):
+        return tokenize(value)
+    out: list[int] = []
+    for piece in value:
+        if isinstance(piece, str):
+            out.extend(tokenize(piece))
+        else:
+            out.append(piece)
+    return out
+
+
+def extra_context(tokenize: Tokenize, fim: FimIds, chunks: Sequence[Extra]) -> list[int]:
+    """The repository-level context that precedes the FIM block."""
+    out: list[int] = []
+    if fim.rep is not None:
+        out.append(fim.rep)
+        out.extend(tokenize(PROJECT_NAME + "\n"))
+    for chunk in chunks:
+        if fim.sep is not None:
+            out.append(fim.sep)
+            out.extend(tokenize(chunk.filename + "\n"))
+        else:
+            out.extend(tokenize(SNIPPET_SEPARATOR))
+        out.extend(tokenize(chunk.text))
+    if fim.sep is not None:
+        out.append(fim.sep)
+        out.extend(tokenize(FILE_PLACEHOLDER + "\n"))
+    return out
+
+
+@dataclass(frozen=True)
+class Budgets:
+    prefix: int
+    suffix: int
+    extra: int
+
+
+def budgets(
+    *,
+    n_prefix: int,
+    n_suffix: int,
+    n_extra: int,
+    n_prompt: int,
+    n_batch: int,
+    n_ctx: int,
+    n_predict: int,
+) -> Budgets:
+    """How many tokens of each part are kept (llama-server's 3:1 split of one batch)."""
+    quarter = n_batch // 4
+    return Budgets(
+        prefix=min(n_prefix, 3 * quarter),
+        suffix=min(n_suffix, max(0, quarter - (2 + n_prompt))),
+        extra=min(max(0, n_ctx - n_batch - 2 * n_predict), n_extra),
+    )
+
+
+def infill_prompt(
+    *,
+    tokenize: Tokenize,
+    fim: FimIds,
+    input_prefix: str | Sequence[int | str],
+    input_suffix: str | Sequence[int | str],
+    input_extra: Sequence[Extra],
+    prompt_tokens: Sequence[int],
+    n_batch: int,
+    n_ctx: int,
+    n_predict: int = -1,
+    bos: int | None = None,
+    spm: bool = False,
+) -> list[int]:
+    """The token sequence llama-server evaluates for an /infill request.
+
+    ``bos`` is the BOS id when the vocabulary adds one (``llama_vocab_get_add_bos``), else None.
+    ``n_predict`` is the server's default (-1), not the request's, as in llama-server.
+    """
+    prefix = tokenize_mixed(tokenize, input_prefix)
+    suffix = tokenize_mixed(tokenize, input_suffix)
+    extra = extra_context(tokenize, fim, input_extra)
+    take = budgets(
+        n_prefix=len(prefix),
+        n_suffix=len(suffix),
+        n_extra=len(extra),
+        n_prompt=len(prompt_tokens),
+        n_batch=n_batch,
+        n_ctx=n_ctx,
+        n_predict=n_predict,
+    )
+    prefix_block = [fim.pre, *prefix[len(prefix) - take.prefix :], *prompt_tokens]
+    suffix_block = [fim.suf, *suffix[: take.suffix]]
+    first, second = (suffix_block, prefix_block) if spm else (prefix_block, suffix_block)
+    head = extra[len(extra) - take.extra :] if take.extra else []
+    return [*head, *([bos] if bos is not None else []), *first, *second, fim.mid]

@@ -1,0 +1,92 @@
+"""How each endpoint's body becomes prompt tokens, run on the worker thread (tokenizing a ring
+buffer of 16 chunks takes a few milliseconds; the event loop stays free meanwhile)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from localspec.server.errors import InvalidRequest, NotSupported
+from localspec.server.fim import Extra, FimIds, infill_prompt, tokenize_mixed
+
+Prepare = Callable[[Any], list[int]]  # engine -> prompt tokens
+
+
+def fim_ids(vocab: Any) -> FimIds:
+    """The vocabulary's FIM tokens; 501 like llama-server when any of the three is missing."""
+    fim = vocab.fim
+    missing = "".join(
+        f"{name} token is missing. "
+        for name, value in (("prefix", fim.pre), ("suffix", fim.suf), ("middle", fim.mid))
+        if value is None or value < 0
+    )
+    if missing:
+        raise NotSupported(f"Infill is not supported by this model: {missing}")
+
+    def opt(value: int | None) -> int | None:
+        return None if value is None or value < 0 else value
+
+    return FimIds(pre=fim.pre, suf=fim.suf, mid=fim.mid, rep=opt(fim.rep), sep=opt(fim.sep))
+
+
+def _bos(vocab: Any) -> int | None:
+    return vocab.bos if vocab.add_bos and vocab.bos is not None and vocab.bos >= 0 else None
+
+
+def check_ids(tokens: Sequence[int], n_vocab: int) -> None:
+    bad = next((t for t in tokens if not 0 <= t < n_vocab), None)
+    if bad is not None:
+        raise InvalidRequest(f"token id {bad} is out of range: the vocabulary has {n_vocab}")
+
+
+def infill(
+    *,
+    input_prefix: str | Sequence[int | str],
+    input_suffix: str | Sequence[int | str],
+    input_extra: Sequence[Extra],
+    prompt: str,
+    spm: bool,
+) -> Prepare:
+    def prepare(engine: Any) -> list[int]:
+        vocab = engine.vocab
+        fim = fim_ids(vocab)
+
+        def plain(text: str) -> list[int]:
+            return vocab.tokenize(text, special=False)
+
+        tokens = infill_prompt(
+            tokenize=plain,
+            fim=fim,
+            input_prefix=input_prefix,
+            input_suffix=input_suffix,
+            input_extra=input_extra,
+            prompt_tokens=vocab.tokenize(prompt, special=True) if prompt else [],
+            n_batch=engine.n_batch,
+            n_ctx=engine.n_ctx,
+            bos=_bos(vocab),
+            spm=spm,
+        )
+        check_ids(tokens, vocab.n_vocab)
+        return tokens
+
+    return prepare
+
+
+def completion(prompt: str | Sequence[int | str]) -> Prepare:
+    """llama-server's /completion: special tokens parsed, BOS added before leading text."""
+
+    def prepare(engine: Any) -> list[int]:
+        vocab = engine.vocab
+
+        def special(text: str) -> list[int]:
+            return vocab.tokenize(text, special=True)
+
+        tokens = tokenize_mixed(special, prompt)
+        starts_with_text = isinstance(prompt, str) or (bool(prompt) and isinstance(prompt[0], str))
+        bos = _bos(vocab)
+        if bos is not None and starts_with_text:
+            tokens.insert(0, bos)
+        check_ids(tokens, vocab.n_vocab)
+        return tokens
+
+    return prepare

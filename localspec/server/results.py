@@ -1,0 +1,177 @@
+"""The answers, shaped like llama-server's (final, stream partial, OpenAI), as compact JSON.
+
+llama.vim matches ``"content"\\s*:"`` on the raw body, so every answer is serialized without
+spaces (``separators=(",", ":")``), UTF-8 as is.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.responses import Response
+
+from localspec.engine.types import GenerationResult
+
+
+def dumps(obj: Any) -> bytes:
+    text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return text.encode("utf-8", "replace")
+
+
+class CompactJSONResponse(Response):
+    media_type = "application/json; charset=utf-8"
+
+    def render(self, content: Any) -> bytes:
+        return content if isinstance(content, bytes) else dumps(content)
+
+
+def sse(obj: Any) -> bytes:
+    """One server-sent event line as llama-server writes it."""
+    return b"data: " + dumps(obj) + b"\n\n"
+
+
+def pick_fields(paths: Sequence[str], obj: dict[str, Any]) -> dict[str, Any]:
+    """llama-server's response_fields: each path ``a/b`` that exists becomes a flat key."""
+    out: dict[str, Any] = {}
+    for path in paths:
+        current: Any = obj
+        for key in path.split("/"):
+            if isinstance(current, dict) and key in current:
+                current = current[key]
+            else:
+                break
+        else:
+            out[path] = current
+    return out
+
+
+@dataclass
+class Completion:
+    """One finished completion and what the answer needs besides the engine's result."""
+
+    result: GenerationResult
+    index: int
+    id_slot: int
+    tokens_cached: int
+    prompt_text: str = ""
+
+
+def _per(ms: float, n: int) -> float:
+    return ms / n if n > 0 else 0.0
+
+
+def _rate(ms: float, n: int) -> float:
+    return 1e3 / ms * n if ms > 0 else 0.0
+
+
+def timings(result: GenerationResult) -> dict[str, Any]:
+    prompt_n = result.n_evaluated
+    predicted_n = len(result.tokens)
+    return {
+        "cache_n": result.n_cached,
+        "prompt_n": prompt_n,
+        "prompt_ms": result.prompt_ms,
+        "prompt_per_token_ms": _per(result.prompt_ms, prompt_n),
+        "prompt_per_second": _rate(result.prompt_ms, prompt_n),
+        "predicted_n": predicted_n,
+        "predicted_ms": result.predicted_ms,
+        "predicted_per_token_ms": _per(result.predicted_ms, predicted_n),
+        "predicted_per_second": _rate(result.predicted_ms, predicted_n),
+        "draft_n": result.draft_n,
+        "draft_n_accepted": result.draft_n_accepted,
+    }
+
+
+def final_object(
+    done: Completion, *, model: str, settings_json: dict[str, Any], stream: bool = False
+) -> dict[str, Any]:
+    """llama-server's final completion object (``stop: true``); content is empty when streamed."""
+    r = done.result
+    return {
+        "index": done.index,
+        "content": "" if stream else r.text,
+        "tokens": [] if stream else list(r.tokens),
+        "id_slot": done.id_slot,
+        "stop": True,
+        "model": model,
+        "tokens_predicted": len(r.tokens),
+        "tokens_evaluated": r.n_prompt,
+        "generation_settings": settings_json,
+        "prompt": done.prompt_text,
+        "has_new_line": "\n" in r.text,
+        "truncated": False,
+        "stop_type": r.stop_type,
+        "stopping_word": r.stopping_word,
+        "tokens_cached": done.tokens_cached,
+        "timings": timings(r),
+    }
+
+
+def partial_object(
+    *, index: int, content: str, tokens: list[int], id_slot: int, n_decoded: int, n_prompt: int
+) -> dict[str, Any]:
+    """One streamed piece (``stop: false``)."""
+    return {
+        "index": index,
+        "content": content,
+        "tokens": tokens,
+        "stop": False,
+        "id_slot": id_slot,
+        "tokens_predicted": n_decoded,
+        "tokens_evaluated": n_prompt,
+    }
+
+
+def finish_reason(result: GenerationResult) -> str:
+    return "stop" if result.stop_type in ("eos", "word") else "length"
+
+
+def openai_id() -> str:
+    return "cmpl-" + uuid.uuid4().hex
+
+
+def openai_completion(done: Sequence[Completion], *, model: str, cmpl_id: str) -> dict[str, Any]:
+    """OpenAI's text_completion object, one choice per completion."""
+    n_prompt = done[0].result.n_prompt if done else 0
+    n_completion = sum(len(d.result.tokens) for d in done)
+    return {
+        "choices": [
+            {
+                "text": d.result.text,
+                "index": d.index,
+                "logprobs": None,
+                "finish_reason": finish_reason(d.result),
+            }
+            for d in done
+        ],
+        "created": int(time.time()),
+        "model": model,
+        "system_fingerprint": "localspec",
+        "object": "text_completion",
+        "usage": {
+            "completion_tokens": n_completion,
+            "prompt_tokens": n_prompt,
+            "total_tokens": n_completion + n_prompt,
+            "prompt_tokens_details": {"cached_tokens": done[0].result.n_cached if done else 0},
+        },
+        "id": cmpl_id,
+        "timings": timings(done[0].result) if done else {},
+    }
+
+
+def openai_chunk(
+    *, text: str, index: int, model: str, cmpl_id: str, finish: str | None
+) -> dict[str, Any]:
+    return {
+        "choices": [{"text": text, "index": index, "logprobs": None, "finish_reason": finish}],
+        "created": int(time.time()),
+        "model": model,
+        "system_fingerprint": "localspec",
+        "object": "text_completion",
+        "id": cmpl_id,
+    }

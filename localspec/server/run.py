@@ -1,0 +1,123 @@
+"""``serve``: bind, load the models in the background, serve until a signal, free the models.
+
+``localhost`` binds both 127.0.0.1 and ::1 (llama-vscode's default URL resolves to either).
+SIGINT/SIGTERM cancel the request in flight (the engine stops within one step), close the
+listeners, free the models and return 0. A model that fails to load stops the daemon with a
+clear log line and a non-zero return.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+from collections.abc import Callable
+from types import FrameType
+
+import uvicorn
+
+from localspec.engine.types import EngineSettings
+from localspec.server.app import create_app
+from localspec.server.settings import ServerSettings
+
+log = logging.getLogger("localspec.server")
+
+EXIT_LOAD_FAILED = 3
+EXIT_BIND_FAILED = 4
+
+
+def _listen(host: str, port: int, family: socket.AddressFamily) -> socket.socket:
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        sock.set_inheritable(True)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def bind_sockets(host: str, port: int) -> list[socket.socket]:
+    """Listening sockets for ``host``; ``localhost`` gives IPv4 and (when available) IPv6."""
+    if host != "localhost":
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, _, _, _, addr = infos[0]
+        return [_listen(addr[0], port, family)]
+    v4 = _listen("127.0.0.1", port, socket.AF_INET)
+    port = v4.getsockname()[1]  # port 0: IPv6 takes the same port as IPv4
+    try:
+        return [v4, _listen("::1", port, socket.AF_INET6)]
+    except OSError as exc:
+        if exc.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+            log.warning("IPv6 loopback unavailable (%s); serving on 127.0.0.1 only", exc)
+            return [v4]
+        v4.close()
+        raise
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, plus: a signal first cancels the request in flight."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self._on_exit()
+        super().handle_exit(sig, frame)
+
+
+def serve(
+    server_settings: ServerSettings,
+    engine_settings: EngineSettings,
+    *,
+    on_ready: Callable[[], None] | None = None,
+    on_bound: Callable[[list[tuple[str, int]]], None] | None = None,
+    log_level: str = "warning",
+) -> int:
+    """Serve until SIGINT/SIGTERM; 0 on a clean stop, non-zero when loading or binding failed."""
+    server_settings.check()
+    failure: list[BaseException] = []
+    server: _Server | None = None
+
+    def failed(exc: BaseException) -> None:
+        failure.append(exc)
+        log.error("localspec could not load the model: %s", exc)
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(server_settings, engine_settings, on_ready=on_ready, on_failure=failed)
+    svc = app.state.service
+    try:
+        sockets = bind_sockets(server_settings.host, server_settings.port)
+    except OSError as exc:
+        log.error(
+            "cannot listen on %s:%d: %s (is another server already running there?)",
+            server_settings.host,
+            server_settings.port,
+            exc,
+        )
+        return EXIT_BIND_FAILED
+    addresses = [s.getsockname()[:2] for s in sockets]
+    config = uvicorn.Config(
+        app,
+        log_level=log_level,
+        access_log=False,
+        timeout_graceful_shutdown=5,
+        lifespan="on",
+    )
+    server = _Server(config, on_exit=svc.worker.cancel_running)
+    if on_bound is not None:
+        on_bound(addresses)
+    try:
+        server.run(sockets=sockets)
+    finally:
+        for sock in sockets:
+            sock.close()
+    if failure:
+        return EXIT_LOAD_FAILED
+    return 0

@@ -1,0 +1,289 @@
+"""The daemon's state shared by the routes: settings, the worker, metrics, and answer shaping."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from localspec import __version__
+from localspec.engine.types import EngineSettings, SamplingParams, TokenEvent
+from localspec.server import dispatch, results
+from localspec.server.errors import ApiError, Unavailable
+from localspec.server.metrics import Metrics
+from localspec.server.params import TaskParams, task_params
+from localspec.server.prompts import Prepare
+from localspec.server.schemas import GenerationFields
+from localspec.server.settings import ServerSettings
+from localspec.server.worker import Job, JobResult, Worker
+
+
+@dataclass
+class Service:
+    settings: ServerSettings
+    engine_settings: EngineSettings
+    worker: Worker
+    metrics: Metrics | None
+    model_name: str
+    started: float
+
+    @classmethod
+    def create(
+        cls,
+        settings: ServerSettings,
+        engine_settings: EngineSettings,
+        load: Callable[[], Any],
+        *,
+        on_ready: Callable[[], None] | None = None,
+        on_failure: Callable[[BaseException], None] | None = None,
+    ) -> Service:
+        worker = Worker(
+            load, queue_limit=settings.queue_limit, on_ready=on_ready, on_failure=on_failure
+        )
+        metrics = (
+            Metrics(queued=lambda: worker.queued, busy=lambda: worker.busy)
+            if settings.metrics
+            else None
+        )
+        name = settings.model_alias or Path(engine_settings.target.path).name
+        return cls(settings, engine_settings, worker, metrics, name, time.time())
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def engine(self) -> Any:
+        return self.worker.engine
+
+    def not_ready(self) -> ApiError | None:
+        state = self.worker.state
+        if state == "ready":
+            return None
+        if state == "loading":
+            return Unavailable("Loading model")
+        if state == "failed":
+            return ApiError(f"The model failed to load: {self.worker.error}")
+        return Unavailable("Server is stopping")
+
+    # ------------------------------------------------------------------ requests
+
+    def params(self, body: GenerationFields) -> TaskParams:
+        params = task_params(
+            body,
+            n_ctx=self.engine.n_ctx,
+            n_cmpl_max=self.settings.n_cmpl_max,
+            default_sampling=SamplingParams(),
+        )
+        spec = self.engine_settings.spec
+        settings_json = params.settings_json
+        for key, default in (("n_max", spec.n_max), ("n_min", spec.n_min), ("p_min", spec.p_min)):
+            if settings_json[f"speculative.{key}"] is None:
+                settings_json[f"speculative.{key}"] = default
+        return params
+
+    def job(self, params: TaskParams, prepare: Prepare) -> Job:
+        wants_prompt = not params.response_fields or any(
+            f == "prompt" or f.startswith("prompt/") for f in params.response_fields
+        )
+        vocab = self.engine.vocab
+        return Job(params, prepare, detokenize=vocab.detokenize if wants_prompt else None)
+
+    def _recorder(self, endpoint: str, request: Request) -> Callable[[JobResult], None]:
+        def record(result: JobResult) -> None:
+            if self.metrics is None:
+                return
+            outcome = "cancelled" if result.cancelled else "ok"
+            self.metrics.requests.labels(endpoint, outcome).inc()
+            wall = time.perf_counter() - dispatch.request_t0(request)
+            self.metrics.latency.labels(endpoint).observe(wall)
+            self.metrics.overhead.observe(max(0.0, wall - result.t_engine_ms / 1e3))
+            for done in result.completions:
+                self.metrics.record(done.result)
+
+        return record
+
+    async def native(self, request: Request, endpoint: str, job: Job) -> Response:
+        """llama-server's own answer shape (/infill, /completion), streamed or not."""
+        params = job.params
+        fields = params.response_fields
+
+        def shape(obj: dict[str, Any]) -> dict[str, Any]:
+            return results.pick_fields(fields, obj) if fields else obj
+
+        def finals(result: JobResult, *, stream: bool) -> list[dict[str, Any]]:
+            if result.cancelled and not result.completions:
+                raise Unavailable(f"Request dropped: {result.cancelled}")
+            return [
+                shape(
+                    results.final_object(
+                        done,
+                        model=self.model_name,
+                        settings_json=params.settings_json,
+                        stream=stream,
+                    )
+                )
+                for done in result.completions
+            ]
+
+        timeout = self.settings.request_timeout_s
+        record = self._recorder(endpoint, request)
+        if not params.stream:
+
+            def render(result: JobResult) -> Any:
+                objs = finals(result, stream=False)
+                return objs[0] if len(objs) == 1 else objs
+
+            return await dispatch.respond(
+                request, self.worker, job, timeout_s=timeout, render=render, on_result=record
+            )
+
+        counts: dict[int, int] = {}
+
+        def partial(index: int, event: TokenEvent) -> dict[str, Any]:
+            counts[index] = counts.get(index, 0) + 1
+            return results.partial_object(
+                index=index,
+                content=event.text,
+                tokens=[event.token],
+                id_slot=job.slot,
+                n_decoded=counts[index],
+                n_prompt=job.n_prompt,
+            )
+
+        return await dispatch.respond_stream(
+            request,
+            self.worker,
+            job,
+            timeout_s=timeout,
+            partial=partial,
+            final=lambda result: finals(result, stream=True),
+            on_result=record,
+        )
+
+    async def openai(self, request: Request, job: Job) -> Response:
+        """OpenAI's text_completion shape (/v1/completions)."""
+        cmpl_id = results.openai_id()
+        timeout = self.settings.request_timeout_s
+        record = self._recorder("v1/completions", request)
+
+        def check(result: JobResult) -> JobResult:
+            if result.cancelled and not result.completions:
+                raise Unavailable(f"Request dropped: {result.cancelled}")
+            return result
+
+        if not job.params.stream:
+
+            def render(result: JobResult) -> Any:
+                return results.openai_completion(
+                    check(result).completions, model=self.model_name, cmpl_id=cmpl_id
+                )
+
+            return await dispatch.respond(
+                request, self.worker, job, timeout_s=timeout, render=render, on_result=record
+            )
+
+        def partial(index: int, event: TokenEvent) -> dict[str, Any]:
+            return results.openai_chunk(
+                text=event.text, index=index, model=self.model_name, cmpl_id=cmpl_id, finish=None
+            )
+
+        def final(result: JobResult) -> list[Any]:
+            return [
+                results.openai_chunk(
+                    text="",
+                    index=done.index,
+                    model=self.model_name,
+                    cmpl_id=cmpl_id,
+                    finish=results.finish_reason(done.result),
+                )
+                for done in check(result).completions
+            ]
+
+        return await dispatch.respond_stream(
+            request,
+            self.worker,
+            job,
+            timeout_s=timeout,
+            partial=partial,
+            final=final,
+            done_marker=b"data: [DONE]\n\n",
+            on_result=record,
+        )
+
+    # ------------------------------------------------------------------ info
+
+    def props(self) -> dict[str, Any]:
+        engine = self.engine
+        spec = self.engine_settings.spec
+        defaults = SamplingParams()
+        return {
+            "default_generation_settings": {
+                "n_ctx": engine.n_ctx,
+                "params": {
+                    "seed": defaults.seed,
+                    "temperature": defaults.temperature,
+                    "top_k": defaults.top_k,
+                    "top_p": defaults.top_p,
+                    "min_p": defaults.min_p,
+                    "samplers": list(defaults.samplers),
+                    "n_predict": -1,
+                    "max_tokens": -1,
+                    "speculative.n_max": spec.n_max,
+                    "speculative.n_min": spec.n_min,
+                    "speculative.p_min": spec.p_min,
+                },
+            },
+            "n_ctx": engine.n_ctx,
+            "n_batch": engine.n_batch,
+            "total_slots": engine.n_slots,
+            "model_alias": self.model_name,
+            "model_path": str(engine.model_path),
+            "draft_model_path": None if engine.draft_path is None else str(engine.draft_path),
+            "speculative": {
+                "mode": spec.mode,
+                "n_max": spec.n_max,
+                "n_min": spec.n_min,
+                "p_min": spec.p_min,
+                "draft_model": None if engine.draft_path is None else str(engine.draft_path),
+                "cache_reuse": self.engine_settings.cache_reuse,
+            },
+            "modalities": {"vision": False, "audio": False},
+            "endpoint_slots": True,
+            "endpoint_props": False,
+            "endpoint_metrics": self.metrics is not None,
+            "chat_template": "",
+            "build_info": f"localspec {__version__}",
+            "is_sleeping": False,
+        }
+
+    def models(self) -> dict[str, Any]:
+        engine = self.engine
+        meta = {"n_ctx": engine.n_ctx, "n_vocab": engine.vocab.n_vocab}
+        return {
+            "models": [
+                {
+                    "name": self.model_name,
+                    "model": self.model_name,
+                    "type": "model",
+                    "capabilities": ["completion"],
+                }
+            ],
+            "object": "list",
+            "data": [
+                {
+                    "id": self.model_name,
+                    "object": "model",
+                    "created": int(self.started),
+                    "owned_by": "localspec",
+                    "meta": meta,
+                }
+            ],
+        }
+
+    def slots(self) -> list[dict[str, Any]]:
+        speculative = self.engine.draft_path is not None or self.engine_settings.spec.mode != "off"
+        return [s.to_json(speculative=speculative) for s in list(self.worker.slots)]

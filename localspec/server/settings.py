@@ -1,0 +1,41 @@
+"""How the HTTP daemon is exposed: address, auth, queue and timeouts (the engine has its own)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1", "ip6-localhost"})
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = "localhost"  # "localhost" binds both 127.0.0.1 and ::1
+    port: int = 8012
+    api_key: str | None = None  # required for any non-loopback host
+    n_parallel: int = 1  # slots: separate KV caches, served one request at a time
+    queue_limit: int = 16  # waiting requests past this answer 503 + Retry-After
+    request_timeout_s: float = 600  # queued + running; past it the request is cancelled
+    metrics: bool = True  # expose /metrics (Prometheus text)
+    cors_origins: tuple[str, ...] = ()
+    model_alias: str | None = None  # the "model" name in answers; default: the GGUF file name
+    spm_infill: bool = False  # llama-server's --spm-infill: suffix block before prefix
+    n_cmpl_max: int = 16  # most completions one request may ask for
+
+    def is_loopback(self) -> bool:
+        return self.host in LOOPBACK_HOSTS
+
+    def check(self) -> None:
+        """Refuse settings that would expose an open completion endpoint or cannot work."""
+        if not self.is_loopback() and not self.api_key:
+            raise ValueError(
+                f"refusing to listen on {self.host!r} without an API key: anyone on the network "
+                "could use the model. Set an API key, or bind localhost"
+            )
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port {self.port} is out of range 0-65535")
+        if self.n_parallel < 1:
+            raise ValueError(f"n_parallel must be at least 1, got {self.n_parallel}")
+        if self.queue_limit < 0:
+            raise ValueError(f"queue_limit must be 0 or more, got {self.queue_limit}")
+        if self.request_timeout_s <= 0:
+            raise ValueError(f"request_timeout_s must be positive, got {self.request_timeout_s}")

@@ -1,0 +1,297 @@
+"""The one thread that owns the engine: loads it, then runs queued jobs one at a time.
+
+HTTP handlers never touch llama.cpp; they submit a :class:`Job` and await its future. The
+queue is bounded (past ``queue_limit`` a submit raises 503 with Retry-After), a job whose
+client left is dropped before it runs, a newer job pinned to a slot supersedes older queued
+jobs for that slot, and a running job's cancel event stops the engine within one step.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from localspec.engine.types import GenerationRequest, GenerationResult, TokenEvent
+from localspec.server.errors import ContextExceeded, Unavailable
+from localspec.server.params import TaskParams
+from localspec.server.results import Completion
+from localspec.server.slots import SlotInfo, choose_slot, pinned_slot
+
+log = logging.getLogger("localspec.server")
+
+
+class EngineLike(Protocol):
+    """The part of localspec.engine.Engine the worker uses."""
+
+    n_ctx: int
+    n_slots: int
+
+    def slot_tokens(self, slot: int) -> list[int]: ...
+
+    def generate(
+        self,
+        req: GenerationRequest,
+        *,
+        cancel: threading.Event | None = None,
+        on_token: Callable[[TokenEvent], None] | None = None,
+    ) -> GenerationResult: ...
+
+
+TokenSink = Callable[[int, TokenEvent], None]  # (completion index, event), on the worker thread
+
+
+@dataclass(eq=False)
+class Job:
+    params: TaskParams
+    prepare: Callable[[Any], list[int]]  # builds the prompt tokens, on the worker thread
+    detokenize: Callable[[list[int]], str] | None = None  # set when the answer shows the prompt
+    on_token: TokenSink | None = None
+    cancel: threading.Event = field(default_factory=threading.Event)
+    future: Future[JobResult] = field(default_factory=Future)
+    t_submit: float = field(default_factory=time.perf_counter)
+    slot: int = -1  # set by the worker before the first token is streamed
+    n_prompt: int = 0
+
+    @property
+    def cache_only(self) -> bool:
+        return self.params.request.n_predict == 0
+
+
+@dataclass
+class JobResult:
+    completions: list[Completion]
+    n_prompt: int = 0
+    cancelled: str | None = None  # why it stopped early: "client left", "superseded", ...
+    t_queue_ms: float = 0.0
+    t_prep_ms: float = 0.0
+    t_engine_ms: float = 0.0
+
+
+State = Literal["loading", "ready", "failed", "stopping", "stopped"]
+
+
+class Worker:
+    def __init__(
+        self,
+        load: Callable[[], Any],
+        *,
+        queue_limit: int = 16,
+        on_ready: Callable[[], None] | None = None,
+        on_failure: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        self._load = load
+        self._queue_limit = queue_limit
+        self._on_ready = on_ready
+        self._on_failure = on_failure
+        self._cond = threading.Condition()
+        self._queue: deque[Job] = deque()
+        self._running: Job | None = None
+        self._thread = threading.Thread(target=self._main, name="localspec-engine", daemon=True)
+        self.state: State = "loading"
+        self.error: BaseException | None = None
+        self.engine: Any = None
+        self.slots: list[SlotInfo] = []
+        self.n_done = 0
+
+    # ------------------------------------------------------------------ control
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Cancel everything, let the thread free the models, wait for it."""
+        with self._cond:
+            if self.state in ("loading", "ready"):
+                self.state = "stopping"
+            for job in self._queue:
+                _finish(job, JobResult([], cancelled="server shutting down"))
+            self._queue.clear()
+            if self._running is not None:
+                self._running.cancel.set()
+            self._cond.notify_all()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def cancel_running(self) -> None:
+        with self._cond:
+            if self._running is not None:
+                self._running.cancel.set()
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def busy(self) -> bool:
+        return self._running is not None
+
+    # ------------------------------------------------------------------ submit
+
+    def submit(self, job: Job) -> None:
+        """Queue a job; raises Unavailable when not ready or when the queue is full."""
+        with self._cond:
+            if self.state != "ready":
+                loading = self.state == "loading"
+                raise Unavailable("Loading model" if loading else "Server is stopping")
+            self._supersede(job)
+            if len(self._queue) >= self._queue_limit and (self._running or self._queue):
+                raise Unavailable(
+                    f"Server busy: {len(self._queue)} requests are queued; retry shortly",
+                    headers={"Retry-After": "1"},
+                )
+            self._queue.append(job)
+            self._cond.notify()
+
+    def abandon(self, job: Job, reason: str = "client left") -> None:
+        """The client is gone: drop the job if queued, stop it within one step if running."""
+        job.cancel.set()
+        with self._cond:
+            if job in self._queue:
+                self._queue.remove(job)
+                _finish(job, JobResult([], cancelled=reason))
+
+    def _supersede(self, job: Job) -> None:
+        """A newer job pinned to a slot replaces older queued ones for that slot.
+
+        A cache warm-up (n_predict 0) only replaces other warm-ups: a client still waiting
+        for a completion must not lose it to a background cache fill.
+        """
+        slot = pinned_slot(job.params.id_slot, max(1, len(self.slots)))
+        if slot is None:
+            return
+        n_slots = max(1, len(self.slots))
+        stale = [
+            q
+            for q in self._queue
+            if pinned_slot(q.params.id_slot, n_slots) == slot
+            and (not job.cache_only or q.cache_only)
+        ]
+        for q in stale:
+            self._queue.remove(q)
+            q.cancel.set()
+            _finish(q, JobResult([], cancelled="superseded by a newer request for the same slot"))
+
+    # ------------------------------------------------------------------ thread
+
+    def _main(self) -> None:
+        try:
+            engine = self._load()
+        except BaseException as exc:  # reported to the caller, never raised here
+            log.error("the model failed to load: %s", exc)
+            with self._cond:
+                self.error = exc
+                self.state = "failed"
+            if self._on_failure is not None:
+                self._on_failure(exc)
+            return
+        with self._cond:
+            self.engine = engine
+            self.slots = [
+                SlotInfo(id=i, n_ctx=engine.n_ctx, tokens=[]) for i in range(engine.n_slots)
+            ]
+            stopping = self.state == "stopping"
+            if not stopping:
+                self.state = "ready"
+        if not stopping and self._on_ready is not None:
+            self._on_ready()
+        while (job := self._take()) is not None:
+            try:
+                result = self._run(job)
+            except BaseException as exc:  # one request's failure, not the daemon's
+                if not isinstance(exc, (Unavailable, ContextExceeded)):
+                    log.exception("request failed")
+                if not job.future.done():
+                    job.future.set_exception(exc)
+            else:
+                _finish(job, result)
+            finally:
+                with self._cond:
+                    self._running = None
+                    self.n_done += 1
+        self._close(engine)
+
+    def _take(self) -> Job | None:
+        with self._cond:
+            while True:
+                if self.state == "stopping":
+                    return None
+                while self._queue:
+                    job = self._queue.popleft()
+                    if job.cancel.is_set():
+                        _finish(job, JobResult([], cancelled="client left"))
+                        continue
+                    self._running = job
+                    return job
+                self._cond.wait()
+
+    def _close(self, engine: Any) -> None:
+        close = getattr(engine, "close", None)
+        try:
+            if callable(close):
+                close()
+        finally:
+            with self._cond:
+                self.engine = None
+                self.state = "stopped"
+
+    def _run(self, job: Job) -> JobResult:
+        engine = self.engine
+        t_start = time.perf_counter()
+        out = JobResult([], t_queue_ms=(t_start - job.t_submit) * 1e3)
+        prompt = job.prepare(engine)
+        out.n_prompt = len(prompt)
+        out.t_prep_ms = (time.perf_counter() - t_start) * 1e3
+        if len(prompt) >= engine.n_ctx:
+            raise ContextExceeded(len(prompt), engine.n_ctx)
+        params = job.params
+        slot_id = choose_slot(prompt, self.slots, params.id_slot)
+        job.slot, job.n_prompt = slot_id, len(prompt)
+        slot = self.slots[slot_id]
+        slot.is_processing = True
+        prompt_text = job.detokenize(prompt) if job.detokenize is not None else ""
+        seeds = params.seeds()
+        try:
+            for index in range(params.n_cmpl):
+                if job.cancel.is_set():
+                    out.cancelled = "client left"
+                    break
+                if not prompt:  # llama-server answers an empty prompt with an empty completion
+                    result = GenerationResult(tokens=[], text="", stop_type="none")
+                else:
+                    req = params.request_for(index, seeds, slot_id, prompt)
+                    on_token = _bind(job.on_token, index)
+                    t0 = time.perf_counter()
+                    result = engine.generate(req, cancel=job.cancel, on_token=on_token)
+                    out.t_engine_ms += (time.perf_counter() - t0) * 1e3
+                slot.tokens = list(engine.slot_tokens(slot_id))
+                slot.last_prompt_n, slot.last_cache_n = result.n_evaluated, result.n_cached
+                out.completions.append(
+                    Completion(result, index, slot_id, len(slot.tokens), prompt_text)
+                )
+                if result.cancelled:
+                    out.cancelled = "client left"
+                    break
+                if params.request.n_predict == 0:
+                    break  # a warm-up fills the cache once; more copies would do nothing
+        finally:
+            slot.is_processing = False
+            slot.last_used = time.monotonic()
+            slot.n_requests += 1
+        return out
+
+
+def _bind(sink: TokenSink | None, index: int) -> Callable[[TokenEvent], None] | None:
+    if sink is None:
+        return None
+    return lambda event: sink(index, event)
+
+
+def _finish(job: Job, result: JobResult) -> None:
+    if not job.future.done():
+        job.future.set_result(result)
