@@ -1,0 +1,148 @@
+"""The FIM prompt layout against llama-server's rules, built by hand.
+
+The layout is a pure function of a tokenizer callable; a one-character-per-token tokenizer
+makes every budget visible. The same rules on Qwen's real tokenizer are checked end to end in
+test_server_http.py (the slot's evaluated tokens).
+"""
+
+from __future__ import annotations
+
+from localspec.server.fim import (
+    SNIPPET_SEPARATOR,
+    Extra,
+    FimIds,
+    budgets,
+    extra_context,
+    infill_prompt,
+    tokenize_mixed,
+)
+
+PRE, SUF, MID, REP, SEP, BOS = -1, -2, -3, -4, -5, -6
+QWEN_LIKE = FimIds(pre=PRE, suf=SUF, mid=MID, rep=REP, sep=SEP)
+NO_REPO = FimIds(pre=PRE, suf=SUF, mid=MID)
+
+
+def chars(text: str) -> list[int]:
+    return [ord(c) for c in text]
+
+
+def test_repo_level_layout_in_llama_server_order() -> None:
+    extra = [Extra("def a():\n", "/src/a.py"), Extra("x = 1\n")]
+    got = infill_prompt(
+        tokenize=chars,
+        fim=QWEN_LIKE,
+        input_prefix="import os\n",
+        input_suffix="\nprint(x)\n",
+        input_extra=extra,
+        prompt_tokens=chars("y ="),
+        n_batch=1024,
+        n_ctx=4096,
+    )
+    want = [
+        REP, *chars("myproject\n"),
+        SEP, *chars("/src/a.py\n"), *chars("def a():\n"),
+        SEP, *chars("tmp\n"), *chars("x = 1\n"),  # a chunk without filename is "tmp"
+        SEP, *chars("filename\n"),  # the literal placeholder, not the real name
+        PRE, *chars("import os\n"), *chars("y ="),
+        SUF, *chars("\nprint(x)\n"),
+        MID,
+    ]  # fmt: skip
+    assert got == want
+
+
+def test_empty_extra_still_names_project_and_file() -> None:
+    got = infill_prompt(
+        tokenize=chars, fim=QWEN_LIKE, input_prefix="a", input_suffix="b", input_extra=[],
+        prompt_tokens=[], n_batch=64, n_ctx=4096,
+    )  # fmt: skip
+    assert got == [REP, *chars("myproject\n"), SEP, *chars("filename\n"), PRE, 97, SUF, 98, MID]
+
+
+def test_without_repo_tokens_chunks_get_the_snippet_separator() -> None:
+    got = infill_prompt(
+        tokenize=chars, fim=NO_REPO, input_prefix="p", input_suffix="s",
+        input_extra=[Extra("one", "f.py"), Extra("two")], prompt_tokens=[], n_batch=64,
+        n_ctx=4096,
+    )  # fmt: skip
+    sep = chars(SNIPPET_SEPARATOR)
+    assert got == [*sep, *chars("one"), *sep, *chars("two"), PRE, ord("p"), SUF, ord("s"), MID]
+
+
+def test_prefix_keeps_its_end_within_three_quarters_of_the_batch() -> None:
+    prefix = "".join(chr(ord("A") + i % 26) for i in range(100))
+    got = infill_prompt(
+        tokenize=chars, fim=NO_REPO, input_prefix=prefix, input_suffix="", input_extra=[],
+        prompt_tokens=[], n_batch=40, n_ctx=4096,
+    )  # fmt: skip
+    assert got == [PRE, *chars(prefix[-30:]), SUF, MID]  # 3 * (40 // 4) = 30
+
+
+def test_suffix_keeps_its_start_within_the_last_quarter_minus_prompt() -> None:
+    suffix = "0123456789abcdefghij"
+    got = infill_prompt(
+        tokenize=chars, fim=NO_REPO, input_prefix="", input_suffix=suffix, input_extra=[],
+        prompt_tokens=chars("xyz"), n_batch=40, n_ctx=4096,
+    )  # fmt: skip
+    # 40 // 4 - (2 + 3 prompt tokens) = 5 suffix tokens, from the start
+    assert got == [PRE, *chars("xyz"), SUF, *chars("01234"), MID]
+
+
+def test_long_prompt_leaves_no_room_for_suffix() -> None:
+    got = infill_prompt(
+        tokenize=chars, fim=NO_REPO, input_prefix="", input_suffix="suffix", input_extra=[],
+        prompt_tokens=list(range(20)), n_batch=40, n_ctx=4096,
+    )  # fmt: skip
+    assert got == [PRE, *range(20), SUF, MID]
+
+
+def test_extra_keeps_its_end_within_context_minus_batch_and_predict() -> None:
+    chunk = "".join(chr(ord("a") + i % 26) for i in range(200))
+    n_ctx, n_batch = 160, 100
+    got = infill_prompt(
+        tokenize=chars, fim=QWEN_LIKE, input_prefix="P", input_suffix="S",
+        input_extra=[Extra(chunk, "big.txt")], prompt_tokens=[], n_batch=n_batch, n_ctx=n_ctx,
+    )  # fmt: skip
+    full_extra = extra_context(chars, QWEN_LIKE, [Extra(chunk, "big.txt")])
+    n_extra = n_ctx - n_batch + 2  # the server's n_predict is -1: 2 * -1 adds two tokens
+    assert got == [*full_extra[-n_extra:], PRE, ord("P"), SUF, ord("S"), MID]
+    assert got[: len(got) - 5][-len(chars("filename\n")) :] == chars("filename\n")
+
+
+def test_extra_budget_counts_a_positive_server_n_predict() -> None:
+    take = budgets(n_prefix=0, n_suffix=0, n_extra=1000, n_prompt=0, n_batch=100, n_ctx=400,
+                   n_predict=50)  # fmt: skip
+    assert take.extra == 400 - 100 - 100
+
+
+def test_no_extra_when_the_batch_fills_the_context() -> None:
+    got = infill_prompt(
+        tokenize=chars, fim=QWEN_LIKE, input_prefix="P", input_suffix="S",
+        input_extra=[Extra("chunk")], prompt_tokens=[], n_batch=512, n_ctx=256,
+    )  # fmt: skip
+    assert got == [PRE, ord("P"), SUF, ord("S"), MID]
+
+
+def test_bos_goes_after_the_extra_context_and_before_fim_pre() -> None:
+    got = infill_prompt(
+        tokenize=chars, fim=QWEN_LIKE, input_prefix="P", input_suffix="S", input_extra=[],
+        prompt_tokens=[], n_batch=64, n_ctx=4096, bos=BOS,
+    )  # fmt: skip
+    assert got[got.index(BOS) - len(chars("filename\n")) - 1] == SEP
+    assert got[got.index(BOS) + 1] == PRE
+
+
+def test_spm_puts_the_suffix_block_first() -> None:
+    got = infill_prompt(
+        tokenize=chars, fim=NO_REPO, input_prefix="P", input_suffix="S", input_extra=[],
+        prompt_tokens=chars("q"), n_batch=64, n_ctx=4096, bos=BOS, spm=True,
+    )  # fmt: skip
+    assert got == [BOS, SUF, ord("S"), PRE, ord("P"), ord("q"), MID]
+
+
+def test_mixed_prefix_pieces_keep_token_ids_and_tokenize_text() -> None:
+    assert tokenize_mixed(chars, ["ab", 7, "c"]) == [97, 98, 7, 99]
+    got = infill_prompt(
+        tokenize=chars, fim=NO_REPO, input_prefix=["a", 5], input_suffix=[6, "b"],
+        input_extra=[], prompt_tokens=[], n_batch=64, n_ctx=4096,
+    )  # fmt: skip
+    assert got == [PRE, 97, 5, SUF, 6, 98, MID]
