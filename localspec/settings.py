@@ -89,7 +89,7 @@ class ServerSection(_Section):
     api_key_file: Path | None = Field(None, description="file holding the API key (mode 600)")
     api_key_required: bool = Field(False, description="refuse to start without an API key")
     slots: int | None = Field(None, ge=1, le=256, description="parallel slots; unset: the plan")
-    queue_limit: int = Field(64, ge=0, description="requests waiting beyond the slots; 0: none")
+    queue_limit: int = Field(16, ge=0, description="requests waiting beyond the slots; 0: none")
     request_timeout_s: float = Field(600.0, gt=0, description="cancel a request after this")
     metrics: bool = Field(True, description="serve Prometheus metrics at /metrics")
     cors_origins: list[str] = Field(default_factory=list, description="allowed CORS origins")
@@ -428,7 +428,13 @@ def _validation_problems(
         message = error["msg"].removeprefix("Value error, ")
         where = origin_of.get(key)
         if where is None:  # a cross-field rule: name every origin inside the section
-            inside = sorted({str(o) for k, o in origin_of.items() if k.startswith(f"{key}.")})
+            inside = sorted(
+                {
+                    str(o)
+                    for k, o in origin_of.items()
+                    if k.startswith(f"{key}.") and o.kind != "default"
+                }
+            )
             where_text = ", ".join(inside) if inside else str(fallback)
         else:
             where_text = str(where)

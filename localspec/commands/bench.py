@@ -1,0 +1,38 @@
+"""``localspec bench speculative|replay``: hand the rest of the command line to the benchmark."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+from localspec.commands import common as c
+
+EPILOG = """\
+examples:
+  localspec bench speculative --help     speculative vs plain decoding, draft vs n-gram
+  localspec bench replay --help          replay an editor session against the daemon
+Benchmarks print a table and write JSON; every argument after the name is theirs.
+"""
+BENCHES = ("speculative", "replay")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="run a benchmark (speculative, replay)",
+        epilog=EPILOG,
+        formatter_class=c.Formatter,
+        add_help=True,
+    )
+    p.add_argument("bench", choices=BENCHES, help="which benchmark")
+    p.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        module = importlib.import_module(f"localspec.bench.{args.bench}")
+    except ImportError as exc:
+        c.error(f"the {args.bench} benchmark is not in this build ({exc})")
+        return c.EXIT_FAILURE
+    return int(module.main(list(args.bench_args)) or 0)

@@ -1,0 +1,290 @@
+"""``localspec down``, ``status`` and ``logs``: a running daemon, seen from outside."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+import httpx
+import psutil
+from prometheus_client.parser import text_string_to_metric_families
+
+from localspec import daemon
+from localspec import settings as st
+from localspec.commands import common as c
+
+DOWN_EPILOG = """\
+examples:
+  localspec down                 stop the daemon on the configured port (SIGTERM, then wait)
+  localspec down --port 8013 --force   kill it if it has not stopped after --timeout
+"""
+STATUS_EPILOG = """\
+examples:
+  localspec status               health, loaded pair, memory, requests, acceptance, uptime
+  localspec status --json        the same as JSON (for scripts and IT inventory)
+"""
+LOGS_EPILOG = """\
+examples:
+  localspec logs                 the last 50 lines of the daemon log
+  localspec logs -f              follow it (Ctrl-C to stop)
+  localspec logs -n 200
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "down",
+        help="stop the running daemon",
+        description="Stop the daemon gracefully (SIGTERM): requests end, models are freed.",
+        epilog=DOWN_EPILOG + "\n" + c.EXIT_CODES_HELP,
+        formatter_class=c.Formatter,
+    )
+    p.add_argument("--timeout", type=float, default=60.0, metavar="S", help="wait this long")
+    p.add_argument("--force", action="store_true", help="kill it if it does not stop in time")
+    c.add_settings_flags(p)
+    p.set_defaults(func=run_down)
+
+    p = sub.add_parser(
+        "status",
+        help="what the daemon is serving and how it is doing",
+        description="Read /health, /props, /slots and /metrics of the running daemon.",
+        epilog=STATUS_EPILOG + "\n" + c.EXIT_CODES_HELP,
+        formatter_class=c.Formatter,
+    )
+    p.add_argument("--json", action="store_true", help="print JSON")
+    c.add_settings_flags(p)
+    p.set_defaults(func=run_status)
+
+    p = sub.add_parser(
+        "logs",
+        help="show the daemon's log",
+        description=f"Show the log of a detached daemon or login service ({daemon.log_file()}).",
+        epilog=LOGS_EPILOG,
+        formatter_class=c.Formatter,
+    )
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
+    p.add_argument("-n", "--lines", type=int, default=50, metavar="N", help="lines to show")
+    p.set_defaults(func=run_logs)
+
+
+def _address(args: argparse.Namespace) -> tuple[str, int, str | None]:
+    resolved = c.load_settings(args, quiet=True)
+    server = resolved.settings.server
+    try:
+        api_key = st.resolve_api_key(resolved.settings)
+    except st.SettingsError:
+        api_key = None  # status still works without the key: /health is public
+    return server.host, server.port, api_key
+
+
+def _find_pid(host: str, port: int, api_key: str | None) -> int | None:
+    info = daemon.read_pid_file(port)
+    if info is not None:
+        return info.pid
+    if daemon.is_localspec(daemon.base_url(host, port), api_key):
+        return daemon.listener_pid(port)
+    return None
+
+
+# --- down ------------------------------------------------------------------------------------
+
+
+def run_down(args: argparse.Namespace) -> int:
+    try:
+        host, port, api_key = _address(args)
+    except st.SettingsError as exc:
+        return c.settings_error(exc)
+    pid = _find_pid(host, port, api_key)
+    if pid is None:
+        print(f"no localspec daemon is running on port {port}")
+        return c.EXIT_NOT_RUNNING
+    with c.Progress(f"stopping localspec (pid {pid})") as progress:
+        outcome = daemon.stop(pid, args.timeout, args.force)
+        progress.finish(outcome, ok=outcome != "timeout")
+    if outcome == "timeout":
+        c.error(f"pid {pid} did not stop within {args.timeout:.0f} s; use --force to kill it")
+        return c.EXIT_FAILURE
+    print(f"localspec on port {port} {'killed' if outcome == 'killed' else 'stopped'}")
+    return c.EXIT_OK
+
+
+# --- status ----------------------------------------------------------------------------------
+
+
+def _get_json(url: str, api_key: str | None) -> Any:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = httpx.get(url, headers=headers, timeout=5.0)
+        return response.json() if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def metric_totals(text: str) -> dict[str, float]:
+    """Prometheus text → ``{sample name: value summed over labels}`` (counters, gauges)."""
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith(("_bucket", "_created")):
+                continue
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
+
+
+def gather_status(host: str, port: int, api_key: str | None) -> dict[str, Any]:
+    url = daemon.base_url(host, port)
+    state, health = daemon.health(url)
+    report: dict[str, Any] = {"url": url, "health": state}
+    if state == "down":
+        return report
+    report["health_body"] = health
+    props = _get_json(f"{url}/props", api_key)
+    report["props"] = props
+    report["localspec"] = bool(props) and daemon.MARKER in str(props).lower()
+    slots = _get_json(f"{url}/slots", api_key)
+    if isinstance(slots, list):
+        report["slots"] = {
+            "total": len(slots),
+            "busy": sum(1 for s in slots if isinstance(s, dict) and s.get("is_processing")),
+        }
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = httpx.get(f"{url}/metrics", headers=headers, timeout=5.0)
+        if response.status_code == 200:
+            report["metrics"] = _summarise(metric_totals(response.text))
+    except (httpx.HTTPError, ValueError):
+        pass
+    pid = _find_pid(host, port, api_key)
+    if pid is not None:
+        report["pid"] = pid
+        try:
+            proc = psutil.Process(pid)
+            report["uptime_s"] = round(time.time() - proc.create_time(), 1)
+            report["rss_bytes"] = proc.memory_info().rss
+        except psutil.Error:
+            pass
+    return report
+
+
+def _summarise(totals: dict[str, float]) -> dict[str, Any]:
+    def total(name: str) -> float:
+        return totals.get(f"localspec_{name}_total", totals.get(f"localspec_{name}", 0.0))
+
+    drafted, accepted = total("draft_tokens"), total("draft_tokens_accepted")
+    evaluated, cached = total("prompt_tokens_evaluated"), total("prompt_tokens_cached")
+    return {
+        "requests": int(total("requests")),
+        "tokens_predicted": int(total("tokens_predicted")),
+        "prompt_tokens_evaluated": int(evaluated),
+        "prompt_tokens_reused": int(cached),
+        "reuse_ratio": round(cached / (cached + evaluated), 3) if cached + evaluated else None,
+        "draft_tokens": int(drafted),
+        "draft_tokens_accepted": int(accepted),
+        "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
+        "queue_depth": int(totals.get("localspec_queue_depth", 0)),
+    }
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _human_time(seconds: float) -> str:
+    minutes, sec = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    days, hours = divmod(hours, 24)
+    parts = [f"{days}d"] if days else []
+    parts += [f"{hours}h"] if hours or days else []
+    return " ".join([*parts, f"{minutes}m", f"{sec}s"])
+
+
+def render_status(report: dict[str, Any]) -> str:
+    lines = [f"localspec at {report['url']}: {report['health']}"]
+    if "pid" in report:
+        extra = f", up {_human_time(report['uptime_s'])}" if "uptime_s" in report else ""
+        rss = f", {_human_bytes(report['rss_bytes'])} resident" if "rss_bytes" in report else ""
+        lines.append(f"  process      pid {report['pid']}{extra}{rss}")
+    props = report.get("props") or {}
+    settings = props.get("default_generation_settings") or {}
+    model = props.get("model_alias") or props.get("model") or props.get("model_path")
+    if model:
+        lines.append(f"  target       {model}")
+    draft = props.get("draft_model") or props.get("model_draft") or props.get("draft")
+    if draft:
+        lines.append(
+            f"  draft        {draft if isinstance(draft, str) else draft.get('path', draft)}"
+        )
+    speculative = props.get("speculative") or {}
+    if isinstance(speculative, dict) and speculative:
+        shown = ", ".join(f"{k} {v}" for k, v in speculative.items() if not isinstance(v, dict))
+        lines.append(f"  speculative  {shown}")
+    n_ctx = settings.get("n_ctx") or props.get("n_ctx")
+    if n_ctx:
+        lines.append(f"  context      {n_ctx} tokens per slot")
+    if "slots" in report:
+        slots = report["slots"]
+        lines.append(f"  slots        {slots['busy']} busy of {slots['total']}")
+    for device in props.get("devices") or props.get("memory") or []:
+        if isinstance(device, dict):
+            name = device.get("name", "device")
+            used = device.get("used_bytes") or device.get("used")
+            lines.append(f"  memory       {name}: {_human_bytes(used) if used else device}")
+    metrics = report.get("metrics")
+    if metrics:
+        lines.append(
+            f"  requests     {metrics['requests']} served, {metrics['tokens_predicted']} tokens"
+            f" generated, {metrics['queue_depth']} queued"
+        )
+        reuse = metrics["reuse_ratio"]
+        lines.append(
+            f"  prompt       {metrics['prompt_tokens_reused']} tokens reused, "
+            f"{metrics['prompt_tokens_evaluated']} evaluated"
+            + (f" ({reuse:.0%} reused)" if reuse is not None else "")
+        )
+        rate = metrics["acceptance_rate"]
+        lines.append(
+            f"  acceptance   {metrics['draft_tokens_accepted']} of {metrics['draft_tokens']} "
+            "drafted tokens" + (f" ({rate:.0%})" if rate is not None else "")
+        )
+    return "\n".join(lines)
+
+
+def run_status(args: argparse.Namespace) -> int:
+    try:
+        host, port, api_key = _address(args)
+    except st.SettingsError as exc:
+        return c.settings_error(exc)
+    report = gather_status(host, port, api_key)
+    if args.json:
+        c.print_json(report)
+    elif report["health"] == "down":
+        print(f"localspec is not running ({report['url']} does not answer)")
+    else:
+        print(render_status(report))
+    return c.EXIT_NOT_RUNNING if report["health"] == "down" else c.EXIT_OK
+
+
+# --- logs ------------------------------------------------------------------------------------
+
+
+def run_logs(args: argparse.Namespace) -> int:
+    path = daemon.log_file()
+    if not path.exists():
+        print(f"no log yet at {path} (a foreground `localspec up` logs to the terminal)")
+        return c.EXIT_OK if not args.follow else c.EXIT_FAILURE
+    for line in daemon.tail(path, args.lines):
+        print(line)
+    if args.follow:
+        sys.stdout.flush()
+        try:
+            for line in daemon.follow(path):
+                print(line, flush=True)
+        except KeyboardInterrupt:
+            return c.EXIT_OK
+    return c.EXIT_OK

@@ -1,0 +1,273 @@
+"""``localspec models``, ``pull``, ``plan`` and ``catalog``: what can run, fetch it, fit it."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from localspec import paths
+from localspec import settings as st
+from localspec.commands import common as c
+
+MODELS_EPILOG = """\
+examples:
+  localspec models               every catalog model and quant, its size, whether it is here
+  localspec models --json
+"""
+PULL_EPILOG = """\
+examples:
+  localspec pull qwen2.5-coder-1.5b                  download (or verify) the Q8_0 files
+  localspec pull qwen2.5-coder-7b --quant Q4_K_M
+  localspec pull --pair qwen2.5-coder-7b+0.5b        both models of a pair
+  HF_ENDPOINT=http://mirror.local localspec pull qwen2.5-coder-0.5b
+Files already verified on disk cost no network request; hub.offline forbids the network.
+"""
+PLAN_EPILOG = """\
+examples:
+  localspec plan                         the pair, quants, GPU layers, context for this machine
+  localspec plan --json                      the same plan with its arithmetic, as JSON
+  localspec plan --hardware rtx-4090         plan for a named hardware profile instead
+  localspec plan --gpu-memory-gb 10 --ctx-size 8192
+"""
+CATALOG_EPILOG = """\
+examples:
+  localspec catalog refresh      re-read sizes and sha256 from the hub for the pinned revisions
+
+Extra catalog files: *.toml in <system config dir>/models and <user config dir>/models.
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "models",
+        help="list catalog models and which are downloaded",
+        epilog=MODELS_EPILOG,
+        formatter_class=c.Formatter,
+    )
+    p.add_argument("--json", action="store_true", help="print JSON")
+    c.add_settings_flags(p)
+    p.set_defaults(func=run_models)
+
+    p = sub.add_parser(
+        "pull",
+        help="download and verify model files",
+        epilog=PULL_EPILOG + "\n" + c.EXIT_CODES_HELP,
+        formatter_class=c.Formatter,
+    )
+    p.add_argument("model", nargs="?", help="catalog model id")
+    p.add_argument("--quant", help="quantization (default Q8_0, or the only one)")
+    p.add_argument("--pair", dest="pull_pair", metavar="PAIR", help="pull both models of a pair")
+    p.add_argument("--force", action="store_true", help="download again even if verified")
+    c.add_settings_flags(p)
+    p.set_defaults(func=run_pull)
+
+    p = sub.add_parser(
+        "plan",
+        help="show what `up` would run on this machine, and why",
+        epilog=PLAN_EPILOG,
+        formatter_class=c.Formatter,
+    )
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--hardware", metavar="NAME|FILE", help="plan for a hardware profile")
+    c.add_settings_flags(p, serve=True)
+    p.set_defaults(func=run_plan)
+
+    p = sub.add_parser(
+        "catalog",
+        help="maintain the model catalog",
+        epilog=CATALOG_EPILOG,
+        formatter_class=c.Formatter,
+    )
+    actions = p.add_subparsers(dest="catalog_command", metavar="ACTION", required=True)
+    q = actions.add_parser("refresh", help="re-read sizes and sha256 from the hub")
+    q.add_argument("--json", action="store_true", help="print JSON")
+    c.add_settings_flags(q)
+    q.set_defaults(func=run_catalog_refresh)
+
+
+def catalog_dirs() -> list[Path]:
+    """Extra catalog files that IT (system) or the user may add beside their settings."""
+    return [paths.system_config_dir() / "models", paths.user_config_dir() / "models"]
+
+
+def load_catalog() -> Any:
+    from localspec.catalog import load_catalog as load
+
+    return load(catalog_dirs())
+
+
+def hub_options(settings: st.Settings) -> dict[str, Any]:
+    """The hub settings as fetch's keyword arguments; proxy and CA bundle go through the
+    environment, which huggingface_hub's HTTP client reads."""
+    hub = settings.hub
+    if hub.proxy:
+        os.environ["HTTPS_PROXY"] = os.environ["HTTP_PROXY"] = hub.proxy
+    if hub.ca_bundle:
+        os.environ["SSL_CERT_FILE"] = os.environ["REQUESTS_CA_BUNDLE"] = str(hub.ca_bundle)
+    token = None
+    if hub.token_file is not None:
+        token = st.read_secret_file(hub.token_file.expanduser(), "hub.token_file")
+    return {
+        "endpoint": hub.endpoint,
+        "offline": hub.offline,
+        "token": token,
+        "readonly_dirs": [Path(d).expanduser() for d in settings.models.dirs],
+    }
+
+
+def _human(n: float | None) -> str:
+    if n is None:
+        return "?"
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} GB"
+
+
+def run_models(args: argparse.Namespace) -> int:
+    from localspec import fetch
+    from localspec.catalog import CatalogError
+
+    try:
+        settings = c.load_settings(args).settings
+        catalog = load_catalog()
+    except st.SettingsError as exc:
+        return c.settings_error(exc)
+    except CatalogError as exc:
+        c.error(str(exc))
+        return c.EXIT_USAGE
+    readonly = [Path(d).expanduser() for d in settings.models.dirs]
+    rows = fetch.model_status(catalog, readonly_dirs=readonly)
+    if args.json:
+        c.print_json([{**r.__dict__, "path": str(r.path) if r.path else None} for r in rows])
+        return c.EXIT_OK
+    width = max((len(r.model_id) for r in rows), default=10)
+    print(f"{'model':<{width}}  {'quant':<8}  {'size':>9}  state")
+    for r in rows:
+        state = "verified" if r.verified else "present" if r.present else "-"
+        size = _human(r.size_bytes) if r.size_exact else f"~{_human(r.size_bytes)}"
+        print(f"{r.model_id:<{width}}  {r.quant:<8}  {size:>9}  {state}")
+    if catalog.pairs:
+        print("\npairs:")
+        for pair in catalog.pairs.values():
+            draft = pair.draft or "n-gram drafting"
+            print(f"  {pair.id}: {pair.target} + {draft}")
+    return c.EXIT_OK
+
+
+def _pick_quant(model: Any, quant: str | None) -> str:
+    if quant is not None:
+        if quant not in model.quants:
+            raise ValueError(
+                f"{model.id} has no quant {quant}; it has {', '.join(model.quant_ladder())}"
+            )
+        return quant
+    if "Q8_0" in model.quants:
+        return "Q8_0"
+    if len(model.quants) == 1:
+        return next(iter(model.quants))
+    raise ValueError(
+        f"{model.id} has several quants; choose one with --quant "
+        f"({', '.join(model.quant_ladder())})"
+    )
+
+
+def run_pull(args: argparse.Namespace) -> int:
+    from localspec import fetch
+    from localspec.catalog import CatalogError
+
+    try:
+        settings = c.load_settings(args).settings
+        catalog = load_catalog()
+        if args.pull_pair:
+            pair = catalog.pair(args.pull_pair)
+            ids = [pair.target] + ([pair.draft] if pair.draft else [])
+        elif args.model:
+            ids = [args.model]
+        else:
+            c.error("name a model or --pair (see `localspec models`)")
+            return c.EXIT_USAGE
+        quants = []
+        for model_id in ids:
+            model = catalog.model(model_id)
+            from localspec.commands.up import allowed
+
+            if not allowed(settings, model_id, *(args.pull_pair or "",)):
+                raise ValueError(
+                    f"{model_id} is not in models.allowed ({', '.join(settings.models.allowed)})"
+                )
+            quants.append(
+                model.quants[_pick_quant(model, args.quant if model_id == ids[0] else None)]
+            )
+        options = hub_options(settings)
+    except st.SettingsError as exc:
+        return c.settings_error(exc)
+    except (CatalogError, ValueError) as exc:
+        c.error(str(exc))
+        return c.EXIT_USAGE
+    try:
+        files = fetch.pull(quants, force=args.force, **options)
+    except fetch.FetchError as exc:
+        c.error(str(exc))
+        return c.EXIT_FAILURE
+    for path in files:
+        print(path)
+    return c.EXIT_OK
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    try:
+        from localspec import hardware, plan
+    except ImportError as exc:
+        c.error(f"the planner is not in this build ({exc.name} is missing)")
+        return c.EXIT_FAILURE
+    try:
+        settings = c.load_settings(args).settings
+        catalog = load_catalog()
+        if args.hardware:
+            facts = hardware.load_hardware_profile(args.hardware)
+        else:
+            with c.Progress("probing hardware") as progress:
+                facts = hardware.probe()
+                progress.finish("done")
+        chosen = plan.make_plan(catalog, facts, settings)
+    except st.SettingsError as exc:
+        return c.settings_error(exc)
+    except ValueError as exc:  # CatalogError, HardwareError, PlanError are ValueErrors
+        c.error(str(exc))
+        return c.EXIT_USAGE
+    if args.json:
+        to_json = getattr(chosen, "to_json", None) or getattr(chosen, "as_dict", None)
+        c.print_json(to_json() if to_json else chosen.__dict__)
+    else:
+        print(plan.render_plan(chosen))
+    return c.EXIT_OK
+
+
+def run_catalog_refresh(args: argparse.Namespace) -> int:
+    try:
+        from localspec.fetch import refresh_catalog
+    except ImportError:
+        c.error("catalog refresh is not in this build")
+        return c.EXIT_FAILURE
+    try:
+        settings = c.load_settings(args).settings
+        options = hub_options(settings)
+    except st.SettingsError as exc:
+        return c.settings_error(exc)
+    if options["offline"]:
+        c.error("hub.offline is set: refreshing the catalog needs the hub")
+        return c.EXIT_USAGE
+    result = refresh_catalog(load_catalog(), endpoint=options["endpoint"], token=options["token"])
+    if args.json:
+        c.print_json(result)
+    else:
+        print(
+            result if isinstance(result, str) else "\n".join(map(str, result or [])),
+            file=sys.stdout,
+        )
+    return c.EXIT_OK

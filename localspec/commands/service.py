@@ -1,0 +1,103 @@
+"""``localspec service install|uninstall|status``: start the daemon at login (no root)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from localspec import daemon, service
+from localspec.commands import common as c
+
+EPILOG = """\
+examples:
+  localspec service install              systemd user unit / LaunchAgent / logon task, started now
+  localspec service install --no-start   write and check the file only
+  localspec service install --os macos --dry-run   print the launchd plist for this Python
+  localspec service status
+  localspec service uninstall
+
+files:
+  Linux    ~/.config/systemd/user/localspec.service   (systemctl --user)
+  macOS    ~/Library/LaunchAgents/org.localspec.daemon.plist   (launchctl)
+  Windows  %LOCALAPPDATA%\\localspec\\localspec-task.xml   (schtasks task "localspec")
+The service runs `python -m localspec up --log-file <state dir>/localspec.log`
+with the settings of your config.toml and the system profiles.
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "service",
+        help="install, remove or inspect the login service",
+        description="Start localspec when you log in: a per-user service, no root needed.",
+        epilog=EPILOG + "\n" + c.EXIT_CODES_HELP,
+        formatter_class=c.Formatter,
+    )
+    actions = p.add_subparsers(dest="service_command", metavar="ACTION", required=True)
+    for name, helptext, func in (
+        ("install", "render, check, install and start the service", run_install),
+        ("uninstall", "stop the service and remove its file", run_uninstall),
+        ("status", "is the service installed, enabled, running", run_status),
+    ):
+        q = actions.add_parser(name, help=helptext, epilog=EPILOG, formatter_class=c.Formatter)
+        q.add_argument(
+            "--os",
+            dest="os_name",
+            choices=service.OS_NAMES,
+            default=service.current_os(),
+            help="target OS (default: this one)",
+        )
+        if name == "install":
+            q.add_argument("--dry-run", action="store_true", help="print the file, change nothing")
+            q.add_argument("--no-start", action="store_true", help="do not enable or start it")
+        if name == "status":
+            q.add_argument("--json", action="store_true", help="print JSON")
+        q.set_defaults(func=func)
+
+
+def run_install(args: argparse.Namespace) -> int:
+    try:
+        if args.dry_run:
+            text = service.render(args.os_name)
+            check = service.validate(args.os_name, service.encode(args.os_name, text))
+            sys.stdout.write(text)
+            if not check.ok:
+                c.error(f"{check.how} rejects it: {'; '.join(check.messages)}")
+                return c.EXIT_FAILURE
+            print(
+                f"# checked with {check.how}; "
+                f"would be written to {service.service_path(args.os_name)}",
+                file=sys.stderr,
+            )
+            return c.EXIT_OK
+        outcome = service.install(args.os_name, start=not args.no_start)
+    except service.ServiceError as exc:
+        c.error(str(exc))
+        return c.EXIT_FAILURE
+    for line in outcome.lines:
+        print(line)
+    return c.EXIT_OK if outcome.ok else c.EXIT_FAILURE
+
+
+def run_uninstall(args: argparse.Namespace) -> int:
+    outcome = service.uninstall(args.os_name)
+    for line in outcome.lines:
+        print(line)
+    return c.EXIT_OK
+
+
+def run_status(args: argparse.Namespace) -> int:
+    result = service.status(args.os_name)
+    if args.json:
+        c.print_json(result.as_dict())
+        return c.EXIT_OK
+    state = "installed" if result.installed else "not installed"
+    print(f"login service ({result.os_name}): {state}  {result.path}")
+    if result.enabled is not None:
+        print(f"  enabled: {result.enabled}   active: {result.active}")
+    pid_files = sorted(daemon.pid_file(0).parent.glob("localspec-*.pid"))
+    for path in pid_files:
+        port = path.stem.removeprefix("localspec-")
+        if port.isdigit() and (info := daemon.read_pid_file(int(port))):
+            print(f"  daemon: pid {info.pid} on port {info.port}")
+    return c.EXIT_OK

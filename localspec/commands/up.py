@@ -1,0 +1,281 @@
+"""``localspec up``: settings → (plan → pull) → load → serve, in the foreground or detached."""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import logging
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from localspec import daemon
+from localspec import settings as st
+from localspec.commands import common as c
+
+log = logging.getLogger("localspec.up")
+
+EPILOG = """\
+examples:
+  localspec up                                  plan, download and serve on 127.0.0.1:8012
+  localspec up --detach                         the same in the background; returns when ready
+  localspec up --target 7b.gguf --draft 0.5b.gguf   serve local GGUF files, no catalog
+  localspec up --pair qwen2.5-coder-7b+0.5b --ctx-size 8192
+  localspec up --host 0.0.0.0 --api-key-file ~/.config/localspec/key   share on the LAN
+
+A localspec daemon already answering on the port is reported and `up` exits 0.
+Ctrl-C or SIGTERM shut down gracefully: in-flight requests finish or are cancelled.
+"""
+
+
+class UpError(RuntimeError):
+    """A reason `up` cannot serve, worded for the user."""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "up",
+        help="plan, fetch and serve the completion endpoint",
+        description="Start the completion daemon (llama-server compatible /infill, /completion).",
+        epilog=EPILOG + "\n" + c.EXIT_CODES_HELP,
+        formatter_class=c.Formatter,
+    )
+    p.add_argument("--target", type=Path, metavar="GGUF", help="serve this local target model")
+    p.add_argument("--draft", type=Path, metavar="GGUF", help="local draft model (with --target)")
+    p.add_argument(
+        "--gpu-layers",
+        type=int,
+        default=-1,
+        metavar="N",
+        help="layers to offload with --target (default: all; ignored by CPU builds)",
+    )
+    p.add_argument("--detach", action="store_true", help="run in the background")
+    p.add_argument(
+        "--wait-timeout",
+        type=float,
+        default=900.0,
+        metavar="S",
+        help="with --detach: how long to wait for /health (default 900 s)",
+    )
+    p.add_argument("--log-file", type=Path, metavar="FILE", help="append all output to FILE")
+    c.add_settings_flags(p, serve=True)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        resolved = c.load_settings(args)
+        settings = resolved.settings
+        api_key = st.check_security(settings)
+    except st.SettingsError as exc:
+        return c.settings_error(exc)
+    if args.draft is not None and args.target is None:
+        c.error("--draft needs --target (a catalog pair brings its own draft: use --pair)")
+        return c.EXIT_USAGE
+    host, port = settings.server.host, settings.server.port
+    owner = daemon.probe_port(host, port, api_key)
+    if owner.kind == "localspec":
+        pid = f" (pid {owner.pid})" if owner.pid else ""
+        print(f"localspec is already running at {daemon.base_url(host, port)}{pid}")
+        return c.EXIT_OK
+    if owner.kind == "other":
+        c.error(
+            f"port {port} is held by {owner.describe()}; stop it or pick another port "
+            "with --port (llama-vscode's endpoint setting must match)"
+        )
+        return c.EXIT_PORT_BUSY
+    if args.detach:
+        return _detach(args, host, port)
+    if args.log_file is not None:
+        _redirect_output(args.log_file)
+    return _serve(args, settings, api_key)
+
+
+# --- background ------------------------------------------------------------------------------
+
+
+def _detach(args: argparse.Namespace, host: str, port: int) -> int:
+    child_argv = ["up", *c.flag_argv(args), "--gpu-layers", str(args.gpu_layers)]
+    for name in ("target", "draft"):
+        path = getattr(args, name)
+        if path is not None:
+            child_argv += [f"--{name}", str(path.expanduser().resolve())]
+    log_path = daemon.log_file()
+    proc = daemon.spawn_detached(child_argv, log_path)
+    url = daemon.base_url(host, port)
+    states = {"down": "starting", "loading": "loading models"}
+    with c.Progress(f"starting localspec in the background (pid {proc.pid})") as progress:
+        outcome = daemon.wait_until_ready(
+            url,
+            proc,
+            args.wait_timeout,
+            lambda state: progress.update(f"{states.get(state, state)} (pid {proc.pid})"),
+        )
+        if outcome == "ready":
+            progress.finish(f"ready at {url}")
+        else:
+            progress.finish("not ready", ok=False)
+    if outcome == "ready":
+        print(f"localspec is running at {url} (pid {proc.pid})")
+        print(f"logs: {log_path}  ·  stop: localspec down")
+        return c.EXIT_OK
+    if isinstance(outcome, int):
+        c.error(f"the daemon exited with code {outcome} before it was ready; its log ends:")
+        for line in daemon.tail(log_path, 20):
+            print(f"  {line}", file=sys.stderr)
+        return outcome if outcome != 0 else c.EXIT_FAILURE
+    c.error(
+        f"not ready after {args.wait_timeout:.0f} s (still {outcome}); it keeps going in the "
+        f"background as pid {proc.pid}: follow with `localspec logs -f`, stop with `localspec down`"
+    )
+    return c.EXIT_FAILURE
+
+
+def _redirect_output(path: Path) -> None:
+    """Send stdout, stderr (and llama.cpp's own C-level output) to an appended log file."""
+    path = path.expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+# --- foreground ------------------------------------------------------------------------------
+
+
+@dataclass
+class Served:
+    engine: Any  # EngineSettings
+    alias: str
+
+
+def allowed(settings: st.Settings, *names: str) -> bool:
+    patterns = settings.models.allowed
+    return not patterns or any(fnmatch.fnmatch(n, p) for n in names for p in patterns)
+
+
+def _local_models(args: argparse.Namespace, settings: st.Settings) -> Served:
+    from localspec.engine.types import EngineSettings, ModelSettings, SpecSettings
+
+    models = []
+    for path in (args.target, args.draft):
+        if path is None:
+            models.append(None)
+            continue
+        path = path.expanduser().resolve()
+        if not path.is_file():
+            raise UpError(f"model file not found: {path}")
+        if not allowed(settings, path.name, path.stem):
+            raise UpError(
+                f"{path.name} is not in models.allowed ({', '.join(settings.models.allowed)}), "
+                "set by your profile; ask your IT team or run `localspec profile explain`"
+            )
+        models.append(
+            ModelSettings(
+                path=str(path),
+                n_gpu_layers=args.gpu_layers,
+                n_ctx=settings.limits.context or 4096,
+                n_threads=settings.limits.threads,
+                n_threads_batch=settings.limits.threads,
+            )
+        )
+    target, draft = models
+    spec = settings.speculative
+    if spec.mode == "draft" and draft is None:
+        raise UpError("speculative.mode is 'draft' but no draft model is given (--draft)")
+    engine = EngineSettings(
+        target=target,
+        draft=draft,
+        n_slots=settings.server.slots or 1,
+        spec=SpecSettings(mode=spec.mode, n_max=spec.n_max, n_min=spec.n_min, p_min=spec.p_min),
+        cache_reuse=settings.cache.reuse_chunk,
+    )
+    return Served(engine, args.target.name)
+
+
+def _planned_models(settings: st.Settings) -> Served:
+    """Probe → plan → pull; needs the catalog, planner and fetcher."""
+    try:
+        from localspec import catalog as catalog_mod
+        from localspec import fetch, hardware, plan
+    except ImportError as exc:
+        raise UpError(
+            f"planning is not available in this build ({exc.name} is missing); "
+            "serve local files with --target PATH [--draft PATH]"
+        ) from None
+    with c.Progress("probing hardware") as progress:
+        facts = hardware.probe()
+        progress.finish("done")
+    catalog = catalog_mod.load_catalog()
+    chosen = plan.make_plan(catalog, facts, settings)
+    print(plan.render_plan(chosen))
+    pair_name = getattr(chosen, "pair_id", None) or getattr(chosen, "pair", "")
+    if not allowed(settings, str(pair_name)):
+        raise UpError(f"the planned pair {pair_name} is not in models.allowed")
+    target_path, draft_path = fetch.pull_plan(chosen, settings=settings)
+    return Served(chosen.engine_settings(target_path, draft_path), str(pair_name))
+
+
+def _server_settings(settings: st.Settings, api_key: str | None, served: Served) -> Any:
+    from localspec.server.settings import ServerSettings
+
+    server = settings.server
+    return ServerSettings(
+        host=server.host,
+        port=server.port,
+        api_key=api_key,
+        n_parallel=served.engine.n_slots,
+        queue_limit=server.queue_limit,
+        request_timeout_s=server.request_timeout_s,
+        metrics=server.metrics,
+        cors_origins=tuple(server.cors_origins),
+        model_alias=served.alias,
+    )
+
+
+def _terminate(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt  # before the server owns the signals: stop a long step cleanly
+
+
+def _serve(args: argparse.Namespace, settings: st.Settings, api_key: str | None) -> int:
+    c.configure_logging(settings.log)
+    if hasattr(signal, "SIGTERM"):
+        signal.signal(signal.SIGTERM, _terminate)
+    try:
+        served = _local_models(args, settings) if args.target else _planned_models(settings)
+        server_settings = _server_settings(settings, api_key, served)
+        server_settings.check()
+    except UpError as exc:
+        c.error(str(exc))
+        return c.EXIT_FAILURE
+    except ValueError as exc:  # ServerSettings.check
+        c.error(str(exc))
+        return c.EXIT_USAGE
+    except KeyboardInterrupt:
+        c.warn("interrupted before serving; nothing to stop")
+        return c.EXIT_OK
+    from localspec.server import serve
+
+    log_path = args.log_file.expanduser() if args.log_file else None
+    daemon.write_pid_file(settings.server.host, settings.server.port, log_path)
+    url = daemon.base_url(settings.server.host, settings.server.port)
+    progress = c.Progress(f"loading {served.alias}").__enter__()
+
+    def on_ready(*_: object) -> None:
+        progress.finish(f"serving at {url} (Ctrl-C to stop)")
+
+    try:
+        code = serve(server_settings, served.engine, on_ready=on_ready)
+    except KeyboardInterrupt:
+        code = c.EXIT_OK
+    finally:
+        if not progress.finished:
+            progress.finish("stopped", ok=False)
+        daemon.remove_pid_file(settings.server.port)
+    return code
