@@ -1,0 +1,670 @@
+"""Verified, resumable, offline-first model downloads through huggingface_hub.
+
+Where files land: ``<models_dir>/<owner>/<repo>/<revision or "main">/<filename>``
+(``localspec.paths.models_dir()``, overridable). Not the HF cache: its symlinked blobs make
+copying a models directory to an air-gapped machine awkward, and huggingface_hub 2.x
+deletes a local-dir file before re-downloading it, which would lose the last good copy.
+
+- A file is used only after its size and sha256 match (the catalog's pinned sha256, else the
+  hub's LFS sha256). The verdict is recorded beside the file (``<file>.verified.json``, or in
+  ``<models_dir>/.verified/`` for a read-only directory) with the file's size and mtime, so
+  a later start trusts it without re-hashing and without any network request.
+- Downloads go to ``<file>.partial`` next to the destination (one filesystem, atomic
+  rename), resumed with an HTTP Range request on the next run when the hub's ETag is
+  unchanged; a bad download is discarded and the previous good file stays in place.
+- HTTP is huggingface_hub's own (``get_hf_file_metadata``, ``http_get``): it honours
+  ``HF_ENDPOINT``, ``HF_TOKEN``, ``HTTPS_PROXY``/``NO_PROXY``, ``SSL_CERT_FILE`` and
+  draws per-file progress bars with size, speed and ETA.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from localspec.catalog import Catalog, QuantEntry
+
+DEFAULT_REVISION = "main"
+_RECORD_SUFFIX = ".verified.json"
+_PARTIAL_SUFFIX = ".partial"
+_HASH_BLOCK = 8 << 20
+_DISK_FULL = {errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC)}
+
+
+class FetchError(RuntimeError):
+    """A model file could not be obtained; the message says what to do next."""
+
+
+class OfflineError(FetchError):
+    """The network is off and a needed file is not on disk."""
+
+
+class VerifyError(FetchError):
+    """A file's size or sha256 is not what the catalog or the hub says it must be."""
+
+
+@dataclass(frozen=True)
+class FileSpec:
+    """One file to obtain: from a hub repo, or an existing local path."""
+
+    filename: str
+    repo: str | None = None
+    revision: str | None = None
+    size: int | None = None
+    sha256: str | None = None
+    path: str | None = None
+
+    @property
+    def label(self) -> str:
+        if self.repo is None:
+            return self.path or self.filename
+        return f"{self.repo}/{self.filename}"
+
+
+def specs_for(quant: QuantEntry) -> list[FileSpec]:
+    """The files of one catalog quant (every shard of a split GGUF)."""
+    return [
+        FileSpec(
+            filename=f.filename,
+            repo=quant.repo,
+            revision=quant.revision,
+            size=f.size,
+            sha256=f.sha256,
+            path=f.path,
+        )
+        for f in quant.files
+    ]
+
+
+def _as_specs(files: Iterable[QuantEntry | FileSpec]) -> list[FileSpec]:
+    out: list[FileSpec] = []
+    for item in files:
+        out.extend(specs_for(item) if isinstance(item, QuantEntry) else [item])
+    return out
+
+
+def layout_path(spec: FileSpec, root: Path) -> Path:
+    """Where ``spec`` lives under a models directory: owner/repo/revision/filename."""
+    if spec.repo is None:
+        raise ValueError(f"{spec.label} is a local file, not a hub file")
+    relative = Path(spec.filename)
+    if relative.is_absolute() or ".." in relative.parts:
+        raise FetchError(f"unsafe file name {spec.filename!r} in repo {spec.repo}")
+    return root.joinpath(*spec.repo.split("/"), spec.revision or DEFAULT_REVISION, relative)
+
+
+# -- verification records -------------------------------------------------------------------
+
+
+def _record_paths(path: Path, models_dir: Path) -> list[Path]:
+    """Sidecar first; the user store serves files in directories we cannot write."""
+    key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:32]
+    return [path.with_name(path.name + _RECORD_SUFFIX), models_dir / ".verified" / f"{key}.json"]
+
+
+def _read_record(path: Path, models_dir: Path) -> dict[str, Any] | None:
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    for candidate in _record_paths(path, models_dir):
+        try:
+            record = json.loads(candidate.read_text())
+        except (OSError, ValueError):
+            continue
+        if record.get("size") == stat.st_size and record.get("mtime_ns") == stat.st_mtime_ns:
+            return record
+    return None
+
+
+def _write_record(path: Path, models_dir: Path, sha256: str, **extra: Any) -> None:
+    stat = path.stat()
+    record = {
+        "sha256": sha256,
+        "size": stat.st_size,
+        "mtime_ns": stat.st_mtime_ns,
+        "verified_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **extra,
+    }
+    for candidate in _record_paths(path, models_dir):
+        try:
+            candidate.parent.mkdir(parents=True, exist_ok=True)
+            tmp = candidate.with_name(candidate.name + ".tmp")
+            tmp.write_text(json.dumps(record, indent=1))
+            os.replace(tmp, candidate)
+            return
+        except OSError:
+            continue
+
+
+def sha256_file(path: Path, *, progress: bool = False, label: str = "") -> str:
+    """Stream a file through sha256 (with a bar for big files: 8 GB takes a while)."""
+    digest = hashlib.sha256()
+    bar = _bar(f"verify {label or path.name}", path.stat().st_size, progress)
+    with path.open("rb") as f:
+        while block := f.read(_HASH_BLOCK):
+            digest.update(block)
+            bar.update(len(block))
+    bar.close()
+    return digest.hexdigest()
+
+
+def _bar(desc: str, total: int, enabled: bool) -> Any:
+    from huggingface_hub.utils import tqdm
+
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=not enabled)
+
+
+# -- finding files on disk ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LocalFile:
+    path: Path
+    verified: bool  # a record (or a fresh hash) matches the expected sha256
+    sha256: str | None
+
+
+def _candidates(spec: FileSpec, models_dir: Path, readonly_dirs: Sequence[Path]) -> list[Path]:
+    if spec.repo is None:
+        return [Path(spec.path or spec.filename).expanduser()]
+    out: list[Path] = []
+    for root in [*readonly_dirs, models_dir]:
+        out.append(layout_path(spec, Path(root)))
+        if root is not models_dir:
+            out.append(Path(root) / Path(spec.filename).name)  # IT may drop files flat
+    return out
+
+
+def find_local(
+    spec: FileSpec, *, models_dir: Path, readonly_dirs: Sequence[Path] = ()
+) -> LocalFile | None:
+    """The first copy on disk (read-only dirs first) with its recorded verdict; no hashing."""
+    for candidate in _candidates(spec, models_dir, readonly_dirs):
+        if not candidate.is_file():
+            continue
+        if spec.size is not None and candidate.stat().st_size != spec.size:
+            continue  # another version of the file (or a different file of that name)
+        record = _read_record(candidate, models_dir)
+        sha = record.get("sha256") if record else None
+        verified = sha is not None and (spec.sha256 is None or sha == spec.sha256)
+        return LocalFile(candidate, verified, sha)
+    return None
+
+
+def resolve_local(
+    spec: FileSpec | QuantEntry,
+    *,
+    models_dir: Path | None = None,
+    readonly_dirs: Sequence[Path] = (),
+    progress: bool = False,
+) -> Path | None:
+    """A verified local copy of a file (the first file of a quant), or None. Never networks.
+
+    An unrecorded copy with a pinned sha256 is hashed once and recorded; without a pinned
+    sha256 it counts only once a pull has checked it against the hub.
+    """
+    specs = _as_specs([spec])
+    models_dir = _models_dir(models_dir)
+    paths = []
+    for one in specs:
+        found = find_local(one, models_dir=models_dir, readonly_dirs=readonly_dirs)
+        if found is None:
+            return None
+        if not found.verified and (
+            one.sha256 is None or not _verify_existing(found.path, one, models_dir, progress)
+        ):
+            return None
+        paths.append(found.path)
+    return paths[0]
+
+
+def _verify_existing(path: Path, spec: FileSpec, models_dir: Path, progress: bool) -> bool:
+    actual = sha256_file(path, progress=progress)
+    if actual != spec.sha256:
+        return False
+    _write_record(path, models_dir, actual, repo=spec.repo, filename=spec.filename)
+    return True
+
+
+def _models_dir(models_dir: Path | None) -> Path:
+    if models_dir is not None:
+        return Path(models_dir)
+    from localspec.paths import models_dir as default_models_dir
+
+    return default_models_dir()
+
+
+# -- pulling --------------------------------------------------------------------------------
+
+
+def offline_requested(offline: bool = False) -> bool:
+    """``offline=True``, or HF_HUB_OFFLINE (read now, not at import as huggingface_hub does)."""
+    value = os.environ.get("HF_HUB_OFFLINE", "").strip().upper()
+    return offline or value in ("1", "ON", "YES", "TRUE")
+
+
+def pull(
+    files: Sequence[QuantEntry | FileSpec],
+    *,
+    models_dir: Path | None = None,
+    readonly_dirs: Sequence[Path] = (),
+    offline: bool = False,
+    endpoint: str | None = None,
+    token: str | None = None,
+    force: bool = False,
+    progress: bool = True,
+    out: IO[str] | None = None,
+) -> list[Path]:
+    """Make every file present and verified; return their paths in order.
+
+    Files already verified on disk cost no network request at all. ``offline`` (or
+    HF_HUB_OFFLINE=1) forbids the network: a missing file raises OfflineError naming it.
+    ``force`` downloads again even when a good copy exists (replacing it only once the new
+    one verifies). Raises FetchError, OfflineError or VerifyError.
+    """
+    stream = out if out is not None else sys.stderr
+    say = (lambda msg: print(msg, file=stream, flush=True)) if progress else (lambda msg: None)
+    models_dir = _models_dir(models_dir)
+    offline = offline_requested(offline)
+    specs = _as_specs(files)
+    results: dict[int, Path] = {}
+    todo: list[tuple[int, FileSpec, LocalFile | None]] = []
+    for index, spec in enumerate(specs):
+        if spec.repo is None:
+            results[index] = _local_file(spec, models_dir, progress)
+            continue
+        found = find_local(spec, models_dir=models_dir, readonly_dirs=readonly_dirs)
+        if found is not None and not force:
+            if found.verified:
+                results[index] = found.path
+                continue
+            if spec.sha256 is not None:
+                if _verify_existing(found.path, spec, models_dir, progress):
+                    results[index] = found.path
+                    continue
+                found = None  # damaged copy: download again, the bad file is replaced
+            elif offline:
+                say(f"warning: {found.path} has no recorded check and no pinned sha256; using it")
+                results[index] = found.path
+                continue
+        if offline:
+            raise OfflineError(_offline_message(spec, models_dir, readonly_dirs))
+        todo.append((index, spec, found))
+    if todo:
+        client = _Hub(endpoint=endpoint, token=token)
+        total = sum(spec.size or 0 for _, spec, _ in todo)
+        have = len(specs) - len(todo)
+        size_note = f", {_human(total)}" if total else ""
+        say(f"localspec: {have} of {len(specs)} files present; fetching {len(todo)}{size_note}")
+        started = time.monotonic()
+        fetched = 0
+        for n, (index, spec, found) in enumerate(todo, 1):
+            say(f"[{n}/{len(todo)}] {spec.label}")
+            path, nbytes = _fetch_one(spec, found, client, models_dir, progress=progress, say=say)
+            results[index] = path
+            fetched += nbytes
+        elapsed = max(time.monotonic() - started, 1e-6)
+        say(
+            f"localspec: fetched {_human(fetched)} in {elapsed:.1f} s "
+            f"({_human(fetched / elapsed)}/s); all {len(specs)} files verified"
+        )
+    return [results[i] for i in range(len(specs))]
+
+
+def _local_file(spec: FileSpec, models_dir: Path, progress: bool) -> Path:
+    path = Path(spec.path or spec.filename).expanduser()
+    if not path.is_file():
+        raise FetchError(f"local model file {path} does not exist (named by the catalog)")
+    if spec.sha256 is not None:
+        record = _read_record(path, models_dir)
+        if record is None or record.get("sha256") != spec.sha256:
+            actual = sha256_file(path, progress=progress)
+            if actual != spec.sha256:
+                raise VerifyError(
+                    f"{path}: sha256 is {actual}, the catalog expects {spec.sha256}; "
+                    "the file was changed or the catalog entry is wrong"
+                )
+            _write_record(path, models_dir, actual, filename=spec.filename)
+    return path
+
+
+def _offline_message(spec: FileSpec, models_dir: Path, readonly_dirs: Sequence[Path]) -> str:
+    where = ", ".join(str(d) for d in [*readonly_dirs, models_dir])
+    return (
+        f"model file {spec.filename} (repo {spec.repo}, revision "
+        f"{spec.revision or DEFAULT_REVISION}) is not on this machine (looked in {where}) "
+        "and the network is off (--offline, HF_HUB_OFFLINE=1 or hub.offline).\n"
+        "To get it: run `localspec pull` on a connected machine and copy its models "
+        f"directory to {models_dir}; or give an IT-provisioned directory in models.dirs; "
+        "or allow the network with a reachable mirror in hub.endpoint / HF_ENDPOINT."
+    )
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n} B"  # pragma: no cover
+
+
+class _Hub:
+    """huggingface_hub calls for one pull: HEAD metadata and LFS sha256 per repo."""
+
+    def __init__(self, *, endpoint: str | None, token: str | None) -> None:
+        from huggingface_hub import constants
+
+        self.endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip(
+            "/"
+        )
+        self.token = token
+        self._lfs: dict[tuple[str, str], dict[str, tuple[int, str | None]]] = {}
+
+    def metadata(self, spec: FileSpec) -> Any:
+        from huggingface_hub import get_hf_file_metadata, hf_hub_url
+
+        url = hf_hub_url(
+            spec.repo or "",
+            spec.filename,
+            revision=spec.revision or DEFAULT_REVISION,
+            endpoint=self.endpoint,
+        )
+        with _hub_errors(spec, self.endpoint):
+            meta = get_hf_file_metadata(
+                url, token=self.token, endpoint=self.endpoint, retry_on_errors=False
+            )
+        if meta.commit_hash is None or meta.etag is None:
+            raise FetchError(
+                f"{self.endpoint} answered for {spec.label} without X-Repo-Commit/ETag headers: "
+                "it does not look like a Hugging Face hub (check HF_ENDPOINT, the proxy, the CA)"
+            )
+        return meta
+
+    def lfs_info(self, spec: FileSpec, commit: str) -> tuple[int, str | None]:
+        """(size, sha256) the hub records for ``spec`` at ``commit`` (paths-info API)."""
+        from huggingface_hub import HfApi
+        from huggingface_hub.hf_api import RepoFile
+
+        known = self._lfs.setdefault((spec.repo or "", commit), {})
+        if spec.filename not in known:
+            api = HfApi(endpoint=self.endpoint, token=self.token)
+            with _hub_errors(spec, self.endpoint):
+                infos = api.get_paths_info(spec.repo or "", [spec.filename], revision=commit)
+            for i in infos:
+                if isinstance(i, RepoFile):
+                    known[i.path] = (i.size, i.lfs.sha256 if i.lfs else None)
+        info = known.get(spec.filename)
+        if info is None:
+            raise FetchError(f"the hub lists no file {spec.filename} in {spec.repo} at {commit}")
+        return info
+
+
+class _hub_errors:
+    """Turn huggingface_hub/httpx exceptions into FetchErrors that say what to do."""
+
+    def __init__(self, spec: FileSpec, endpoint: str) -> None:
+        self.spec, self.endpoint = spec, endpoint
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        if exc is None or isinstance(exc, FetchError | KeyboardInterrupt):
+            return False
+        if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
+            return False  # the caller discards the partial file
+        from huggingface_hub import errors
+
+        spec = self.spec
+        rev = spec.revision or DEFAULT_REVISION
+        if isinstance(exc, errors.GatedRepoError):
+            msg = f"{spec.repo} is gated: accept its terms on the hub and set HF_TOKEN"
+        elif isinstance(exc, errors.RepositoryNotFoundError):
+            msg = (
+                f"repo {spec.repo} not found on {self.endpoint} (or private: set HF_TOKEN "
+                "or hub.token_file)"
+            )
+        elif isinstance(exc, errors.RevisionNotFoundError):
+            msg = f"revision {rev} of {spec.repo} not found on {self.endpoint}"
+        elif isinstance(exc, errors.RemoteEntryNotFoundError):
+            msg = f"{spec.filename} not found in {spec.repo} at {rev} on {self.endpoint}"
+        elif isinstance(exc, errors.HfHubHTTPError):
+            msg = f"the hub at {self.endpoint} refused {spec.label}: {exc}"
+        elif "httpx" in type(exc).__module__ or isinstance(exc, ConnectionError):
+            msg = (
+                f"cannot reach {self.endpoint} for {spec.label} ({type(exc).__name__}: {exc}). "
+                "Check the network, HTTPS_PROXY/NO_PROXY, SSL_CERT_FILE or hub.ca_bundle, "
+                "set HF_ENDPOINT/hub.endpoint for a mirror, or run --offline with files present"
+            )
+        elif isinstance(exc, OSError):
+            msg = f"download of {spec.label} from {self.endpoint} incomplete: {exc}"
+        else:
+            return False
+        raise FetchError(msg) from exc
+
+
+def _fetch_one(
+    spec: FileSpec,
+    previous: LocalFile | None,
+    hub: _Hub,
+    models_dir: Path,
+    *,
+    progress: bool,
+    say: Any,
+) -> tuple[Path, int]:
+    """Download one file to ``.partial``, verify, then move it into place. Returns bytes got."""
+    meta = hub.metadata(spec)
+    hub_size, hub_sha = hub.lfs_info(spec, meta.commit_hash)
+    if hub_sha is None and meta.etag and len(meta.etag) == 64:
+        hub_sha = meta.etag  # X-Linked-Etag of an LFS file is its sha256
+    expected_sha = spec.sha256 or hub_sha
+    expected_size = spec.size or hub_size or meta.size
+    if spec.sha256 and hub_sha and spec.sha256 != hub_sha:
+        raise VerifyError(
+            f"{spec.label}: the hub's file (commit {meta.commit_hash[:12]}) has sha256 {hub_sha}, "
+            f"the catalog pins {spec.sha256}. Pin the catalog's revision or run "
+            "`localspec catalog refresh`; nothing was downloaded and no file was removed"
+        )
+    if spec.size and hub_size and spec.size != hub_size:
+        raise VerifyError(
+            f"{spec.label}: the hub's file is {hub_size} bytes, the catalog says {spec.size}; "
+            "nothing was downloaded and no file was removed"
+        )
+    if (
+        previous is not None
+        and previous.sha256 is None
+        and expected_sha is not None
+        and previous.path.stat().st_size == expected_size
+        # an unrecorded copy (an IT directory, an interrupted run): check it, keep it
+        and sha256_file(previous.path, progress=progress) == expected_sha
+    ):
+        _write_record(
+            previous.path,
+            models_dir,
+            expected_sha,
+            repo=spec.repo,
+            filename=spec.filename,
+            commit=meta.commit_hash,
+        )
+        return previous.path, 0
+    final = layout_path(spec, models_dir)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    partial = final.with_name(final.name + _PARTIAL_SUFFIX)
+    partial_meta = final.with_name(final.name + _PARTIAL_SUFFIX + ".json")
+    resume = _resumable(partial, partial_meta, meta.etag, expected_size)
+    if resume:
+        say(f"  resuming at {_human(resume)} of {_human(expected_size or 0)}")
+    partial_meta.write_text(json.dumps({"etag": meta.etag, "commit": meta.commit_hash}))
+    if expected_size:
+        free = shutil.disk_usage(final.parent).free
+        if free < expected_size - resume:
+            raise FetchError(
+                f"not enough disk space for {spec.label}: needs {_human(expected_size - resume)}, "
+                f"{_human(free)} free in {final.parent}"
+            )
+    got = _download(spec, meta, partial, resume, expected_size, hub, progress)
+    actual_size = partial.stat().st_size
+    actual_sha = sha256_file(partial, progress=progress, label=spec.filename)
+    if (expected_size and actual_size != expected_size) or (
+        expected_sha and actual_sha != expected_sha
+    ):
+        partial.unlink(missing_ok=True)
+        partial_meta.unlink(missing_ok=True)
+        kept = f"; the previous copy {previous.path} is kept" if previous else ""
+        raise VerifyError(
+            f"{spec.label}: downloaded file failed verification: expected {expected_size} "
+            f"bytes sha256 {expected_sha}, got {actual_size} bytes sha256 {actual_sha}. "
+            f"The bad download was discarded{kept}; try again or check the mirror"
+        )
+    if expected_sha is None:
+        say(f"  warning: the hub gives no sha256 for {spec.label}; recorded {actual_sha[:16]}")
+    os.replace(partial, final)
+    partial_meta.unlink(missing_ok=True)
+    _write_record(
+        final,
+        models_dir,
+        actual_sha,
+        repo=spec.repo,
+        filename=spec.filename,
+        revision=spec.revision or DEFAULT_REVISION,
+        commit=meta.commit_hash,
+    )
+    return final, got
+
+
+def _resumable(partial: Path, partial_meta: Path, etag: str, expected_size: int | None) -> int:
+    """Bytes already on disk for this very version of the file; else start over."""
+    try:
+        size = partial.stat().st_size
+        same = json.loads(partial_meta.read_text()).get("etag") == etag
+    except (OSError, ValueError):
+        size, same = 0, False
+    if not same or (expected_size is not None and size > expected_size):
+        partial.unlink(missing_ok=True)
+        return 0
+    return size
+
+
+def _download(
+    spec: FileSpec,
+    meta: Any,
+    partial: Path,
+    resume: int,
+    expected_size: int | None,
+    hub: _Hub,
+    progress: bool,
+) -> int:
+    from huggingface_hub.file_download import http_get
+    from huggingface_hub.utils import build_hf_headers
+
+    headers = build_hf_headers(token=hub.token)
+    url = meta.location
+    if not _same_host(url, hub.endpoint):
+        headers.pop("authorization", None)  # a CDN's signed URL must not see the token
+    tqdm_class = None if progress else _silent_tqdm()
+    try:
+        with partial.open("r+b" if resume else "wb") as f:
+            f.seek(resume)
+            with _hub_errors(spec, hub.endpoint):
+                http_get(
+                    url,
+                    f,
+                    resume_size=resume,
+                    headers=headers,
+                    expected_size=expected_size,
+                    displayed_filename=spec.filename,
+                    tqdm_class=tqdm_class,
+                )
+    except FetchError as exc:
+        have = partial.stat().st_size if partial.exists() else 0
+        raise FetchError(
+            f"{exc}\nThe download stopped at {_human(have)}; run the same command again "
+            "to resume it."
+        ) from exc.__cause__
+    except OSError as exc:
+        if exc.errno in _DISK_FULL:
+            partial.unlink(missing_ok=True)
+            raise FetchError(
+                f"disk full while downloading {spec.label} into {partial.parent} ({exc}); "
+                "the partial file was removed and any previous copy is untouched"
+            ) from exc
+        raise
+    return partial.stat().st_size - resume
+
+
+def _same_host(url: str, endpoint: str) -> bool:
+    from urllib.parse import urlsplit
+
+    return urlsplit(url).netloc == urlsplit(endpoint).netloc
+
+
+def _silent_tqdm() -> Any:
+    from huggingface_hub.utils import tqdm
+
+    class Silent(tqdm):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs["disable"] = True
+            super().__init__(*args, **kwargs)
+
+    return Silent
+
+
+# -- what is on disk, for `localspec models` ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class QuantStatus:
+    model_id: str
+    quant: str
+    repo: str | None
+    n_files: int
+    size_bytes: int | None
+    size_exact: bool  # every file's size is pinned in the catalog
+    present: bool  # every file is on disk
+    verified: bool  # every file has a matching verification record
+    path: Path | None  # the file llama.cpp loads, when present
+
+
+def model_status(
+    catalog: Catalog, *, models_dir: Path | None = None, readonly_dirs: Sequence[Path] = ()
+) -> list[QuantStatus]:
+    """Every catalog quant with its size and presence; reads records only (no hash, no net)."""
+    models_dir = _models_dir(models_dir)
+    rows = []
+    for model in catalog.models.values():
+        for quant_name in model.quant_ladder():
+            quant = model.quants[quant_name]
+            found = []
+            for spec in specs_for(quant):
+                if spec.repo is None:
+                    local = Path(spec.path or spec.filename)
+                    found.append(LocalFile(local, False, None) if local.is_file() else None)
+                else:
+                    found.append(
+                        find_local(spec, models_dir=models_dir, readonly_dirs=readonly_dirs)
+                    )
+            present = all(f is not None for f in found)
+            rows.append(
+                QuantStatus(
+                    model_id=model.id,
+                    quant=quant_name,
+                    repo=quant.repo,
+                    n_files=len(quant.files),
+                    size_bytes=quant.total_size,
+                    size_exact=all(f.size is not None for f in quant.files),
+                    present=present,
+                    verified=present and all(f is not None and f.verified for f in found),
+                    path=found[0].path if present and found[0] is not None else None,
+                )
+            )
+    return rows

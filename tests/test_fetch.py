@@ -1,0 +1,322 @@
+"""Downloads with the real huggingface_hub client against a local hub on 127.0.0.1."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from localspec import fetch
+from localspec.catalog import load_catalog
+from localspec.fetch import (
+    FetchError,
+    FileSpec,
+    OfflineError,
+    VerifyError,
+    model_status,
+    pull,
+    resolve_local,
+)
+from tests.hubserver import LocalHub
+
+REPO = "acme/Tiny-Coder-GGUF"
+NAME = "tiny-coder-q8_0.gguf"
+SIZE = 3 * 1024 * 1024 + 17
+DATA = random.Random(5).randbytes(SIZE)
+SHA = hashlib.sha256(DATA).hexdigest()
+
+
+@pytest.fixture
+def hub() -> Iterator[LocalHub]:
+    with LocalHub() as h:
+        h.add_file(REPO, NAME, DATA)
+        yield h
+
+
+@pytest.fixture
+def models(tmp_path: Path) -> Path:
+    return tmp_path / "models"
+
+
+def spec(**kw: object) -> FileSpec:
+    return FileSpec(filename=NAME, repo=REPO, **kw)  # type: ignore[arg-type]
+
+
+def test_fresh_pull_shows_progress_and_lands_in_the_layout(
+    hub: LocalHub, models: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    (path,) = pull([spec()], models_dir=models, endpoint=hub.url, token="hf_secret")
+    assert path == models / "acme" / "Tiny-Coder-GGUF" / "main" / NAME
+    assert path.read_bytes() == DATA
+    assert hub.bytes_served(NAME) == SIZE
+    assert all(r.authorization == "Bearer hf_secret" for r in hub.requests)
+    record = path.with_name(NAME + ".verified.json")
+    assert SHA in record.read_text()
+    assert not path.with_name(NAME + ".partial").exists()
+    err = capfd.readouterr().err
+    assert "0 of 1 files present; fetching 1" in err  # the overall line
+    assert NAME in err and "MB" in err and "/s" in err  # the per-file bar: size, speed
+    assert "all 1 files verified" in err
+
+
+def test_files_present_make_zero_requests_and_no_rehash(
+    hub: LocalHub, models: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (first,) = pull([spec()], models_dir=models, endpoint=hub.url, progress=False)
+    hub.reset_counts()
+
+    def no_hashing(*args: object, **kw: object) -> str:
+        raise AssertionError("a recorded file was hashed again")
+
+    monkeypatch.setattr(fetch, "sha256_file", no_hashing)
+    (again,) = pull([spec()], models_dir=models, endpoint=hub.url, progress=False)
+    assert again == first
+    assert hub.requests == []
+    assert resolve_local(spec(), models_dir=models) == first
+
+
+def test_changed_mtime_is_rechecked_against_the_hub_without_download(
+    hub: LocalHub, models: Path
+) -> None:
+    (path,) = pull([spec()], models_dir=models, endpoint=hub.url, progress=False)
+    os.utime(path, ns=(1, 1))  # the record no longer matches: the file must be hashed again
+    assert resolve_local(spec(), models_dir=models) is None  # unpinned: needs the hub's sha
+    hub.reset_counts()
+    (again,) = pull([spec()], models_dir=models, endpoint=hub.url, progress=False)
+    assert again == path
+    assert hub.bytes_served() == 0  # metadata only
+    assert {r.method for r in hub.requests} <= {"HEAD", "POST"}
+    assert resolve_local(spec(), models_dir=models) == path
+
+
+def test_cut_off_download_resumes_with_a_range_request(hub: LocalHub, models: Path) -> None:
+    # huggingface_hub writes 10 MiB chunks: a file of a few chunks, cut inside the second
+    big_name, chunk = "big-q4_k_m.gguf", 10 * 1024 * 1024
+    big = random.Random(7).randbytes(2 * chunk + 12345)
+    hub.add_file(REPO, big_name, big)
+    hub.cut(big_name, at=chunk + chunk // 2)
+    with pytest.raises(FetchError, match="run the same command again to resume"):
+        pull([FileSpec(big_name, REPO)], models_dir=models, endpoint=hub.url, progress=False)
+    final = models / "acme" / "Tiny-Coder-GGUF" / "main" / big_name
+    partial = final.with_name(big_name + ".partial")
+    assert not final.exists()
+    kept = partial.stat().st_size
+    assert kept == chunk
+    hub.heal()
+    hub.reset_counts()
+    (path,) = pull([FileSpec(big_name, REPO)], models_dir=models, endpoint=hub.url)
+    served = hub.bytes_served(big_name)
+    assert served < len(big)
+    assert served == len(big) - kept
+    assert [r.range for r in hub.requests if r.method == "GET"] == [f"bytes={kept}-"]
+    assert path.read_bytes() == big
+    assert not partial.exists()
+
+
+def test_corrupted_download_is_rejected_and_the_previous_good_file_kept(
+    hub: LocalHub, models: Path
+) -> None:
+    (good,) = pull([spec()], models_dir=models, endpoint=hub.url, progress=False)
+    before = good.stat().st_mtime_ns
+    hub.corrupt.add(NAME)
+    with pytest.raises(VerifyError) as err:
+        pull([spec()], models_dir=models, endpoint=hub.url, progress=False, force=True)
+    message = str(err.value)
+    assert f"sha256 {SHA}" in message  # expected
+    assert "got 3145745 bytes sha256 " in message  # actual
+    assert "previous copy" in message
+    assert good.read_bytes() == DATA and good.stat().st_mtime_ns == before
+    assert not good.with_name(NAME + ".partial").exists()
+    hub.reset_counts()
+    assert pull([spec()], models_dir=models, endpoint=hub.url, progress=False) == [good]
+    assert hub.requests == []
+
+
+def test_corrupted_fresh_download_leaves_no_file(hub: LocalHub, models: Path) -> None:
+    hub.corrupt.add(NAME)
+    with pytest.raises(VerifyError, match="failed verification"):
+        pull([spec()], models_dir=models, endpoint=hub.url, progress=False)
+    directory = models / "acme" / "Tiny-Coder-GGUF" / "main"
+    assert [p.name for p in directory.iterdir()] == []
+
+
+def test_pinned_sha256_disagreeing_with_the_hub_fails_before_downloading(
+    hub: LocalHub, models: Path
+) -> None:
+    with pytest.raises(VerifyError, match="catalog pins 0000"):
+        pull([spec(sha256="0" * 64)], models_dir=models, endpoint=hub.url, progress=False)
+    assert hub.bytes_served() == 0
+
+
+def test_offline_missing_file_names_it_and_how_to_get_it(
+    hub: LocalHub, models: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(OfflineError) as err:
+        pull([spec()], models_dir=models, endpoint=hub.url, offline=True)
+    message = str(err.value)
+    assert NAME in message and REPO in message and "localspec pull" in message
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(OfflineError, match="HF_HUB_OFFLINE"):
+        pull([spec()], models_dir=models, endpoint=hub.url)
+    assert hub.requests == []
+
+
+def test_offline_with_files_present_works(
+    hub: LocalHub, models: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (path,) = pull([spec()], models_dir=models, endpoint=hub.url, progress=False)
+    hub.reset_counts()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert pull([spec()], models_dir=models, progress=False) == [path]
+    assert hub.requests == []
+
+
+def test_hf_endpoint_environment_is_honoured(
+    hub: LocalHub, models: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    (path,) = pull([spec()], models_dir=models, progress=False)
+    assert path.read_bytes() == DATA
+    assert hub.bytes_served(NAME) == SIZE
+
+
+def test_readonly_provisioned_directory_is_searched_first(
+    hub: LocalHub, tmp_path: Path, models: Path
+) -> None:
+    it_dir = tmp_path / "it"
+    provisioned = it_dir / "acme" / "Tiny-Coder-GGUF" / "main" / NAME
+    provisioned.parent.mkdir(parents=True)
+    provisioned.write_bytes(DATA)
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    (flat / NAME).write_bytes(DATA)
+    pinned = spec(sha256=SHA, size=SIZE)
+    assert pull([pinned], models_dir=models, readonly_dirs=[it_dir], progress=False) == [
+        provisioned
+    ]
+    assert pull([pinned], models_dir=models, readonly_dirs=[flat], progress=False) == [flat / NAME]
+    assert hub.requests == []
+    # without a pinned sha256 the hub's LFS sha256 decides, still without a download
+    assert pull([spec()], models_dir=models, readonly_dirs=[it_dir], endpoint=hub.url) == [
+        provisioned
+    ]
+    assert hub.bytes_served() == 0
+
+
+def test_damaged_provisioned_copy_is_not_used(hub: LocalHub, tmp_path: Path, models: Path) -> None:
+    it_dir = tmp_path / "it"
+    (it_dir / NAME).parent.mkdir(parents=True)
+    (it_dir / NAME).write_bytes(DATA[:-1] + b"\0")
+    pinned = spec(sha256=SHA, size=SIZE)
+    assert resolve_local(pinned, models_dir=models, readonly_dirs=[it_dir]) is None
+    (path,) = pull([pinned], models_dir=models, readonly_dirs=[it_dir], endpoint=hub.url)
+    assert path.parent.parent.parent.parent == models and path.read_bytes() == DATA
+
+
+def test_sharded_quant_from_a_catalog_profile(hub: LocalHub, tmp_path: Path, models: Path) -> None:
+    shards = [random.Random(i).randbytes(200_000 + i) for i in (1, 2)]
+    names = [f"big-q4_k_m-0000{i}-of-00002.gguf" for i in (1, 2)]
+    for name, data in zip(names, shards, strict=True):
+        hub.add_file("acme/Big-GGUF", name, data)
+    profile = tmp_path / "profile"
+    profile.mkdir()
+    files = ", ".join(f'{{ filename = "{n}" }}' for n in names)
+    (profile / "big.toml").write_text(
+        textwrap.dedent(
+            f"""
+            [models.big]
+            family = "qwen2.5-coder"
+            role = "target"
+            params_b = 99
+            tokenizer = {{ family = "qwen2.5" }}
+            [models.big.arch]
+            n_layer = 2
+            n_embd = 64
+            n_head = 4
+            n_head_kv = 2
+            head_dim = 16
+            n_vocab = 152064
+            n_ctx_train = 4096
+            tied_embeddings = false
+            [models.big.quants.Q4_K_M]
+            repo = "acme/Big-GGUF"
+            files = [{files}]
+            """
+        )
+    )
+    catalog = load_catalog([profile])
+    quant = catalog.model("big").quants["Q4_K_M"]
+    status = {(r.model_id, r.quant): r for r in model_status(catalog, models_dir=models)}
+    assert not status["big", "Q4_K_M"].present
+    paths = pull([quant], models_dir=models, endpoint=hub.url, progress=False)
+    assert [p.read_bytes() for p in paths] == shards
+    assert resolve_local(quant, models_dir=models) == paths[0]
+    row = {(r.model_id, r.quant): r for r in model_status(catalog, models_dir=models)}
+    assert row["big", "Q4_K_M"].present and row["big", "Q4_K_M"].verified
+    assert row["big", "Q4_K_M"].path == paths[0]
+    assert not row["qwen2.5-coder-7b", "Q8_0"].present
+    assert row["qwen2.5-coder-7b", "Q8_0"].size_bytes == 8_098_525_600
+
+
+def test_local_path_entries_bypass_the_hub(tmp_path: Path, models: Path) -> None:
+    local = tmp_path / "mine.gguf"
+    local.write_bytes(DATA)
+    entry = FileSpec(filename="mine.gguf", path=str(local), sha256=SHA)
+    assert pull([entry], models_dir=models, offline=True) == [local]
+    bad = FileSpec(filename="mine.gguf", path=str(local), sha256="1" * 64)
+    with pytest.raises(VerifyError, match="the catalog expects 1111"):
+        pull([bad], models_dir=models)
+    with pytest.raises(FetchError, match="does not exist"):
+        pull([FileSpec(filename="x.gguf", path=str(tmp_path / "x.gguf"))], models_dir=models)
+
+
+def test_hub_errors_say_what_is_wrong(hub: LocalHub, models: Path) -> None:
+    with pytest.raises(FetchError, match=r"nope\.gguf not found in acme/Tiny-Coder-GGUF"):
+        pull([FileSpec("nope.gguf", REPO)], models_dir=models, endpoint=hub.url)
+    with pytest.raises(FetchError, match="repo acme/Missing not found"):
+        pull([FileSpec(NAME, "acme/Missing")], models_dir=models, endpoint=hub.url)
+    with pytest.raises(FetchError, match="revision deadbeef of acme"):
+        pull([spec(revision="deadbeef")], models_dir=models, endpoint=hub.url)
+    with pytest.raises(FetchError, match=r"cannot reach http://127\.0\.0\.1:9"):
+        pull([spec()], models_dir=models, endpoint="http://127.0.0.1:9")
+
+
+DISK_FULL = """
+import resource, signal, sys
+from pathlib import Path
+from localspec.fetch import FetchError, FileSpec, pull
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+limit = int(sys.argv[3])
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+try:
+    pull([FileSpec({name!r}, {repo!r})], models_dir=Path(sys.argv[1]), endpoint=sys.argv[2],
+         force=True, progress=False)
+except FetchError as exc:
+    print(exc)
+    sys.exit(3)
+"""
+
+
+def test_disk_full_discards_the_partial_and_keeps_the_good_file(
+    hub: LocalHub, models: Path
+) -> None:
+    (good,) = pull([spec()], models_dir=models, endpoint=hub.url, progress=False)
+    script = DISK_FULL.format(name=NAME, repo=REPO)
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(models), hub.url, str(SIZE // 2)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 3, result.stderr
+    assert "disk full" in result.stdout and "partial file was removed" in result.stdout
+    assert not good.with_name(NAME + ".partial").exists()
+    assert good.read_bytes() == DATA
+    assert resolve_local(spec(), models_dir=models) == good
