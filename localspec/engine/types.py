@@ -49,6 +49,9 @@ class EngineSettings:
     n_slots: int = 1
     spec: SpecSettings = field(default_factory=SpecSettings)
     cache_reuse: int = 256  # min chunk length moved by KV shift; 0 disables chunk reuse
+    # min length of a moved run that ENDS the prompt (the FIM suffix block behind the cursor);
+    # only used when cache_reuse > 0
+    tail_reuse: int = 32
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,8 @@ class GenerationResult:
     n_evaluated: int = 0  # prompt tokens the target evaluated for this request
     draft_n_cached: int = 0
     draft_n_evaluated: int = 0
+    n_shifted: int = 0  # of n_cached, tokens moved by a KV shift (chunk/tail reuse)
+    draft_n_shifted: int = 0
     prompt_ms: float = 0.0
     predicted_ms: float = 0.0
     drafted: dict[str, DraftStats] = field(default_factory=dict)  # by source: draft, ngram

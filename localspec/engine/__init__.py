@@ -1,0 +1,41 @@
+"""localspec's engine: the only code that touches llama-cpp-python's low-level API."""
+
+from localspec.engine.engine import Engine
+from localspec.engine.errors import (
+    DecodeError,
+    EngineError,
+    ModelLoadError,
+    PairMismatchError,
+    PromptTooLongError,
+)
+from localspec.engine.types import (
+    DraftStats,
+    EngineSettings,
+    GenerationRequest,
+    GenerationResult,
+    ModelSettings,
+    SamplingParams,
+    SpecSettings,
+    TokenCallback,
+    TokenEvent,
+)
+from localspec.engine.vocab import FimTokens
+
+__all__ = [
+    "DecodeError",
+    "DraftStats",
+    "Engine",
+    "EngineError",
+    "EngineSettings",
+    "FimTokens",
+    "GenerationRequest",
+    "GenerationResult",
+    "ModelLoadError",
+    "ModelSettings",
+    "PairMismatchError",
+    "PromptTooLongError",
+    "SamplingParams",
+    "SpecSettings",
+    "TokenCallback",
+    "TokenEvent",
+]

@@ -1,0 +1,121 @@
+"""Per-slot KV caches on one llama context: apply a reuse plan, evaluate, roll back.
+
+Each slot is one sequence id and keeps the list of tokens whose KV it holds (position i
+holds token i). One extra sequence (``scratch``) parks the KV runs a plan moves: llama.cpp
+only accepts a batch that continues a sequence (positions max+1...), so the runs that come
+after an edited middle are parked, the middle is evaluated, and each run is re-attached when
+the evaluation reaches its position. With a unified KV buffer, parking re-tags cells (no copy).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from localspec.engine.cache_plan import ReusePlan, plan_reuse
+from localspec.engine.llama import Context
+
+
+@dataclass
+class PrefillResult:
+    n_cached: int  # prompt tokens whose KV was kept (prefix + moved runs)
+    n_evaluated: int  # prompt tokens decoded now
+    n_moved: int  # of n_cached, tokens moved by a KV shift (approximate reuse)
+    cancelled: bool = False
+
+
+class SlotCaches:
+    def __init__(self, ctx: Context, n_slots: int) -> None:
+        self.ctx = ctx
+        self.n_slots = n_slots
+        self.scratch = n_slots
+        self.tokens: list[list[int]] = [[] for _ in range(n_slots)]
+
+    def plan(self, slot: int, prompt: Sequence[int], *, min_chunk: int, tail_min: int) -> ReusePlan:
+        return plan_reuse(
+            self.tokens[slot],
+            prompt,
+            min_chunk=min_chunk,
+            tail_min=tail_min,
+            can_shift=self.ctx.can_shift,
+        )
+
+    def prefill(
+        self,
+        slot: int,
+        prompt: Sequence[int],
+        *,
+        min_chunk: int = 0,
+        tail_min: int = 0,
+        cancel: threading.Event | None = None,
+        chunk: int | None = None,
+    ) -> PrefillResult:
+        """Make the slot hold ``prompt`` (logits of its last token ready); reuse what it can."""
+        ctx, seq = self.ctx, slot
+        plan = self.plan(slot, prompt, min_chunk=min_chunk, tail_min=tail_min)
+        cached = self.tokens[slot]
+        n_moved = sum(r.n for r in plan.runs)
+        if plan.runs:
+            scratch = self.scratch
+            ctx.seq_rm(scratch, -1, -1)
+            for r in plan.runs:
+                ctx.seq_cp(seq, scratch, r.src, r.src + r.n)
+            ctx.seq_rm(seq, plan.n_prefix, -1)
+            # two-step shift so a run's destination never overlaps a run not yet moved
+            big = len(cached) + len(prompt) + 1
+            ctx.seq_add(scratch, 0, -1, big)
+            for r in plan.runs:
+                ctx.seq_add(scratch, r.src + big, r.src + r.n + big, r.dst - r.src - big)
+        else:
+            ctx.seq_rm(seq, plan.n_prefix, -1)
+        toks = list(prompt[: plan.n_prefix])
+        self.tokens[slot] = toks
+        step = max(1, min(chunk or ctx.n_batch, ctx.n_batch))
+        runs = {r.dst: r for r in plan.runs}
+        pos = plan.n_prefix
+        n_prompt = len(prompt)
+        cancelled = False
+        while pos < n_prompt:
+            run = runs.get(pos)
+            if run is not None:
+                ctx.seq_cp(self.scratch, seq, run.dst, run.dst + run.n)
+                ctx.seq_rm(self.scratch, run.dst, run.dst + run.n)
+                toks.extend(prompt[run.dst : run.dst + run.n])
+                pos += run.n
+                continue
+            if cancel is not None and cancel.is_set():
+                cancelled = True
+                break
+            end = min(n_prompt, pos + step)
+            nxt = min((d for d in runs if d > pos), default=n_prompt)
+            end = min(end, nxt)
+            ctx.decode(prompt[pos:end], pos, seq, logits="last" if end == n_prompt else "none")
+            toks.extend(prompt[pos:end])
+            pos = end
+        if plan.runs:
+            ctx.seq_rm(self.scratch, -1, -1)
+        if cancelled:
+            # count the runs that were attached before the cancel as cached
+            attached = sum(r.n for r in plan.runs if r.dst + r.n <= len(toks))
+            n_eval = len(toks) - plan.n_prefix - attached
+            return PrefillResult(plan.n_prefix + attached, n_eval, attached, True)
+        return PrefillResult(plan.n_reused, plan.n_evaluated, n_moved)
+
+    def append(self, slot: int, tokens: Sequence[int], *, logits: str | Sequence[int]) -> int:
+        """Decode ``tokens`` after the slot's content; returns their first position."""
+        toks = self.tokens[slot]
+        pos = len(toks)
+        self.ctx.decode(tokens, pos, slot, logits=logits)
+        toks.extend(tokens)
+        return pos
+
+    def truncate(self, slot: int, n_keep: int) -> None:
+        """Drop KV from position ``n_keep`` on (rejected draft tokens, a cancelled tail)."""
+        if n_keep < len(self.tokens[slot]):
+            self.ctx.seq_rm(slot, n_keep, -1)
+            del self.tokens[slot][n_keep:]
+
+    def clear(self, slot: int) -> None:
+        self.ctx.seq_rm(slot, -1, -1)
+        self.tokens[slot] = []

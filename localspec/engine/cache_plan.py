@@ -1,0 +1,122 @@
+"""Which cached KV a new prompt can keep: pure planning over two token lists.
+
+A slot's cache holds ``cached`` (tokens with KV at positions 0..n-1). For a new ``prompt`` the
+plan keeps the longest common prefix in place, then (chunk reuse, like llama-server's
+``--cache-reuse N``) moves later runs of the cache that reappear in the prompt to their new
+positions by a KV shift instead of recomputing them. Two differences from llama-server:
+
+* runs may be separated by NEW prompt tokens (an edit in the middle), not only by deleted
+  cache tokens; llama-server stops reusing at the first inserted token;
+* a run that ends the prompt (the FIM suffix block behind the cursor) needs only
+  ``tail_min`` tokens, not ``min_chunk``: the editor changes the middle of the FIM layout on
+  every keystroke, and that block (~255 tokens with n_batch 1024) is just under llama-server's
+  256 threshold, so llama-server re-evaluates it every time.
+
+The last prompt token is always evaluated fresh (its logits start the generation).
+Moved KV was computed under a slightly different left context: an approximation whose cost
+the benchmark measures; ``min_chunk = 0`` turns all of it off (prefix reuse only: exact).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+ANCHOR = 4  # tokens hashed to find candidate runs; shorter runs are never worth a shift
+MAX_CANDIDATES = 32  # cache positions tried per prompt position (bounds repetitive input)
+
+
+@dataclass(frozen=True)
+class Run:
+    """Cache tokens [src, src + n) move to prompt positions [dst, dst + n)."""
+
+    src: int
+    dst: int
+    n: int
+
+
+@dataclass(frozen=True)
+class ReusePlan:
+    n_prefix: int  # prompt[:n_prefix] is kept in place
+    runs: tuple[Run, ...] = ()  # ordered by dst (and by src: runs never cross)
+    n_prompt: int = 0
+    fresh: tuple[tuple[int, int], ...] = field(default=())  # [start, end) prompt spans to evaluate
+
+    @property
+    def n_reused(self) -> int:
+        return self.n_prefix + sum(r.n for r in self.runs)
+
+    @property
+    def n_evaluated(self) -> int:
+        return self.n_prompt - self.n_reused
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _fresh_spans(n_prefix: int, runs: Sequence[Run], n_prompt: int) -> tuple[tuple[int, int], ...]:
+    spans: list[tuple[int, int]] = []
+    head = n_prefix
+    for run in runs:
+        if run.dst > head:
+            spans.append((head, run.dst))
+        head = run.dst + run.n
+    if head < n_prompt:
+        spans.append((head, n_prompt))
+    return tuple(spans)
+
+
+def plan_reuse(
+    cached: Sequence[int],
+    prompt: Sequence[int],
+    *,
+    min_chunk: int = 256,
+    tail_min: int = 32,
+    can_shift: bool = True,
+) -> ReusePlan:
+    """Plan the reuse of ``cached`` KV for ``prompt`` (see the module docstring)."""
+    n_prompt = len(prompt)
+    n_prefix = common_prefix(cached, prompt)
+    if n_prefix >= n_prompt:
+        n_prefix = max(0, n_prompt - 1)  # the last token is re-evaluated for its logits
+    runs: list[Run] = []
+    if min_chunk > 0 and can_shift and n_prompt - n_prefix > ANCHOR:
+        runs = _find_runs(cached, prompt, n_prefix, min_chunk, max(ANCHOR, tail_min))
+    return ReusePlan(n_prefix, tuple(runs), n_prompt, _fresh_spans(n_prefix, runs, n_prompt))
+
+
+def _find_runs(
+    cached: Sequence[int], prompt: Sequence[int], start: int, min_chunk: int, tail_min: int
+) -> list[Run]:
+    n_cache, n_prompt = len(cached), len(prompt)
+    end = n_prompt - 1  # the last prompt token never comes from the cache
+    index: dict[tuple[int, ...], list[int]] = {}
+    for c in range(start, n_cache - ANCHOR + 1):
+        index.setdefault(tuple(cached[c : c + ANCHOR]), []).append(c)
+    runs: list[Run] = []
+    head_c = start  # runs are monotone: the next one starts at or after this cache index
+    p = start
+    while p + ANCHOR <= end:
+        best_c, best_n = -1, 0
+        cands = index.get(tuple(prompt[p : p + ANCHOR]), [])
+        first = bisect_left(cands, head_c)
+        for c in cands[first : first + MAX_CANDIDATES]:
+            n = ANCHOR
+            while c + n < n_cache and p + n < end and cached[c + n] == prompt[p + n]:
+                n += 1
+            if n > best_n:
+                best_c, best_n = c, n
+        ends_prompt = p + best_n == end
+        if best_n >= min_chunk or (ends_prompt and best_n >= tail_min):
+            runs.append(Run(best_c, p, best_n))
+            head_c = best_c + best_n
+            p += best_n
+        else:
+            p += 1
+    return runs

@@ -1,0 +1,440 @@
+"""The engine: a target (and optional draft) model, per-slot caches, the speculative loop.
+
+``generate`` runs one request on one slot: reuse the slot's cache for the prompt, then emit
+tokens. Each step may verify a draft (from the n-gram drafter or the draft model) in ONE
+target batch; drafted tokens are accepted while the target's own sampler draws them, the
+first disagreement emits the target's token, and rejected KV is removed from both models.
+The sampler draws once per emitted token in the same order with or without speculation, so
+the output is the target's own output.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from localspec.engine.cache import SlotCaches
+from localspec.engine.errors import EngineError, PromptTooLongError
+from localspec.engine.llama import Clock, Context, Model
+from localspec.engine.ngram import NgramIndex
+from localspec.engine.policy import SpecPolicy
+from localspec.engine.sampling import Sampler
+from localspec.engine.stops import StopRules
+from localspec.engine.types import (
+    DraftStats,
+    EngineSettings,
+    GenerationRequest,
+    GenerationResult,
+    TokenCallback,
+    TokenEvent,
+)
+from localspec.engine.vocab import Vocab, check_pair
+
+
+@dataclass
+class _Timing:
+    """Machine-level speeds carried from request to request (they do not depend on text)."""
+
+    t1_ms: float = 0.0
+    slope: float = 0.05
+    draft_cost_ms: float = -1.0
+
+
+def draft_window_start(n_prompt: int, window: int) -> int:
+    """Where the draft model's view of a prompt begins.
+
+    The start moves in steps of window/4, so while the prompt grows by a few tokens per
+    keystroke the draft's cached window keeps its first token and plain prefix reuse works.
+    """
+    if window <= 0 or n_prompt <= window:
+        return 0
+    grain = max(1, window // 4)
+    return -(-(n_prompt - window) // grain) * grain
+
+
+class Engine:
+    """A loaded model pair. ``generate`` is synchronous and not thread-safe."""
+
+    def __init__(self, settings: EngineSettings) -> None:
+        if settings.n_slots < 1:
+            raise ValueError(f"n_slots must be >= 1, got {settings.n_slots}")
+        self.settings = settings
+        self.n_slots = settings.n_slots
+        self._clock = Clock()
+        self._closed = False
+        self._target = Model(settings.target)
+        self._draft: Model | None = None
+        self._tctx: Context | None = None
+        self._dctx: Context | None = None
+        try:
+            self.vocab = Vocab(self._target.vocab_handle)
+            if settings.draft is not None:
+                self._draft = Model(settings.draft)
+                check_pair(self.vocab, Vocab(self._draft.vocab_handle))
+            self._tctx = Context(
+                self._target,
+                settings.target,
+                n_seq=self.n_slots + 1,
+                n_ctx_total=settings.target.n_ctx * self.n_slots,
+                clock=self._clock,
+            )
+            if self._draft is not None and settings.draft is not None:
+                self._dctx = Context(
+                    self._draft,
+                    settings.draft,
+                    n_seq=self.n_slots + 1,
+                    n_ctx_total=settings.draft.n_ctx * self.n_slots,
+                    clock=self._clock,
+                )
+        except BaseException:
+            self.close()
+            raise
+        self.n_ctx = settings.target.n_ctx
+        self.n_batch = self._tctx.n_batch
+        self.n_ctx_train = self._target.n_ctx_train
+        self.model_path = self._target.path
+        self.draft_path = self._draft.path if self._draft is not None else None
+        self.draft_n_ctx = settings.draft.n_ctx if settings.draft is not None else 0
+        self._tcache = SlotCaches(self._tctx, self.n_slots)
+        self._dcache = SlotCaches(self._dctx, self.n_slots) if self._dctx is not None else None
+        self._timing = _Timing()
+
+    @classmethod
+    def load(cls, settings: EngineSettings) -> Engine:
+        return cls(settings)
+
+    # --- public helpers ------------------------------------------------------------------
+    def slot_tokens(self, slot: int) -> list[int]:
+        self._check_slot(slot)
+        return list(self._tcache.tokens[slot])
+
+    def draft_slot_tokens(self, slot: int) -> list[int]:
+        self._check_slot(slot)
+        return list(self._dcache.tokens[slot]) if self._dcache is not None else []
+
+    def clear_slot(self, slot: int) -> None:
+        self._check_slot(slot)
+        self._tcache.clear(slot)
+        if self._dcache is not None:
+            self._dcache.clear(slot)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for obj in (self._dctx, self._tctx, self._draft, self._target):
+            if obj is not None:
+                obj.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.n_slots:
+            raise ValueError(f"slot {slot} out of range (0..{self.n_slots - 1})")
+
+    # --- generation ----------------------------------------------------------------------
+    def generate(
+        self,
+        req: GenerationRequest,
+        *,
+        cancel: threading.Event | None = None,
+        on_token: TokenCallback | None = None,
+    ) -> GenerationResult:
+        if self._closed:
+            raise EngineError("engine is closed")
+        self._check_slot(req.slot)
+        n_prompt = len(req.prompt)
+        if n_prompt == 0:
+            raise ValueError("empty prompt")
+        if n_prompt >= self.n_ctx:
+            raise PromptTooLongError(
+                f"prompt of {n_prompt} tokens does not fit the slot context of {self.n_ctx}"
+            )
+        bad = [t for t in req.prompt if not 0 <= t < self.vocab.n_vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} out of range (n_vocab {self.vocab.n_vocab})")
+        run = _Run(self, req, cancel, on_token)
+        try:
+            return run.execute()
+        finally:
+            run.close()
+
+
+class _Run:
+    """One generate() call: its state lives here so the engine object stays small."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        req: GenerationRequest,
+        cancel: threading.Event | None,
+        on_token: TokenCallback | None,
+    ) -> None:
+        self.e = engine
+        self.req = req
+        self.cancel = cancel
+        self.on_token = on_token
+        self.slot = req.slot
+        spec = engine.settings.spec
+        self.n_max = spec.n_max if req.spec_n_max is None else req.spec_n_max
+        self.n_min = spec.n_min if req.spec_n_min is None else req.spec_n_min
+        self.p_min = spec.p_min if req.spec_p_min is None else req.spec_p_min
+        self.mode = spec.mode if self.n_max > 0 else "off"
+        self.sampler = Sampler(req.sampling, engine._tctx, engine.vocab.handle)
+        self.result = GenerationResult(tokens=[], text="", stop_type="none")
+        self.result.n_prompt = len(req.prompt)
+        self.out: list[int] = []
+        self.ngram: NgramIndex | None = None
+        self.dbase: list[int] | None = None  # the draft's window of the prompt, once synced
+        self.draft_ok = engine._dcache is not None and self.mode in ("draft", "hybrid", "auto")
+        self.policy = SpecPolicy(n_max=max(self.n_max, 1))
+        t = engine._timing
+        self.policy.t1_ms, self.policy.slope = t.t1_ms, t.slope
+        self.policy.sources["draft"].cost_ms = t.draft_cost_ms
+
+    def close(self) -> None:
+        self.sampler.close()
+
+    # --- the request ---------------------------------------------------------------------
+    def execute(self) -> GenerationResult:
+        e, req, res = self.e, self.req, self.result
+        clock = e._clock
+        t0 = time.perf_counter()
+        inside0 = clock.inside_ms
+        settings = e.settings
+        if not req.cache_prompt:
+            e.clear_slot(self.slot)
+        min_chunk = settings.cache_reuse if req.cache_prompt else 0
+        pre = e._tcache.prefill(
+            self.slot,
+            req.prompt,
+            min_chunk=min_chunk,
+            tail_min=settings.tail_reuse,
+            cancel=self.cancel,
+        )
+        res.n_cached, res.n_evaluated, res.n_shifted = pre.n_cached, pre.n_evaluated, pre.n_moved
+        t1 = time.perf_counter()
+        res.prompt_ms = (t1 - t0) * 1000.0
+        if pre.cancelled:
+            res.cancelled = True
+        elif req.n_predict == 0:
+            res.stop_type = "limit"
+        else:
+            self._decode_loop()
+        t2 = time.perf_counter()
+        res.predicted_ms = (t2 - t1) * 1000.0
+        res.tokens = list(self.out)
+        res.t_outside_ms = max(0.0, (t2 - t0) * 1000.0 - (clock.inside_ms - inside0))
+        tm = e._timing
+        tm.t1_ms, tm.slope = self.policy.t1_ms, self.policy.slope
+        tm.draft_cost_ms = self.policy.sources["draft"].cost_ms
+        return res
+
+    def _decode_loop(self) -> None:
+        e, req, res = self.e, self.req, self.result
+        tcache = e._tcache
+        slot = self.slot
+        stops = StopRules(
+            stop=req.stop,
+            n_predict=req.n_predict,
+            n_indent=req.n_indent,
+            t_max_predict_ms=req.t_max_predict_ms,
+        )
+        self.stops = stops
+        if self.mode != "off":
+            self.ngram = NgramIndex(req.prompt, n_min=e.settings.spec.ngram_min)
+        ts = time.perf_counter()
+        last = self.sampler.sample(-1)
+        res.t_sample_ms += (time.perf_counter() - ts) * 1000.0
+        events: list[TokenEvent] = []
+        stop = self._emit(last, len(tcache.tokens[slot]), events)
+        self._deliver(events)
+        while not stop:
+            if self.cancel is not None and self.cancel.is_set():
+                res.cancelled = True
+                break
+            n_before = len(tcache.tokens[slot])
+            room = e.n_ctx - n_before - 2  # keep one cell free after the batch (llama-server)
+            if req.n_predict >= 0:
+                room = min(room, req.n_predict - len(self.out) - 1)
+            source, draft = self._propose(room)
+            batch = [last, *draft]
+            tv = time.perf_counter()
+            tcache.append(slot, batch, logits="all" if draft else "last")
+            dt = (time.perf_counter() - tv) * 1000.0
+            res.t_verify_ms += dt
+            self.policy.observe_target(len(batch), dt)
+            ts = time.perf_counter()
+            accepted = 0
+            new_tokens: list[int] = []
+            for j in range(len(batch)):
+                tok = self.sampler.sample(j if draft else -1)
+                new_tokens.append(tok)
+                if j < len(draft) and tok == draft[j]:
+                    accepted += 1
+                    continue
+                break
+            res.t_sample_ms += (time.perf_counter() - ts) * 1000.0
+            if draft:
+                st = res.drafted.setdefault(source, DraftStats())
+                st.drafted += len(draft)
+                st.accepted += accepted
+                self.policy.observe_result(source, len(draft), accepted)
+            self.policy.tick()
+            events = []
+            n_emitted = 0
+            for tok in new_tokens:
+                n_emitted += 1
+                stop = self._emit(tok, n_before + n_emitted, events)
+                if stop:
+                    break
+            # KV keeps everything emitted except the newest token (it is not decoded yet)
+            tcache.truncate(slot, n_before + n_emitted)
+            self._sync_draft_after_step()
+            last = self.out[-1]
+            self._deliver(events)
+        if res.cancelled or not stop:
+            tail = stops.flush()
+            if tail and self.on_token is not None and self.out:
+                self.on_token(TokenEvent(self.out[-1], tail))
+        res.text = stops.text
+        res.stop_type = stops.stop_type if not res.cancelled else "none"
+        res.stopping_word = stops.stopping_word
+
+    def _emit(self, tok: int, n_kv_before: int, events: list[TokenEvent]) -> bool:
+        """Account one emitted token (stop rules); the text goes to ``events``."""
+        self.out.append(tok)
+        if self.ngram is not None:
+            self.ngram.extend((tok,))
+        e = self.e
+        outcome = self.stops.push(
+            e.vocab.piece(tok),
+            is_eog=tok in e.vocab.eog,
+            context_full=n_kv_before + 1 >= e.n_ctx,
+        )
+        text = outcome.text
+        if outcome.stop:
+            text += self.stops.flush()
+        events.append(TokenEvent(tok, text))
+        return outcome.stop
+
+    def _deliver(self, events: list[TokenEvent]) -> None:
+        if self.on_token is not None:
+            for ev in events:
+                self.on_token(ev)
+
+    # --- drafting ------------------------------------------------------------------------
+    def _propose(self, room: int) -> tuple[str, list[int]]:
+        """Pick a draft source and length for this step; ("", []) means a plain step."""
+        res = self.result
+        if self.mode == "off" or room < 1 or self.ngram is None:
+            return "", []
+        n_max = min(self.n_max, room)
+        td = time.perf_counter()
+        source, draft = "", []
+        if self.mode in ("ngram", "hybrid", "auto"):
+            k = n_max if self.mode != "auto" else min(n_max, self.policy.plan("ngram"))
+            if k > 0:
+                draft = self.ngram.draft(k)[0]
+                source = "ngram"
+        if len(draft) < max(self.n_min, 1):
+            draft, source = [], ""
+            if self.draft_ok and self.mode in ("draft", "hybrid", "auto"):
+                k = n_max if self.mode != "auto" else min(n_max, self.policy.plan("draft"))
+                if k > 0:
+                    draft = self._draft_model(k)
+                    source = "draft"
+        if len(draft) < max(self.n_min, 1):
+            draft, source = [], ""
+        res.t_draft_ms += (time.perf_counter() - td) * 1000.0
+        return source, draft
+
+    def _draft_target_seq(self) -> list[int]:
+        assert self.dbase is not None
+        return self.dbase + self.out
+
+    def _sync_draft(self) -> bool:
+        """Bring the draft's cache in step with the prompt window + emitted tokens (lazy: a
+        request that never drafts with the model never pays for the draft's prefill)."""
+        e, res = self.e, self.result
+        dcache = e._dcache
+        assert dcache is not None
+        if self.dbase is None:
+            prompt = self.req.prompt
+            window = e.settings.spec.draft_window
+            start = draft_window_start(len(prompt), window)
+            base = list(prompt[start:])
+            if len(base) + len(self.out) + self.n_max + 2 > e.draft_n_ctx:
+                base = base[-max(1, e.draft_n_ctx - len(self.out) - self.n_max - 2) :]
+            pre = dcache.prefill(
+                self.slot,
+                base,
+                min_chunk=e.settings.cache_reuse if self.req.cache_prompt else 0,
+                tail_min=e.settings.tail_reuse,
+                cancel=self.cancel,
+            )
+            res.draft_n_cached += pre.n_cached
+            res.draft_n_evaluated += pre.n_evaluated
+            res.draft_n_shifted += pre.n_moved
+            if pre.cancelled:
+                return False
+            self.dbase = base
+        return True
+
+    def _draft_model(self, k: int) -> list[int]:
+        e = self.e
+        dcache = e._dcache
+        dctx = e._dctx
+        assert dcache is not None and dctx is not None
+        if not self._sync_draft():
+            return []
+        seq = self._draft_target_seq()
+        have = dcache.tokens[self.slot]
+        if len(seq) + k + 1 > e.draft_n_ctx:
+            k = e.draft_n_ctx - len(seq) - 1
+            if k < 1:
+                self.draft_ok = False
+                return []
+        pending = seq[len(have) :]
+        t0 = time.perf_counter()
+        n_calls = 0
+        if pending:
+            for i in range(0, len(pending), dctx.n_batch):
+                part = pending[i : i + dctx.n_batch]
+                dcache.append(self.slot, part, logits="last")
+                n_calls += 1
+        proposals: list[int] = []
+        while True:
+            row = dctx.logits(-1)
+            tok = int(row.argmax())
+            p = 1.0 / float(np.exp(row - row[tok]).sum())
+            if p < self.p_min:
+                break
+            proposals.append(tok)
+            if len(proposals) >= k:
+                break
+            dcache.append(self.slot, [tok], logits="last")
+            n_calls += 1
+        if n_calls:
+            self.policy.observe_draft_cost("draft", (time.perf_counter() - t0) * 1000.0 / n_calls)
+        return proposals
+
+    def _sync_draft_after_step(self) -> None:
+        """Drop the draft's KV for proposals the target rejected (never keep them)."""
+        dcache = self.e._dcache
+        if dcache is None or self.dbase is None:
+            return
+        have = dcache.tokens[self.slot]
+        seq = self._draft_target_seq()
+        n = len(self.dbase)
+        limit = min(len(have), len(seq) - 1)
+        while n < limit and have[n] == seq[n]:
+            n += 1
+        dcache.truncate(self.slot, n)

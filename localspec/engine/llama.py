@@ -1,0 +1,260 @@
+"""The thin layer over llama-cpp-python's ctypes API: models, contexts, batches, KV memory.
+
+Every llama.cpp call the engine makes goes through here, timed into ``Clock.inside_ms`` so
+the engine can report the share of wall time spent outside llama.cpp.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import llama_cpp.llama_cpp as C
+import numpy as np
+
+from localspec.engine.errors import DecodeError, ModelLoadError
+from localspec.engine.types import ModelSettings
+
+_KV_TYPES = {
+    "f32": C.GGML_TYPE_F32,
+    "f16": C.GGML_TYPE_F16,
+    "q8_0": C.GGML_TYPE_Q8_0,
+    "q4_0": C.GGML_TYPE_Q4_0,
+    "q4_1": C.GGML_TYPE_Q4_1,
+    "q5_0": C.GGML_TYPE_Q5_0,
+    "q5_1": C.GGML_TYPE_Q5_1,
+}
+
+_log = logging.getLogger("localspec.llama")
+
+
+@C.llama_log_callback
+def _quiet_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    """llama.cpp's errors go to our logger; its chatter (load lines, warnings) is dropped.
+    Set LOCALSPEC_LLAMA_LOG=1 to see everything."""
+    if level == 3:
+        _log.error("%s", text.decode("utf-8", errors="replace").rstrip())
+
+
+_backend_lock = threading.Lock()
+_backend_ready = False
+
+
+def _init_backend() -> None:
+    """Once per process; llama-cpp-python logs every load line unless told otherwise."""
+    global _backend_ready
+    with _backend_lock:
+        if _backend_ready:
+            return
+        if not os.environ.get("LOCALSPEC_LLAMA_LOG"):
+            C.llama_log_set(_quiet_log, ctypes.c_void_p(0))
+        C.llama_backend_init()
+        _backend_ready = True
+
+
+class Clock:
+    """Accumulates the time spent inside llama.cpp calls."""
+
+    __slots__ = ("inside_ms",)
+
+    def __init__(self) -> None:
+        self.inside_ms = 0.0
+
+
+def physical_cores() -> int:
+    try:
+        import psutil
+
+        return max(1, psutil.cpu_count(logical=False) or os.cpu_count() or 1)
+    except Exception:  # psutil missing or unable to tell: fall back to logical cores
+        return max(1, os.cpu_count() or 1)
+
+
+def check_gguf_file(path: str) -> None:
+    """Fail early with a message naming the file (llama.cpp would only say 'failed to load')."""
+    p = Path(path)
+    if not p.exists():
+        raise ModelLoadError(f"model file not found: {path}")
+    if not p.is_file():
+        raise ModelLoadError(f"model path is not a file: {path}")
+    size = p.stat().st_size
+    with p.open("rb") as fh:
+        magic = fh.read(4)
+    if magic != b"GGUF":
+        raise ModelLoadError(
+            f"not a GGUF file: {path} (starts with {magic!r}, {size} bytes); "
+            "download it again or pick the .gguf file"
+        )
+
+
+class Model:
+    """A loaded GGUF model (weights only; contexts hold the KV cache)."""
+
+    def __init__(self, settings: ModelSettings) -> None:
+        _init_backend()
+        check_gguf_file(settings.path)
+        params = C.llama_model_default_params()
+        params.n_gpu_layers = settings.n_gpu_layers
+        handle = C.llama_model_load_from_file(str(settings.path).encode(), params)
+        if not handle:
+            size = Path(settings.path).stat().st_size
+            raise ModelLoadError(
+                f"llama.cpp could not load {settings.path} ({size} bytes): the file is "
+                "truncated, corrupt or of an unsupported architecture; download it again"
+            )
+        self.handle = handle
+        self.path = str(settings.path)
+        self.vocab_handle = C.llama_model_get_vocab(handle)
+        self.n_ctx_train = int(C.llama_model_n_ctx_train(handle))
+
+    def close(self) -> None:
+        if self.handle:
+            C.llama_model_free(self.handle)
+            self.handle = None
+
+
+class Context:
+    """One llama context: ``n_seq`` sequences sharing one unified KV buffer.
+
+    Unified KV lets a sequence's cells be re-tagged to another sequence without a copy, which
+    the cache-reuse code uses to park KV runs while it evaluates the tokens before them.
+    """
+
+    def __init__(
+        self, model: Model, settings: ModelSettings, *, n_seq: int, n_ctx_total: int, clock: Clock
+    ) -> None:
+        params = C.llama_context_default_params()
+        params.n_ctx = n_ctx_total
+        params.n_batch = settings.n_batch
+        params.n_ubatch = min(settings.n_ubatch, settings.n_batch)
+        params.n_seq_max = n_seq
+        params.kv_unified = True
+        threads = settings.n_threads or physical_cores()
+        params.n_threads = threads
+        params.n_threads_batch = settings.n_threads_batch or threads
+        params.no_perf = True
+        if settings.flash_attn is None:
+            params.flash_attn_type = C.LLAMA_FLASH_ATTN_TYPE_AUTO
+        else:
+            params.flash_attn_type = (
+                C.LLAMA_FLASH_ATTN_TYPE_ENABLED
+                if settings.flash_attn
+                else C.LLAMA_FLASH_ATTN_TYPE_DISABLED
+            )
+        for name in ("type_k", "type_v"):
+            value = getattr(settings, name)
+            if value not in _KV_TYPES:
+                raise ModelLoadError(
+                    f"unknown KV cache type {name}={value!r}: use one of {', '.join(_KV_TYPES)}"
+                )
+            setattr(params, name, _KV_TYPES[value])
+        handle = C.llama_init_from_model(model.handle, params)
+        if not handle:
+            raise ModelLoadError(
+                f"llama.cpp could not create a context for {model.path} "
+                f"(n_ctx={n_ctx_total}, n_batch={settings.n_batch}): out of memory?"
+            )
+        self.handle = handle
+        self.model = model
+        self.clock = clock
+        self.n_batch = int(C.llama_n_batch(handle))
+        self.n_ctx_total = int(C.llama_n_ctx(handle))
+        self.n_vocab = int(C.llama_vocab_n_tokens(model.vocab_handle))
+        self.mem = C.llama_get_memory(handle)
+        self.can_shift = bool(C.llama_memory_can_shift(self.mem))
+        self._cap = self.n_batch
+        self._batch = C.llama_batch_init(self._cap, 0, 1)
+        self._tok = np.ctypeslib.as_array(self._batch.token, shape=(self._cap,))
+        self._pos = np.ctypeslib.as_array(self._batch.pos, shape=(self._cap,))
+        self._nseq = np.ctypeslib.as_array(self._batch.n_seq_id, shape=(self._cap,))
+        self._out = np.ctypeslib.as_array(self._batch.logits, shape=(self._cap,))
+        self._nseq[:] = 1
+        self._seq_filled = -1
+        self._n_filled = 0
+
+    # --- decoding ---------------------------------------------------------------------
+    def decode(
+        self, tokens: Sequence[int], pos0: int, seq: int, *, logits: str | Sequence[int] = "last"
+    ) -> None:
+        """Decode ``tokens`` at positions pos0.. in ``seq``; logits "last", "all", "none" or
+        the listed batch indices. The caller keeps ``len(tokens) <= n_batch``."""
+        n = len(tokens)
+        if n == 0:
+            return
+        if n > self._cap:
+            raise DecodeError(f"batch of {n} tokens exceeds n_batch={self._cap}")
+        b = self._batch
+        self._tok[:n] = tokens
+        self._pos[:n] = np.arange(pos0, pos0 + n, dtype=np.int32)
+        if seq != self._seq_filled or n > self._n_filled:
+            start = 0 if seq != self._seq_filled else self._n_filled
+            sid = b.seq_id
+            for i in range(start, n):
+                sid[i][0] = seq
+            self._seq_filled = seq
+            self._n_filled = n
+        out = self._out
+        if isinstance(logits, str):
+            out[:n] = 1 if logits == "all" else 0
+            if logits == "last":
+                out[n - 1] = 1
+        else:
+            out[:n] = 0
+            out[list(logits)] = 1
+        b.n_tokens = n
+        t0 = time.perf_counter()
+        rc = C.llama_decode(self.handle, b)
+        self.clock.inside_ms += (time.perf_counter() - t0) * 1000.0
+        if rc != 0:
+            raise DecodeError(
+                f"llama_decode failed (code {rc}) for {n} tokens at position {pos0} of "
+                f"sequence {seq}" + (": no free KV cells" if rc == 1 else "")
+            )
+
+    def logits(self, i: int) -> np.ndarray:
+        """The logits row of batch index ``i`` of the last decode (a view, valid until the
+        next decode)."""
+        ptr = C.llama_get_logits_ith(self.handle, i)
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+
+    # --- KV memory ---------------------------------------------------------------------
+    def seq_rm(self, seq: int, p0: int, p1: int = -1) -> None:
+        t0 = time.perf_counter()
+        ok = C.llama_memory_seq_rm(self.mem, seq, p0, p1)
+        self.clock.inside_ms += (time.perf_counter() - t0) * 1000.0
+        if not ok:
+            raise DecodeError(f"llama_memory_seq_rm({seq}, {p0}, {p1}) refused")
+
+    def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
+        t0 = time.perf_counter()
+        C.llama_memory_seq_add(self.mem, seq, p0, p1, delta)
+        self.clock.inside_ms += (time.perf_counter() - t0) * 1000.0
+
+    def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
+        t0 = time.perf_counter()
+        C.llama_memory_seq_cp(self.mem, src, dst, p0, p1)
+        self.clock.inside_ms += (time.perf_counter() - t0) * 1000.0
+
+    def seq_pos_max(self, seq: int) -> int:
+        return int(C.llama_memory_seq_pos_max(self.mem, seq))
+
+    def seq_pos_min(self, seq: int) -> int:
+        return int(C.llama_memory_seq_pos_min(self.mem, seq))
+
+    def clear(self) -> None:
+        C.llama_memory_clear(self.mem, True)
+
+    def close(self) -> None:
+        if self.handle:
+            C.llama_batch_free(self._batch)
+            C.llama_free(self.handle)
+            self.handle = None
+
+
+def tokens_array(tokens: Sequence[int]) -> ctypes.Array:
+    return (C.llama_token * len(tokens))(*tokens)
