@@ -32,6 +32,24 @@ from pathlib import Path
 from typing import IO, Any
 
 from localspec.catalog import Catalog, QuantEntry
+from localspec.catalog_refresh import Change, refresh_catalog
+
+__all__ = [
+    "Change",
+    "FetchError",
+    "FileSpec",
+    "OfflineError",
+    "QuantStatus",
+    "VerifyError",
+    "apply_network_settings",
+    "find_local",
+    "model_status",
+    "pull",
+    "pull_plan",
+    "refresh_catalog",  # lives in catalog_refresh; re-exported for the CLI
+    "resolve_local",
+    "specs_for",
+]
 
 DEFAULT_REVISION = "main"
 _RECORD_SUFFIX = ".verified.json"
@@ -174,14 +192,21 @@ class LocalFile:
     sha256: str | None
 
 
-def _candidates(spec: FileSpec, models_dir: Path, readonly_dirs: Sequence[Path]) -> list[Path]:
+def _candidates(
+    spec: FileSpec, models_dir: Path, readonly_dirs: Sequence[Path]
+) -> list[tuple[Path, bool]]:
+    """(path, needs_proof) in search order. A copy pulled before the catalog pinned a
+    revision sits under ``main/``: it counts only if its record proves it is that file."""
     if spec.repo is None:
-        return [Path(spec.path or spec.filename).expanduser()]
-    out: list[Path] = []
-    for root in [*readonly_dirs, models_dir]:
-        out.append(layout_path(spec, Path(root)))
-        if root is not models_dir:
-            out.append(Path(root) / Path(spec.filename).name)  # IT may drop files flat
+        return [(Path(spec.path or spec.filename).expanduser(), False)]
+    unpinned = FileSpec(spec.filename, spec.repo) if spec.revision else None
+    out: list[tuple[Path, bool]] = []
+    for root in [*map(Path, readonly_dirs), Path(models_dir)]:
+        out.append((layout_path(spec, root), False))
+        if unpinned is not None:
+            out.append((layout_path(unpinned, root), True))
+        if root != Path(models_dir):
+            out.append((root / Path(spec.filename).name, False))  # IT may drop files flat
     return out
 
 
@@ -189,13 +214,18 @@ def find_local(
     spec: FileSpec, *, models_dir: Path, readonly_dirs: Sequence[Path] = ()
 ) -> LocalFile | None:
     """The first copy on disk (read-only dirs first) with its recorded verdict; no hashing."""
-    for candidate in _candidates(spec, models_dir, readonly_dirs):
+    for candidate, needs_proof in _candidates(spec, models_dir, readonly_dirs):
         if not candidate.is_file():
             continue
         if spec.size is not None and candidate.stat().st_size != spec.size:
             continue  # another version of the file (or a different file of that name)
         record = _read_record(candidate, models_dir)
         sha = record.get("sha256") if record else None
+        if needs_proof and not (
+            record
+            and (sha == spec.sha256 if spec.sha256 else record.get("commit") == spec.revision)
+        ):
+            continue
         verified = sha is not None and (spec.sha256 is None or sha == spec.sha256)
         return LocalFile(candidate, verified, sha)
     return None
@@ -619,6 +649,62 @@ def _silent_tqdm() -> Any:
     return Silent
 
 
+# -- glue for `localspec up` -----------------------------------------------------------------
+
+
+def apply_network_settings(*, proxy: str | None = None, ca_bundle: Path | None = None) -> None:
+    """Route huggingface_hub through a proxy / trust a CA bundle (profile keys).
+
+    Its HTTP client reads HTTPS_PROXY and SSL_CERT_FILE when created, so set them and drop
+    the client it may already hold.
+    """
+    if proxy:
+        os.environ["HTTPS_PROXY"] = os.environ["HTTP_PROXY"] = proxy
+    if ca_bundle:
+        os.environ["SSL_CERT_FILE"] = str(Path(ca_bundle).expanduser())
+    if proxy or ca_bundle:
+        from huggingface_hub import close_session
+
+        close_session()
+
+
+def pull_plan(
+    plan: Any,
+    *,
+    settings: Any,
+    catalog: Catalog | None = None,
+    progress: bool = True,
+) -> tuple[Path, Path | None]:
+    """The plan's target and draft files, present and verified (downloading what is missing).
+
+    ``plan.target``/``plan.draft`` are (model id, quant); ``settings`` is localspec's
+    Settings (hub.* and models.dirs are read).
+    """
+    from localspec.catalog import load_catalog
+
+    catalog = catalog if catalog is not None else load_catalog()
+    hub, models = settings.hub, settings.models
+    apply_network_settings(proxy=hub.proxy, ca_bundle=hub.ca_bundle)
+    token = None
+    if hub.token_file is not None:
+        token = Path(hub.token_file).expanduser().read_text(encoding="utf-8").strip() or None
+    quants = [catalog.model(plan.target[0]).quants[plan.target[1]]]
+    if plan.draft is not None:
+        quants.append(catalog.model(plan.draft[0]).quants[plan.draft[1]])
+    paths = pull(
+        quants,
+        readonly_dirs=[Path(d).expanduser() for d in models.dirs],
+        offline=hub.offline,
+        endpoint=hub.endpoint,
+        token=token,
+        progress=progress,
+    )
+    # pull returns every shard; llama.cpp is given the first file of each quant
+    target = paths[0]
+    draft = paths[len(quants[0].files)] if plan.draft is not None else None
+    return target, draft
+
+
 # -- what is on disk, for `localspec models` ------------------------------------------------
 
 
@@ -647,7 +733,7 @@ def model_status(
             found = []
             for spec in specs_for(quant):
                 if spec.repo is None:
-                    local = Path(spec.path or spec.filename)
+                    local = Path(spec.path or spec.filename).expanduser()
                     found.append(LocalFile(local, False, None) if local.is_file() else None)
                 else:
                     found.append(

@@ -11,6 +11,7 @@ from localspec.catalog import (
     CatalogError,
     ModelEntry,
     load_catalog,
+    load_catalog_file,
     vocab_compatibility,
 )
 from localspec.resources import data_dir
@@ -217,3 +218,75 @@ def test_unknown_ids_suggest_close_matches(catalog: Catalog) -> None:
         catalog.model("qwen2.5-coder-7")
     with pytest.raises(CatalogError, match="unknown pair"):
         catalog.pair("nope")
+
+
+REFRESH_ENTRY = """# a maintainer's header comment survives
+schema_version = 1
+
+[models.tiny]
+family = "qwen2.5-coder"
+role = "both"
+params_b = 0.1
+note = "kept as is"
+[models.tiny.arch]
+n_layer = 2
+n_embd = 64
+n_head = 4
+n_head_kv = 2
+head_dim = 16
+n_vocab = 151936
+n_ctx_train = 4096
+tied_embeddings = true
+[models.tiny.tokenizer]
+family = "qwen2.5"
+[models.tiny.quants.Q8_0]
+repo = "acme/Tiny-GGUF"
+size_bytes = 5
+files = [{ filename = "tiny-00001-of-00002.gguf" }, { filename = "tiny-00002-of-00002.gguf" }]
+[models.tiny.quants.F16]
+repo = "acme/Tiny-GGUF"
+files = [{ filename = "tiny-f16.gguf" }]
+"""
+
+
+def test_refresh_pins_revision_sizes_and_sha256_from_the_hub(tmp_path: Path) -> None:
+    import hashlib
+
+    from localspec.catalog_refresh import refresh_catalog
+    from tests.hubserver import LocalHub
+
+    path = _write(tmp_path, "tiny.toml", REFRESH_ENTRY)
+    shard1, shard2 = b"a" * 1000, b"b" * 234
+    with LocalHub() as hub:
+        hub.add_file("acme/Tiny-GGUF", "tiny-00001-of-00002.gguf", shard1)
+        hub.add_file("acme/Tiny-GGUF", "tiny-00002-of-00002.gguf", shard2)
+        commit = hub.repos["acme/Tiny-GGUF"].commit
+        changes = refresh_catalog(path, endpoint=hub.url)
+        assert {(c.entry, c.key) for c in changes if c.kind == "updated"} == {
+            ("models.tiny.quants.Q8_0", "revision"),
+            ("models.tiny.quants.Q8_0", "size_bytes"),
+            ("models.tiny.quants.Q8_0", "files.tiny-00001-of-00002.gguf.size"),
+            ("models.tiny.quants.Q8_0", "files.tiny-00001-of-00002.gguf.sha256"),
+            ("models.tiny.quants.Q8_0", "files.tiny-00002-of-00002.gguf.size"),
+            ("models.tiny.quants.Q8_0", "files.tiny-00002-of-00002.gguf.sha256"),
+            ("models.tiny.quants.F16", "revision"),
+        }
+        missing = [c for c in changes if c.kind == "missing"]
+        assert [c.key for c in missing] == ["files.tiny-f16.gguf"] and "not in the repo" in str(
+            missing[0]
+        )
+        text = path.read_text()
+        assert text.startswith("# a maintainer's header comment survives\n")
+        models, _ = load_catalog_file(path)
+        quant = models["tiny"].quants["Q8_0"]
+        assert quant.revision == commit
+        assert [f.size for f in quant.files] == [1000, 234] and quant.size_bytes == 1234
+        assert quant.files[1].sha256 == hashlib.sha256(shard2).hexdigest()
+        assert models["tiny"].note == "kept as is"
+        # a second run finds nothing new; a moved main leaves pinned revisions alone
+        assert [c for c in refresh_catalog(path, endpoint=hub.url) if c.kind == "updated"] == []
+        hub.add_file("acme/Tiny-GGUF", "tiny-00002-of-00002.gguf", b"c" * 10, commit="f" * 40)
+        hub.repos["acme/Tiny-GGUF"].commit = "f" * 40
+        moved = refresh_catalog(path, endpoint=hub.url, update_revisions=True, dry_run=True)
+        assert ("revision", commit, "f" * 40) in {(c.key, c.old, c.new) for c in moved}
+        assert path.read_text() == text  # dry run writes nothing
