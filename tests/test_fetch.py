@@ -320,3 +320,89 @@ def test_disk_full_discards_the_partial_and_keeps_the_good_file(
     assert not good.with_name(NAME + ".partial").exists()
     assert good.read_bytes() == DATA
     assert resolve_local(spec(), models_dir=models) == good
+
+
+def _profile_catalog(directory: Path, *quants: tuple[str, str, str]) -> Path:
+    """A profile TOML: one model per (model id, repo, filename), each quant Q8_0."""
+    directory.mkdir(parents=True, exist_ok=True)
+    blocks = []
+    for model_id, repo, filename in quants:
+        blocks.append(
+            textwrap.dedent(
+                f"""
+                [models.{model_id}]
+                family = "qwen2.5-coder"
+                role = "both"
+                params_b = 0.1
+                tokenizer = {{ family = "qwen2.5" }}
+                [models.{model_id}.arch]
+                n_layer = 2
+                n_embd = 64
+                n_head = 4
+                n_head_kv = 2
+                head_dim = 16
+                n_vocab = 151936
+                n_ctx_train = 4096
+                tied_embeddings = true
+                [models.{model_id}.quants.Q8_0]
+                repo = "{repo}"
+                files = [{{ filename = "{filename}" }}]
+                """
+            )
+        )
+    (directory / "profile.toml").write_text("\n".join(blocks))
+    return directory
+
+
+def test_up_with_files_present_makes_zero_requests(
+    hub: LocalHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What `up` runs (pull_plan with the user's Settings): first pull, then no network."""
+    from types import SimpleNamespace
+
+    from localspec.settings import HubSettings, Settings
+
+    draft_data = random.Random(9).randbytes(100_000)
+    hub.add_file("acme/Draft-GGUF", "draft.gguf", draft_data)
+    catalog = load_catalog(
+        [
+            _profile_catalog(
+                tmp_path / "profile",
+                ("tiny", REPO, NAME),
+                ("tinydraft", "acme/Draft-GGUF", "draft.gguf"),
+            )
+        ]
+    )
+    monkeypatch.setenv("LOCALSPEC_MODELS_DIR", str(tmp_path / "models"))
+    token_file = tmp_path / "token"
+    token_file.write_text("hf_fromfile\n")
+    plan = SimpleNamespace(target=("tiny", "Q8_0"), draft=("tinydraft", "Q8_0"))
+    settings = Settings(hub=HubSettings(endpoint=hub.url, token_file=token_file))
+    target, draft = fetch.pull_plan(plan, settings=settings, catalog=catalog, progress=False)
+    assert target.read_bytes() == DATA and draft is not None
+    assert draft.read_bytes() == draft_data
+    assert {r.authorization for r in hub.requests} == {"Bearer hf_fromfile"}
+    hub.reset_counts()
+    assert fetch.pull_plan(plan, settings=settings, catalog=catalog) == (target, draft)
+    assert hub.requests == []
+    offline = Settings(hub=HubSettings(offline=True))
+    assert fetch.pull_plan(plan, settings=offline, catalog=catalog) == (target, draft)
+    assert hub.requests == []
+
+
+def test_pulls_a_real_gguf_that_gguf_can_read(smollm_q4: Path, tmp_path: Path) -> None:
+    import gguf
+
+    with LocalHub() as hub:
+        hub.add_file("HuggingFaceTB/SmolLM2-135M-Instruct-GGUF", smollm_q4.name, smollm_q4)
+        sha = hub.repos["HuggingFaceTB/SmolLM2-135M-Instruct-GGUF"].files[smollm_q4.name].sha256
+        pinned = FileSpec(
+            smollm_q4.name,
+            "HuggingFaceTB/SmolLM2-135M-Instruct-GGUF",
+            size=smollm_q4.stat().st_size,
+            sha256=sha,
+        )
+        (path,) = pull([pinned], models_dir=tmp_path, endpoint=hub.url, progress=False)
+    reader = gguf.GGUFReader(path)
+    arch = reader.fields["general.architecture"]
+    assert bytes(arch.parts[arch.data[0]]).decode() == "llama"
