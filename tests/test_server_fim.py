@@ -146,3 +146,29 @@ def test_mixed_prefix_pieces_keep_token_ids_and_tokenize_text() -> None:
         input_extra=[], prompt_tokens=[], n_batch=64, n_ctx=4096,
     )  # fmt: skip
     assert got == [PRE, 97, 5, SUF, 6, 98, MID]
+
+
+def test_room_trims_the_oldest_extra_only_when_the_layout_would_overflow() -> None:
+    chunk = "".join(chr(ord("a") + i % 26) for i in range(300))
+    args = dict(
+        tokenize=chars, fim=QWEN_LIKE, input_extra=[Extra(chunk)], prompt_tokens=[],
+        n_batch=100, n_ctx=200,
+    )  # fmt: skip
+    short = infill_prompt(input_prefix="P", input_suffix="S", room=20, **args)  # type: ignore[arg-type]
+    assert short == infill_prompt(input_prefix="P", input_suffix="S", **args)  # type: ignore[arg-type]
+    assert len(short) == 102 + 5  # fits: exactly llama-server's layout
+
+    full = "x" * 300
+    exact = infill_prompt(input_prefix=full, input_suffix=full, **args)  # type: ignore[arg-type]
+    assert len(exact) == 200 + 3  # llama-server's own layout overflows n_ctx here
+    fitted = infill_prompt(input_prefix=full, input_suffix=full, room=20, **args)  # type: ignore[arg-type]
+    assert len(fitted) == 200 - 20
+    assert fitted == exact[len(exact) - len(fitted) :]  # only the oldest extra went
+
+
+def test_room_then_trims_the_start_of_the_prefix() -> None:
+    got = infill_prompt(
+        tokenize=chars, fim=NO_REPO, input_prefix="abcdefghij", input_suffix="", input_extra=[],
+        prompt_tokens=[], n_batch=40, n_ctx=12, room=4,
+    )  # fmt: skip
+    assert got == [PRE, *chars("fghij"), SUF, MID]  # 12 - 4 = 8 tokens, the prefix keeps its end

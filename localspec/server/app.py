@@ -3,6 +3,7 @@ touches the model; ``create_app`` wires the worker, the gate and the error forma
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any
@@ -63,6 +64,7 @@ async def infill(body: InfillRequest, request: Request, svc: Svc) -> Response:
         input_extra=[Extra(c.text, c.filename) for c in body.input_extra or ()],
         prompt=body.prompt or "",
         spm=svc.settings.spm_infill,
+        room=svc.settings.infill_room,
     )
     return await svc.native(request, "infill", svc.job(params, prepare))
 
@@ -93,6 +95,7 @@ async def openai_completions(body: OpenAICompletionRequest, request: Request, sv
                 input_extra=[],
                 prompt="",
                 spm=svc.settings.spm_infill,
+                room=svc.settings.infill_room,
             )
         else:
             prepare = prompts.completion(body.prompt)
@@ -128,9 +131,8 @@ async def metrics(svc: Svc) -> Response:
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, svc: Svc) -> Response:
-    vocab = svc.engine.vocab
-
-    def run() -> dict[str, Any]:
+    def run(engine: Any) -> dict[str, Any]:
+        vocab = engine.vocab
         pieces = [body.content] if isinstance(body.content, str) else body.content
         tokens: list[int] = []
         for piece in pieces:
@@ -144,18 +146,22 @@ async def tokenize(body: TokenizeRequest, svc: Svc) -> Response:
             return {"tokens": tokens}
         return {"tokens": [{"id": t, "piece": vocab.detokenize([t])} for t in tokens]}
 
-    return CompactJSONResponse(await run_in_threadpool(run))
+    try:
+        return CompactJSONResponse(await asyncio.wrap_future(svc.worker.call(run)))
+    except Exception as exc:
+        return error_response(exc)
 
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, svc: Svc) -> Response:
-    vocab = svc.engine.vocab
+    def run(engine: Any) -> dict[str, Any]:
+        prompts.check_ids(body.tokens, engine.vocab.n_vocab)
+        return {"content": engine.vocab.detokenize(body.tokens)}
+
     try:
-        prompts.check_ids(body.tokens, vocab.n_vocab)
-    except ApiError as exc:
+        return CompactJSONResponse(await asyncio.wrap_future(svc.worker.call(run)))
+    except Exception as exc:
         return error_response(exc)
-    content = await run_in_threadpool(vocab.detokenize, body.tokens)
-    return CompactJSONResponse({"content": content})
 
 
 # ---------------------------------------------------------------------- errors

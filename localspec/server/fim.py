@@ -13,6 +13,12 @@ Layout (Qwen2.5-Coder's repo-level pattern)::
 Budgets: the prefix gets 3/4 of ``n_batch``, the suffix the rest minus the prompt and two
 special tokens, the extra context what is left of ``n_ctx`` after a batch and twice the
 server's default ``n_predict``. ``spm`` swaps the prefix and suffix blocks.
+
+One deviation, only where llama-server would fail: with every budget full its layout can
+exceed the context by a few tokens (``n_ctx - n_batch + 2`` extra plus a whole batch), which
+llama-server rejects. ``room`` keeps that many tokens free for the completion by dropping more
+of the oldest extra context (then the start of the prefix). ``room`` must not depend on the
+request, so a warm-up and the completion after it lay out the same tokens (cache reuse).
 """
 
 from __future__ import annotations
@@ -114,6 +120,7 @@ def infill_prompt(
     n_predict: int = -1,
     bos: int | None = None,
     spm: bool = False,
+    room: int = 0,
 ) -> list[int]:
     """The token sequence llama-server evaluates for an /infill request.
 
@@ -132,8 +139,16 @@ def infill_prompt(
         n_ctx=n_ctx,
         n_predict=n_predict,
     )
-    prefix_block = [fim.pre, *prefix[len(prefix) - take.prefix :], *prompt_tokens]
+    n_prefix = take.prefix
+    n_extra = take.extra
+    n_total = n_extra + (bos is not None) + n_prefix + len(prompt_tokens) + take.suffix + 3
+    overflow = n_total - (n_ctx - room) if room > 0 else 0
+    if overflow > 0:
+        cut = min(overflow, n_extra)
+        n_extra -= cut
+        n_prefix -= min(overflow - cut, n_prefix)
+    prefix_block = [fim.pre, *prefix[len(prefix) - n_prefix :], *prompt_tokens]
     suffix_block = [fim.suf, *suffix[: take.suffix]]
     first, second = (suffix_block, prefix_block) if spm else (prefix_block, suffix_block)
-    head = extra[len(extra) - take.extra :] if take.extra else []
+    head = extra[len(extra) - n_extra :] if n_extra else []
     return [*head, *([bos] if bos is not None else []), *first, *second, fim.mid]

@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 from localspec.engine.types import GenerationResult
 
@@ -15,8 +17,24 @@ _OVERHEAD_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
+class _FunctionCounter(Collector):
+    """A counter whose value lives elsewhere (the worker counts; the thread never blocks)."""
+
+    def __init__(self, name: str, doc: str, value: Callable[[], int]) -> None:
+        self.name, self.doc, self.value = name, doc, value
+
+    def collect(self) -> list[CounterMetricFamily]:
+        return [CounterMetricFamily(self.name, self.doc, value=self.value())]
+
+
 class Metrics:
-    def __init__(self, *, queued: Callable[[], int], busy: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        *,
+        queued: Callable[[], int],
+        busy: Callable[[], bool],
+        cancelled: Callable[[], int] = lambda: 0,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -58,6 +76,11 @@ class Metrics:
         queue_depth.set_function(lambda: float(queued()))
         busy_gauge = Gauge("localspec_engine_busy", "1 while the engine runs a request", registry=r)
         busy_gauge.set_function(lambda: float(busy()))
+        r.register(_FunctionCounter(
+            "localspec_requests_cancelled",
+            "Requests dropped or stopped early (client left, superseded, timed out)",
+            cancelled,
+        ))  # fmt: skip
 
     def record(self, result: GenerationResult) -> None:
         self.prompt_evaluated.inc(result.n_evaluated)

@@ -46,6 +46,7 @@ def infill(
     input_extra: Sequence[Extra],
     prompt: str,
     spm: bool,
+    room: int = 0,
 ) -> Prepare:
     def prepare(engine: Any) -> list[int]:
         vocab = engine.vocab
@@ -65,6 +66,7 @@ def infill(
             n_ctx=engine.n_ctx,
             bos=_bos(vocab),
             spm=spm,
+            room=min(room, engine.n_ctx // 4),
         )
         check_ids(tokens, vocab.n_vocab)
         return tokens

@@ -46,7 +46,11 @@ class Service:
             load, queue_limit=settings.queue_limit, on_ready=on_ready, on_failure=on_failure
         )
         metrics = (
-            Metrics(queued=lambda: worker.queued, busy=lambda: worker.busy)
+            Metrics(
+                queued=lambda: worker.queued,
+                busy=lambda: worker.busy,
+                cancelled=lambda: worker.n_cancelled,
+            )
             if settings.metrics
             else None
         )
@@ -90,7 +94,8 @@ class Service:
             f == "prompt" or f.startswith("prompt/") for f in params.response_fields
         )
         vocab = self.engine.vocab
-        return Job(params, prepare, detokenize=vocab.detokenize if wants_prompt else None)
+        detok = (lambda tokens: vocab.detokenize(tokens, special=True)) if wants_prompt else None
+        return Job(params, prepare, detokenize=detok)
 
     def _recorder(self, endpoint: str, request: Request) -> Callable[[JobResult], None]:
         def record(result: JobResult) -> None:

@@ -20,6 +20,7 @@ class ServerSettings:
     model_alias: str | None = None  # the "model" name in answers; default: the GGUF file name
     spm_infill: bool = False  # llama-server's --spm-infill: suffix block before prefix
     n_cmpl_max: int = 16  # most completions one request may ask for
+    infill_room: int = 256  # /infill prompts leave this many tokens (at most n_ctx/4) to generate
 
     def is_loopback(self) -> bool:
         return self.host in LOOPBACK_HOSTS

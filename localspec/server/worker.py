@@ -91,6 +91,7 @@ class Worker:
         self._on_failure = on_failure
         self._cond = threading.Condition()
         self._queue: deque[Job] = deque()
+        self._calls: deque[_Call] = deque()
         self._running: Job | None = None
         self._thread = threading.Thread(target=self._main, name="localspec-engine", daemon=True)
         self.state: State = "loading"
@@ -98,6 +99,7 @@ class Worker:
         self.engine: Any = None
         self.slots: list[SlotInfo] = []
         self.n_done = 0
+        self.n_cancelled = 0  # jobs that ended early: client left, superseded, timed out
 
     # ------------------------------------------------------------------ control
 
@@ -112,6 +114,9 @@ class Worker:
             for job in self._queue:
                 _finish(job, JobResult([], cancelled="server shutting down"))
             self._queue.clear()
+            for call in self._calls:
+                call.future.set_exception(Unavailable("Server is stopping"))
+            self._calls.clear()
             if self._running is not None:
                 self._running.cancel.set()
             self._cond.notify_all()
@@ -148,6 +153,21 @@ class Worker:
             self._queue.append(job)
             self._cond.notify()
 
+    def call(self, fn: Callable[[Any], Any]) -> Future[Any]:
+        """Run ``fn(engine)`` on the worker thread ahead of queued jobs (tokenize, detokenize).
+
+        The vocabulary's helpers share buffers, so even cheap calls go through the owner thread.
+        """
+        call = _Call(fn)
+        with self._cond:
+            if self.state != "ready":
+                raise Unavailable(
+                    "Loading model" if self.state == "loading" else "Server is stopping"
+                )
+            self._calls.append(call)
+            self._cond.notify()
+        return call.future
+
     def abandon(self, job: Job, reason: str = "client left") -> None:
         """The client is gone: drop the job if queued, stop it within one step if running."""
         job.cancel.set()
@@ -155,6 +175,7 @@ class Worker:
             if job in self._queue:
                 self._queue.remove(job)
                 _finish(job, JobResult([], cancelled=reason))
+                self.n_cancelled += 1
 
     def _supersede(self, job: Job) -> None:
         """A newer job pinned to a slot replaces older queued ones for that slot.
@@ -176,6 +197,7 @@ class Worker:
             self._queue.remove(q)
             q.cancel.set()
             _finish(q, JobResult([], cancelled="superseded by a newer request for the same slot"))
+            self.n_cancelled += 1
 
     # ------------------------------------------------------------------ thread
 
@@ -201,6 +223,9 @@ class Worker:
         if not stopping and self._on_ready is not None:
             self._on_ready()
         while (job := self._take()) is not None:
+            if isinstance(job, _Call):
+                job.run(engine)
+                continue
             try:
                 result = self._run(job)
             except BaseException as exc:  # one request's failure, not the daemon's
@@ -210,21 +235,26 @@ class Worker:
                     job.future.set_exception(exc)
             else:
                 _finish(job, result)
+                if result.cancelled:
+                    self.n_cancelled += 1
             finally:
                 with self._cond:
                     self._running = None
                     self.n_done += 1
         self._close(engine)
 
-    def _take(self) -> Job | None:
+    def _take(self) -> Job | _Call | None:
         with self._cond:
             while True:
                 if self.state == "stopping":
                     return None
+                if self._calls:
+                    return self._calls.popleft()
                 while self._queue:
                     job = self._queue.popleft()
                     if job.cancel.is_set():
                         _finish(job, JobResult([], cancelled="client left"))
+                        self.n_cancelled += 1
                         continue
                     self._running = job
                     return job
@@ -267,8 +297,13 @@ class Worker:
                     req = params.request_for(index, seeds, slot_id, prompt)
                     on_token = _bind(job.on_token, index)
                     t0 = time.perf_counter()
-                    result = engine.generate(req, cancel=job.cancel, on_token=on_token)
-                    out.t_engine_ms += (time.perf_counter() - t0) * 1e3
+                    try:
+                        result = engine.generate(req, cancel=job.cancel, on_token=on_token)
+                    except BaseException:
+                        self._reset_slot(slot)  # its cache may be half-written: start it afresh
+                        raise
+                    finally:
+                        out.t_engine_ms += (time.perf_counter() - t0) * 1e3
                 slot.tokens = list(engine.slot_tokens(slot_id))
                 slot.last_prompt_n, slot.last_cache_n = result.n_evaluated, result.n_cached
                 out.completions.append(
@@ -284,6 +319,27 @@ class Worker:
             slot.last_used = time.monotonic()
             slot.n_requests += 1
         return out
+
+    def _reset_slot(self, slot: SlotInfo) -> None:
+        slot.tokens = []
+        clear = getattr(self.engine, "clear_slot", None)
+        if callable(clear):
+            try:
+                clear(slot.id)
+            except Exception:
+                log.exception("could not clear slot %d after a failed request", slot.id)
+
+
+class _Call:
+    def __init__(self, fn: Callable[[Any], Any]) -> None:
+        self.fn = fn
+        self.future: Future[Any] = Future()
+
+    def run(self, engine: Any) -> None:
+        try:
+            self.future.set_result(self.fn(engine))
+        except BaseException as exc:
+            self.future.set_exception(exc)
 
 
 def _bind(sink: TokenSink | None, index: int) -> Callable[[TokenEvent], None] | None:

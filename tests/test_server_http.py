@@ -1,0 +1,522 @@
+"""The daemon over real HTTP on loopback, with the real engine on the fixture models.
+
+One server per module (model loads are the slow part): ``qwen`` is the tiny Qwen-vocabulary
+pair (real FIM ids, real tokenizer, random weights: fast, nonsense text) behind an API key;
+``smollm`` is SmolLM2-135M as shipped, a trained model without FIM tokens (501 on /infill,
+sensible text for stop rules).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import llama_cpp
+import pytest
+import uvicorn
+
+from localspec.engine.types import EngineSettings, ModelSettings, SpecSettings
+from localspec.server import ServerSettings, create_app
+from localspec.server.run import bind_sockets
+from localspec.server.service import Service
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+FIM_PRE, FIM_SUF, FIM_MID, FIM_REP, FIM_SEP = 151659, 151661, 151660, 151663, 151664
+N_CTX, N_BATCH = 4096, 1024
+
+
+@dataclass
+class Live:
+    url: str
+    port: int
+    server: uvicorn.Server
+    thread: threading.Thread
+    service: Service
+
+    def client(self, **kw: Any) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=120, **kw)
+
+
+def start(app: Any) -> Live:
+    sockets = bind_sockets("127.0.0.1", 0)
+    port = sockets[0].getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": sockets}, daemon=True)
+    thread.start()
+    live = Live(f"http://127.0.0.1:{port}", port, server, thread, app.state.service)
+    with live.client() as c:
+        for _ in range(600):
+            try:
+                if c.get("/health").status_code == 200:
+                    return live
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+    raise RuntimeError(f"server did not become ready: {live.service.worker.error}")
+
+
+def stop(live: Live) -> None:
+    live.server.should_exit = True
+    live.thread.join(60)
+
+
+def engine_settings(path: Path, draft: Path | None = None, n_slots: int = 2) -> EngineSettings:
+    def model(p: Path) -> ModelSettings:
+        return ModelSettings(
+            path=str(p), n_ctx=N_CTX, n_batch=N_BATCH, n_ubatch=N_BATCH, n_threads=2,
+            n_threads_batch=2,
+        )  # fmt: skip
+
+    return EngineSettings(
+        target=model(path),
+        draft=model(draft) if draft is not None else None,
+        n_slots=n_slots,
+        spec=SpecSettings(mode="auto" if draft is not None else "ngram"),
+    )
+
+
+@pytest.fixture(scope="module")
+def qwen(qwen_target: Path, qwen_target_f16: Path) -> Iterator[Live]:
+    settings = ServerSettings(port=0, api_key=KEY, queue_limit=1, n_parallel=2)
+    live = start(create_app(settings, engine_settings(qwen_target, qwen_target_f16)))
+    yield live
+    stop(live)
+
+
+@pytest.fixture(scope="module")
+def smollm(smollm_q4: Path) -> Iterator[Live]:
+    live = start(create_app(ServerSettings(port=0), engine_settings(smollm_q4, n_slots=1)))
+    yield live
+    stop(live)
+
+
+@pytest.fixture(scope="module")
+def qwen_vocab(qwen_target: Path) -> llama_cpp.Llama:
+    return llama_cpp.Llama(str(qwen_target), vocab_only=True, verbose=False)
+
+
+@pytest.fixture
+def qc(qwen: Live) -> Iterator[httpx.Client]:
+    with qwen.client(headers=AUTH) as c:
+        yield c
+
+
+# ---------------------------------------------------------------- the llama-vscode sequence
+
+
+def ring_chunks(n: int = 16) -> list[dict[str, Any]]:
+    """llama-vscode's ring buffer: chunks of real code (the stdlib) with file names."""
+    import inspect
+    import json as json_module
+
+    source = inspect.getsource(json_module.decoder).splitlines(keepends=True)
+    return [
+        {"text": "".join(source[i * 8 : i * 8 + 8]), "time": 1724000000 + i,
+         "filename": f"/work/proj/mod{i}.py"}
+        for i in range(n)
+    ]  # fmt: skip
+
+
+def vscode_request(prompt: str, **over: Any) -> dict[str, Any]:
+    body = {
+        "id_slot": 0,
+        "input_prefix": "import os\n\n\ndef main(argv):\n",
+        "input_suffix": "\n    return 0\n",
+        "input_extra": ring_chunks(),
+        "prompt": prompt,
+        "n_predict": 16,
+        "n_cmpl": 1,
+        "top_k": 40,
+        "top_p": 0.99,
+        "stream": False,
+        "samplers": ["top_k", "top_p", "infill"],
+        "cache_prompt": True,
+        "t_max_prompt_ms": 500,
+        "t_max_predict_ms": 500,
+        "model": "qwen2.5-coder",
+    }
+    body.update(over)
+    return body
+
+
+def test_llama_vscode_request_sequence(qwen: Live, qc: httpx.Client) -> None:
+    # 1. warm-up: empty prefix/suffix/prompt, all ring chunks, n_predict 0
+    warm = qc.post(
+        "/infill",
+        json=vscode_request("", input_prefix="", input_suffix="", n_predict=0, samplers=[],
+                            t_max_predict_ms=1),
+    )  # fmt: skip
+    assert warm.status_code == 200, warm.text
+    w = warm.json()
+    assert (w["content"], w["tokens_predicted"], w["stop"]) == ("", 0, True)
+    assert isinstance(w["generation_settings"], dict) and w["generation_settings"]["n_ctx"] == N_CTX
+    assert w["tokens_evaluated"] > 16 * 40  # the ring chunks were evaluated into the cache
+    assert b'"content":"' in warm.content  # compact JSON: llama.vim's regex depends on it
+
+    # 2. a FIM request with n_cmpl 3: an array of three, the ring chunks come from the cache
+    first = qc.post("/infill", json=vscode_request("    args = ", n_cmpl=3))
+    assert first.status_code == 200, first.text
+    arr = first.json()
+    assert isinstance(arr, list) and [c["index"] for c in arr] == [0, 1, 2]
+    for c in arr:
+        assert isinstance(c["content"], str) and isinstance(c["generation_settings"], dict)
+        assert c["tokens_predicted"] <= 16 and c["id_slot"] == 0
+    assert arr[0]["timings"]["cache_n"] > w["tokens_evaluated"] // 2  # warm-up reused
+    assert arr[0]["timings"]["prompt_n"] < 64
+    assert all(c["timings"]["prompt_n"] <= 1 for c in arr[1:])  # same prompt: cached
+
+    # 3. the same request after one more typed character: only the tail is evaluated
+    typed = qc.post("/infill", json=vscode_request("    args = p"))
+    assert typed.status_code == 200
+    t = typed.json()
+    assert t["timings"]["prompt_n"] < 32 < t["timings"]["cache_n"]
+    assert t["tokens_evaluated"] == t["timings"]["prompt_n"] + t["timings"]["cache_n"]
+
+    # 4. an aborted request (the editor closes the connection), then a new one
+    body = vscode_request("    args = pa", n_predict=3000, samplers=["top_k"], top_k=1,
+                          t_max_predict_ms=0)  # fmt: skip
+    aborted = abort_mid_generation(qwen, "/infill", body)
+    assert aborted < 1500  # the slot stopped early: far fewer tokens than it had room for
+    after = qc.post("/infill", json=vscode_request("    args = par"))
+    assert after.status_code == 200
+    a = after.json()
+    assert a["timings"]["cache_n"] > w["tokens_evaluated"] // 2 and a["timings"]["prompt_n"] < 64
+
+    # 5. the "future" request llama-vscode sends after showing a suggestion
+    future = qc.post("/infill", json=vscode_request("    args = par" + a["content"]))
+    assert future.status_code == 200 and "content" in future.json()
+    assert future.json()["timings"]["cache_n"] > w["tokens_evaluated"] // 2
+
+
+def abort_mid_generation(live: Live, path: str, body: dict[str, Any]) -> int:
+    """Send a request on a raw socket, close it once generation runs; return tokens generated."""
+    worker = live.service.worker
+    done_before, cancelled_before = worker.n_done, worker.n_cancelled
+    payload = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {KEY}\r\nContent-Length: {len(payload)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", live.port)) as sock:
+        sock.sendall(head + payload)
+        wait_until(lambda: worker.busy or worker.n_done > done_before)
+        time.sleep(0.3)  # let it generate a little
+    wait_until(lambda: worker.n_done > done_before)  # the job ended (cancelled) ...
+    assert not worker.busy  # ... and the engine is free again
+    assert worker.n_cancelled == cancelled_before + 1
+    slot = next(s for s in worker.slots if s.n_requests and s.last_used == max(
+        x.last_used for x in worker.slots))  # fmt: skip
+    prompt_len = slot.last_prompt_n + slot.last_cache_n
+    return len(slot.tokens) - prompt_len
+
+
+def wait_until(cond: Any, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.005)
+
+
+def test_streaming_client_that_leaves_frees_the_slot(qwen: Live) -> None:
+    body = vscode_request("x", n_predict=3000, stream=True, input_extra=[], id_slot=1,
+                          samplers=["top_k"], top_k=1, t_max_predict_ms=0)  # fmt: skip
+    assert abort_mid_generation(qwen, "/infill", body) < 1500
+
+
+# ---------------------------------------------------------------- FIM layout on Qwen's tokenizer
+
+
+ROOM = 256  # ServerSettings.infill_room (at most n_ctx / 4)
+
+
+@pytest.mark.parametrize("n_prefix_lines", [40, 400])
+def test_fim_layout_is_what_the_slot_evaluates(
+    qwen: Live, qc: httpx.Client, qwen_vocab: Any, n_prefix_lines: int
+) -> None:
+    """llama-server's layout, token for token; with every budget full it would overflow the
+    context, and the oldest extra context makes room instead (the one deviation)."""
+
+    def tok(text: str) -> list[int]:
+        return qwen_vocab.tokenize(text.encode(), add_bos=False, special=False)
+
+    prefix = "x = '<|fim_prefix|>'\n" + "".join(f"value_{i} = {i}\n" for i in range(n_prefix_lines))
+    suffix = "".join(f"print(value_{i})\n" for i in range(200))
+    chunk = "".join(f"def helper_{i}():\n    return {i}\n" for i in range(400))
+    extra = [{"text": chunk, "filename": "/p/helpers.py"}, {"text": "tail = 1\n"}]
+    prompt = "    y = <|fim_pad|>"  # the cursor line is tokenized with special tokens on
+    body = {"id_slot": 1, "input_prefix": prefix, "input_suffix": suffix, "input_extra": extra,
+            "prompt": prompt, "n_predict": 0}  # fmt: skip
+    r = qc.post("/infill", json=body)
+    assert r.status_code == 200, r.text
+
+    p_tok = qwen_vocab.tokenize(prompt.encode(), add_bos=False, special=True)
+    assert p_tok[-1] == 151662  # <|fim_pad|> in the prompt is the special token
+    full_extra = [
+        FIM_REP, *tok("myproject\n"),
+        FIM_SEP, *tok("/p/helpers.py\n"), *tok(chunk),
+        FIM_SEP, *tok("tmp\n"), *tok("tail = 1\n"),  # missing filename: "tmp"
+        FIM_SEP, *tok("filename\n"),
+    ]  # fmt: skip
+    n_extra = N_CTX - N_BATCH + 2  # the server's default n_predict is -1
+    n_prefix = min(len(tok(prefix)), 3 * (N_BATCH // 4))
+    n_suffix = N_BATCH // 4 - (2 + len(p_tok))
+    assert len(full_extra) > n_extra and len(tok(suffix)) > n_suffix
+    fim_block = [
+        FIM_PRE, *tok(prefix)[-n_prefix:], *p_tok,
+        FIM_SUF, *tok(suffix)[:n_suffix],
+        FIM_MID,
+    ]  # fmt: skip
+    llama_server = [*full_extra[-n_extra:], *fim_block]
+    if n_prefix_lines == 400:  # every budget full: llama-server's own layout does not fit
+        assert len(tok(prefix)) > n_prefix and len(llama_server) > N_CTX
+        want = llama_server[len(llama_server) - (N_CTX - ROOM) :]
+    else:
+        assert len(llama_server) < N_CTX - ROOM
+        want = llama_server
+    got = qwen.service.worker.slots[1].tokens
+    assert got == want
+    assert got.count(FIM_PRE) == 1  # the literal "<|fim_prefix|>" in the code stayed text
+    assert r.json()["tokens_evaluated"] == len(want)
+
+
+def test_empty_extra_layout(qwen: Live, qc: httpx.Client, qwen_vocab: Any) -> None:
+    def tok(text: str) -> list[int]:
+        return qwen_vocab.tokenize(text.encode(), add_bos=False, special=False)
+
+    r = qc.post("/infill", json={"id_slot": 1, "input_prefix": "a = 1\n", "input_suffix": "b\n",
+                                 "n_predict": 0})  # fmt: skip
+    assert r.status_code == 200
+    want = [FIM_REP, *tok("myproject\n"), FIM_SEP, *tok("filename\n"), FIM_PRE, *tok("a = 1\n"),
+            FIM_SUF, *tok("b\n"), FIM_MID]  # fmt: skip
+    assert qwen.service.worker.slots[1].tokens == want
+
+
+# ---------------------------------------------------------------- fields, stream, errors
+
+
+def test_response_fields_are_flat_paths(qc: httpx.Client) -> None:
+    fields = ["content", "timings/prompt_n", "generation_settings/n_ctx", "missing/x"]
+    r = qc.post("/infill", json={"input_prefix": "a", "input_suffix": "b", "n_predict": 2,
+                                 "response_fields": fields})  # fmt: skip
+    assert r.status_code == 200
+    body = r.json()
+    assert set(body) == {"content", "timings/prompt_n", "generation_settings/n_ctx"}
+    assert body["generation_settings/n_ctx"] == N_CTX
+    empty = qc.post("/infill", json={"input_prefix": "a", "input_suffix": "b", "n_predict": 1,
+                                     "response_fields": [""]})  # fmt: skip
+    assert empty.json() == {}
+
+
+def test_server_timing_splits_engine_from_overhead(qc: httpx.Client) -> None:
+    r = qc.post("/infill", json={"input_prefix": "a", "input_suffix": "b", "n_predict": 2})
+    parts = dict(p.strip().split(";dur=") for p in r.headers["server-timing"].split(","))
+    assert set(parts) == {"queue", "prep", "engine", "app", "total"}
+    assert float(parts["engine"]) > 0 and float(parts["total"]) >= float(parts["engine"])
+
+
+def test_auth_and_health(qwen: Live) -> None:
+    with qwen.client() as c:
+        assert c.get("/health").json() == {"status": "ok"}  # public
+        r = c.post("/infill", json={"input_prefix": "", "input_suffix": ""})
+        assert r.status_code == 401
+        assert r.json() == {"error": {"code": 401, "message": "Invalid API Key",
+                                      "type": "authentication_error"}}  # fmt: skip
+        wrong = c.get("/props", headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401
+        assert c.get("/props", headers={"X-Api-Key": KEY}).status_code == 200
+
+
+def test_bad_requests_answer_400_in_llama_server_format(qc: httpx.Client) -> None:
+    cases = [
+        b"{not json",
+        json.dumps({"input_prefix": "a"}).encode(),  # input_suffix missing
+        json.dumps({"input_prefix": "a", "input_suffix": "b", "n_predict": -5}).encode(),
+        json.dumps({"input_prefix": "a", "input_suffix": "b", "input_extra": "x"}).encode(),
+        json.dumps({"input_prefix": "a", "input_suffix": "b", "prompt": [1, 2]}).encode(),
+    ]
+    for raw in cases:
+        r = qc.post("/infill", content=raw, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, (raw, r.text)
+        err = r.json()["error"]
+        assert err["code"] == 400 and err["type"] == "invalid_request_error" and err["message"]
+    too_long = qc.post("/completion", json={"prompt": list(range(N_CTX + 10)), "n_predict": 1})
+    assert too_long.status_code == 400
+    assert too_long.json()["error"]["type"] == "exceed_context_size_error"
+    bad_id = qc.post("/completion", json={"prompt": [10**9], "n_predict": 1})
+    assert bad_id.status_code == 400
+    assert qc.get("/nope").json()["error"]["type"] == "not_found_error"
+    # the daemon survived all of that
+    ok = qc.post("/infill", json={"input_prefix": "a", "input_suffix": "b", "n_predict": 1})
+    assert ok.status_code == 200
+
+
+def test_full_queue_answers_503_with_retry_after(qwen: Live) -> None:
+    """queue_limit is 1: one running, one queued, the third is turned away."""
+    long_body = {"prompt": "go", "n_predict": 3000, "top_k": 1, "id_slot": -1}
+    worker = qwen.service.worker
+    results: list[httpx.Response] = []
+
+    def send() -> None:
+        with qwen.client(headers=AUTH) as c:
+            results.append(c.post("/completion", json=long_body))
+
+    runner = threading.Thread(target=send)
+    runner.start()
+    wait_until(lambda: worker.busy)
+    queued = threading.Thread(target=send)
+    queued.start()
+    wait_until(lambda: worker.queued == 1)
+    with qwen.client(headers=AUTH) as c:
+        r = c.post("/completion", json={"prompt": "x", "n_predict": 1})
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["type"] == "unavailable_error"
+    worker.cancel_running()  # let the long ones end quickly
+    wait_until(lambda: worker.busy and worker.queued == 0)
+    worker.cancel_running()
+    runner.join()
+    queued.join()
+    assert [x.status_code for x in results] == [200, 200]
+
+
+def test_newer_request_for_a_slot_supersedes_the_queued_one(qwen: Live) -> None:
+    worker = qwen.service.worker
+    results: dict[str, httpx.Response] = {}
+
+    def send(name: str, body: dict[str, Any]) -> None:
+        with qwen.client(headers=AUTH) as c:
+            results[name] = c.post("/infill", json=body)
+
+    base = {"input_prefix": "a", "input_suffix": "b", "id_slot": 0}
+    long_body = {**base, "n_predict": 3000, "top_k": 1, "id_slot": 1}
+    running = threading.Thread(target=send, args=("running", long_body))
+    running.start()
+    wait_until(lambda: worker.busy)
+    old = threading.Thread(target=send, args=("old", {**base, "n_predict": 4}))
+    old.start()
+    wait_until(lambda: worker.queued == 1)
+    new = threading.Thread(target=send, args=("new", {**base, "n_predict": 4, "prompt": "c"}))
+    new.start()
+    old.join()  # superseded at once, while the long request still runs
+    assert worker.busy
+    worker.cancel_running()
+    running.join()
+    new.join()
+    assert results["old"].status_code == 503 and "superseded" in results["old"].text
+    assert results["new"].status_code == 200
+
+
+def test_props_models_slots_metrics(qc: httpx.Client, qwen_target: Path) -> None:
+    props = qc.get("/props").json()
+    assert props["default_generation_settings"]["n_ctx"] == N_CTX
+    assert props["model_path"] == str(qwen_target) and props["total_slots"] == 2
+    assert props["draft_model_path"] and props["speculative"]["n_max"] == 16
+    models = qc.get("/v1/models").json()
+    assert models["data"][0]["id"] == qwen_target.name
+    slots = qc.get("/slots").json()
+    assert [s["id"] for s in slots] == [0, 1] and slots[0]["n_ctx"] == N_CTX
+    metrics = qc.get("/metrics")
+    assert metrics.status_code == 200 and "localspec_prompt_tokens_cached_total" in metrics.text
+    assert "localspec_requests_cancelled_total" in metrics.text
+
+
+def test_tokenize_detokenize(qc: httpx.Client) -> None:
+    toks = qc.post("/tokenize", json={"content": "<|fim_prefix|>def"}).json()["tokens"]
+    assert toks[0] == FIM_PRE  # parse_special defaults to true
+    plain = qc.post("/tokenize", json={"content": "<|fim_prefix|>", "parse_special": False})
+    assert FIM_PRE not in plain.json()["tokens"]
+    pieces = qc.post("/tokenize", json={"content": "def f", "with_pieces": True}).json()
+    assert "".join(p["piece"] for p in pieces["tokens"]) == "def f"
+    text = qc.post("/detokenize", json={"tokens": toks[1:]}).json()["content"]
+    assert text == "def"
+
+
+def test_openai_completions_with_suffix_is_fim(qwen: Live, qc: httpx.Client) -> None:
+    r = qc.post("/v1/completions", json={"prompt": "def f():\n", "suffix": "\n", "max_tokens": 3,
+                                         "n": 2})  # fmt: skip
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and len(body["choices"]) == 2
+    assert body["choices"][0]["finish_reason"] in ("stop", "length")
+    last = max(qwen.service.worker.slots, key=lambda s: s.last_used)
+    assert FIM_PRE in last.tokens and FIM_MID in last.tokens
+    stream = qc.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "stream": True})
+    lines = [x for x in stream.text.split("\n\n") if x]
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] is not None
+
+
+# ---------------------------------------------------------------- a trained model: stop rules
+
+
+def _complete(c: httpx.Client, prompt: str, **kw: Any) -> dict[str, Any]:
+    r = c.post("/completion", json={"prompt": prompt, "top_k": 1, "n_predict": 40, **kw})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+CODE = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n"
+
+
+def cut_by_indent(text: str, n_indent: int) -> str:
+    """llama-server's n_indent rule on a finished text (lines after the first newline)."""
+    nl = text.find("\n")
+    while nl >= 0:
+        pos = nl + 1
+        while pos < len(text) and text[pos] in " \t":
+            pos += 1
+        if pos < len(text) and pos - (nl + 1) < n_indent:
+            return text[:pos]
+        nl = text.find("\n", nl + 1)
+    return text
+
+
+def test_model_without_fim_answers_501(smollm: Live) -> None:
+    with smollm.client() as c:
+        r = c.post("/infill", json={"input_prefix": "a", "input_suffix": "b"})
+        assert r.status_code == 501
+        err = r.json()["error"]
+        assert err["type"] == "not_supported_error"
+        assert err["message"].startswith("Infill is not supported by this model")
+
+
+def test_stop_strings_n_indent_and_time_limit(smollm: Live) -> None:
+    with smollm.client() as c:
+        free = _complete(c, CODE)
+        text = free["content"]
+        assert "\n" in text.strip("\n"), text  # the premise: several lines of code
+
+        word = text.strip().split()[1]
+        stopped = _complete(c, CODE, stop=[word])
+        assert stopped["stop_type"] == "word" and stopped["stopping_word"] == word
+        assert stopped["content"] == text[: text.index(word)]
+
+        indented = _complete(c, CODE, n_indent=4)
+        assert indented["stop_type"] == "limit", indented
+        assert indented["content"] == cut_by_indent(text, 4)
+
+        timed = _complete(c, CODE, t_max_predict_ms=1)
+        assert timed["stop_type"] == "limit"
+        assert "\n" in timed["content"] and text.startswith(timed["content"])
+        assert len(timed["content"]) < len(text)
+
+
+def test_streaming_matches_the_plain_answer(smollm: Live) -> None:
+    with smollm.client() as c:
+        plain = _complete(c, CODE, n_predict=12)
+        with c.stream("POST", "/completion", json={"prompt": CODE, "top_k": 1, "n_predict": 12,
+                                                   "stream": True}) as r:  # fmt: skip
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert all(not e["stop"] for e in events[:-1]) and events[-1]["stop"] is True
+    assert "".join(e["content"] for e in events[:-1]) == plain["content"]
+    assert events[-1]["content"] == "" and events[-1]["timings"]["predicted_n"] == 12
