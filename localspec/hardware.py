@@ -94,7 +94,8 @@ KNOWN_DEVICES: tuple[tuple[str, DeviceSpec], ...] = (
     ("rtx 3060 ti", DeviceSpec(448, 32)),
     ("rtx 3060", DeviceSpec(360, 25)),
     ("mi300x", DeviceSpec(5300, 1307)),
-    ("mi250", DeviceSpec(3277, 383)),
+    ("mi250x", DeviceSpec(3277, 383)),
+    ("mi250", DeviceSpec(3277, 362)),
     ("mi210", DeviceSpec(1638, 181)),
     ("7900 xtx", DeviceSpec(960, 123)),
     ("7900 xt", DeviceSpec(800, 103)),
@@ -449,8 +450,9 @@ def probe_cpu(run: Runner = run_command) -> tuple[CpuFacts, dict[str, str]]:
     if cpuinfo.exists():
         model, simd = parse_cpuinfo(cpuinfo.read_text(errors="replace"))
     elif sys.platform == "darwin":
-        keys = ["hw.memsize", "machdep.cpu.brand_string", "iogpu.wired_limit_mb"]
-        sysctl = parse_sysctl(run(["sysctl", *keys]) or "")
+        # One key per call: sysctl fails as a whole on a key this macOS lacks (iogpu.*).
+        for key in ("hw.memsize", "machdep.cpu.brand_string", "iogpu.wired_limit_mb"):
+            sysctl.update(parse_sysctl(run(["sysctl", key]) or ""))
         model = sysctl.get("machdep.cpu.brand_string", "")
         simd = ("asimd",) if platform.machine() == "arm64" else ()
     logical = psutil.cpu_count(logical=True) or os.cpu_count() or 1

@@ -59,6 +59,7 @@ MAX_SLOTS = 256  # the server's limit
 CTX_STEP = 256  # llama.cpp pads the context to a multiple of 256
 PERSONAL_CONTEXT = 16384
 DATACENTER_CONTEXT = 8192
+MAX_REJECTIONS_SHOWN = 8
 
 
 class PlanError(ValueError):
@@ -760,7 +761,10 @@ def render_plan(plan: Plan) -> str:
         ]
     if plan.rejected:
         lines += ["", "rejected"]
-        lines += [f"  {r.candidate}: {r.reason}" for r in plan.rejected]
+        shown = plan.rejected[-MAX_REJECTIONS_SHOWN:]  # the nearest misses come last
+        if len(plan.rejected) > len(shown):
+            lines.append(f"  ({len(plan.rejected) - len(shown)} bigger candidates: see --json)")
+        lines += [f"  {r.candidate}: {r.reason}" for r in shown]
     for note in plan.notes:
         lines.append(f"note: {note}")
     for warning in plan.warnings:
@@ -865,6 +869,8 @@ def _ladder(c: _Ctx, m: ModelFacts) -> list[tuple[str, int]]:
     kv_types = ["q8_0"] if c.datacenter else ["f16", "q8_0"]
     if c.settings.allow_q4_kv:
         kv_types.append("q4_0")
+    if m.head_dim % 32:  # quantized KV blocks hold 32 values of one head
+        kv_types = ["f16"]
     steps = [(kv, ctx_max) for kv in kv_types]
     ctx = ctx_max
     while ctx > floor:
