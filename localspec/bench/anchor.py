@@ -1,0 +1,232 @@
+"""The servers a benchmark starts: llama.cpp's llama-server (the anchor) and localspec's daemon.
+
+Both run as child processes on free loopback ports with the same model files, context,
+batch and threads, so the replay compares servers, not settings. Output goes to a log file
+whose tail is shown when a server fails to come up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+LLAMA_SERVER_ENV = "LLAMA_SERVER_BIN"
+
+# llama-server speculation per bench mode; anything else is passed as --spec-type verbatim.
+LLAMA_MODES = ("plain", "ngram", "draft")
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """What both servers share: model files and the knobs that shape latency."""
+
+    target: Path
+    draft: Path | None = None
+    ctx: int = 4096
+    threads: int = 2
+    batch: int = 1024
+    cache_reuse: int = 256
+    draft_max: int = 16
+    draft_p_min: float = 0.75
+
+
+@dataclass
+class ServerSpec:
+    name: str
+    argv: list[str]
+    port: int
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def find_llama_server(explicit: str | None = None) -> Path:
+    """$LLAMA_SERVER_BIN (or ``explicit``), else llama-server on PATH; a clear error if neither."""
+    candidate = explicit or os.environ.get(LLAMA_SERVER_ENV) or shutil.which("llama-server")
+    if not candidate:
+        raise FileNotFoundError(
+            f"no llama-server binary: set {LLAMA_SERVER_ENV} (build one with "
+            "scripts/build-llama-server.sh; see docs/benchmarks.md)"
+        )
+    path = Path(candidate).expanduser()
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        raise FileNotFoundError(f"{LLAMA_SERVER_ENV}={candidate} is not an executable file")
+    return path
+
+
+def llama_server_spec(
+    binary: Path, serve: ServeSettings, mode: str, port: int | None = None
+) -> ServerSpec:
+    """``llama-server`` as llama-vscode's presets run it, with one speculation mode."""
+    port = port or free_port()
+    argv = [
+        str(binary),
+        "-m", str(serve.target),
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "-c", str(serve.ctx),
+        "-np", "1",
+        "-b", str(serve.batch),
+        "-ub", str(serve.batch),
+        "-t", str(serve.threads),
+        "-tb", str(serve.threads),
+        "--cache-reuse", str(serve.cache_reuse),
+        "--no-webui",
+    ]  # fmt: skip
+    if mode == "draft":
+        if serve.draft is None:
+            raise ValueError("llama-server mode 'draft' needs a draft model (--draft)")
+        argv += [
+            "-md", str(serve.draft),
+            "--spec-type", "draft-simple",
+            "--spec-draft-n-max", str(serve.draft_max),
+            "--spec-draft-p-min", str(serve.draft_p_min),
+            "-cd", str(serve.ctx),
+            "-td", str(serve.threads),
+            "-tbd", str(serve.threads),
+        ]  # fmt: skip
+    elif mode == "ngram":
+        argv += ["--spec-type", "ngram-simple"]
+    elif mode != "plain":
+        argv += ["--spec-type", mode]
+    return ServerSpec(f"llama-server/{mode}", argv, port)
+
+
+def localspec_spec(
+    serve: ServeSettings, spec_mode: str | None = None, port: int | None = None
+) -> ServerSpec:
+    """localspec's daemon (``localspec up``) serving the given files on a loopback port."""
+    port = port or free_port()
+    argv = [
+        sys.executable, "-m", "localspec", "up",
+        "--target", str(serve.target),
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--ctx-size", str(serve.ctx),
+        "--threads", str(serve.threads),
+        "--cache-reuse", str(serve.cache_reuse),
+    ]  # fmt: skip
+    if serve.draft is not None:
+        argv += ["--draft", str(serve.draft)]
+    if spec_mode:
+        argv += ["--spec-mode", spec_mode]
+    name = "localspec" if not spec_mode else f"localspec/{spec_mode}"
+    return ServerSpec(name, argv, port)
+
+
+class ServerError(RuntimeError):
+    """A benchmark server did not come up; the message carries its log's tail."""
+
+
+class ManagedServer:
+    """A child server process: started, health-checked, stopped; its log kept for errors."""
+
+    def __init__(self, spec: ServerSpec, log_dir: Path | None = None) -> None:
+        self.spec = spec
+        self._log_dir = log_dir or Path(tempfile.mkdtemp(prefix="localspec-bench-"))
+        safe = spec.name.replace("/", "-")
+        self.log_path = self._log_dir / f"{safe}-{spec.port}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self._log_dir.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                self.spec.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **self.spec.env},
+            )
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+    def wait_ready(
+        self, timeout_s: float = 600.0, on_wait: Callable[[float], None] | None = None
+    ) -> None:
+        """Poll /health until ``{"status":"ok"}``; fail fast when the process exits."""
+        assert self.proc is not None, "start() first"
+        t0 = time.monotonic()
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                raise ServerError(
+                    f"{self.spec.name} exited with code {code} while loading; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
+            with contextlib.suppress(httpx.HTTPError):
+                r = httpx.get(self.spec.url + "/health", timeout=2.0)
+                if r.status_code == 200 and r.json().get("status") == "ok":
+                    return
+            elapsed = time.monotonic() - t0
+            if elapsed > timeout_s:
+                self.stop()
+                raise ServerError(
+                    f"{self.spec.name} not ready after {timeout_s:.0f} s; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
+            if on_wait is not None:
+                on_wait(elapsed)
+            time.sleep(0.25)
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+
+    def __enter__(self) -> ManagedServer:
+        self.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
+
+
+def start_all(
+    specs: Sequence[ServerSpec], log_dir: Path, timeout_s: float, progress: Callable[[str], None]
+) -> list[ManagedServer]:
+    """Start every server, one after the other (loading competes for the same cores)."""
+    started: list[ManagedServer] = []
+    try:
+        for spec in specs:
+            server = ManagedServer(spec, log_dir)
+            started.append(server)
+            server.start()
+            server.wait_ready(
+                timeout_s, lambda s, n=spec.name: progress(f"loading {n} ({s:.0f} s)")
+            )
+            progress(f"{spec.name} ready at {spec.url}")
+    except BaseException:
+        for server in started:
+            server.stop()
+        raise
+    return started

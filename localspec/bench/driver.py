@@ -1,0 +1,271 @@
+"""Replays a :class:`~localspec.bench.editor.Schedule` against servers, as the editor would.
+
+Each request is one ``/infill`` POST; when the next keystroke's time comes first, the request
+is aborted by closing its connection (llama-vscode's AbortController), and the next one is
+sent. Warm-ups are fire-and-forget, as in llama.vim.
+
+Servers are interleaved location by location (one burst on each server, alternating which
+goes first), not keystroke by keystroke: within a burst a server lives with its own
+consequences (an aborted request still occupies it until it notices the abort), which is the
+latency the user sees; between bursts every server is idle, so no server's leftovers are
+charged to another on the shared cores.
+
+Time is compressed: whenever nothing is in flight, the clock jumps to the next scheduled send
+(the server cannot tell an idle second from an idle microsecond), so a replay takes roughly
+the servers' busy time, not the typist's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import httpx
+
+from localspec.bench.editor import Burst, KeyKind, Schedule
+
+Status = Literal["ok", "aborted", "error"]
+ColdMode = Literal["none", "final", "pauses", "all"]
+
+
+@dataclass
+class Outcome:
+    """What one request cost and returned (timings as the server reported them)."""
+
+    server: str
+    burst: int
+    key: int  # index within the burst; -1 for warm-ups
+    kind: KeyKind | Literal["warmup", "setup"]
+    status: Status
+    latency_ms: float
+    content: str = ""
+    stop_type: str = ""
+    prompt_n: int | None = None
+    cache_n: int | None = None
+    tokens_cached: int | None = None
+    tokens_evaluated: int | None = None
+    prompt_ms: float | None = None
+    predicted_n: int | None = None
+    predicted_ms: float | None = None
+    draft_n: int | None = None
+    draft_n_accepted: int | None = None
+    server_timing: dict[str, float] = field(default_factory=dict)
+    error: str = ""
+    cold: ColdCheck | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class ColdCheck:
+    """The same request answered with the slot cache cleared (``cache_prompt: false``)."""
+
+    status: Status
+    latency_ms: float
+    content: str = ""
+    stop_type: str = ""
+    prompt_n: int | None = None
+    identical: bool = False  # byte-identical answer
+    consistent: bool = False  # identical, or one is a prefix of the other cut by a limit
+    error: str = ""
+
+
+def _parse_server_timing(header: str | None) -> dict[str, float]:
+    """``queue;dur=1.2, engine;dur=30`` → {"queue": 1.2, "engine": 30.0}."""
+    out: dict[str, float] = {}
+    for part in (header or "").split(","):
+        name, _, rest = part.strip().partition(";")
+        if rest.startswith("dur="):
+            with contextlib.suppress(ValueError):
+                out[name] = float(rest[4:])
+    return out
+
+
+def _fill(outcome: Outcome, answer: Any) -> None:
+    if isinstance(answer, list):  # n_cmpl > 1: an array; the bench asks for one
+        answer = answer[0] if answer else {}
+    if not isinstance(answer, dict):
+        outcome.status, outcome.error = "error", f"unexpected answer: {str(answer)[:200]}"
+        return
+    timings = answer.get("timings") or {}
+    outcome.content = str(answer.get("content", ""))
+    outcome.stop_type = str(answer.get("stop_type", ""))
+    outcome.tokens_cached = answer.get("tokens_cached")
+    outcome.tokens_evaluated = answer.get("tokens_evaluated")
+    outcome.prompt_n = timings.get("prompt_n")
+    outcome.cache_n = timings.get("cache_n")
+    outcome.prompt_ms = timings.get("prompt_ms")
+    outcome.predicted_n = timings.get("predicted_n")
+    outcome.predicted_ms = timings.get("predicted_ms")
+    outcome.draft_n = timings.get("draft_n")
+    outcome.draft_n_accepted = timings.get("draft_n_accepted")
+
+
+def answers_consistent(a: str, a_stop: str, b: str, b_stop: str) -> bool:
+    """Equal, or the shorter is a prefix of the longer and was cut by a limit.
+
+    ``t_max_predict_ms`` and ``n_indent`` stop an answer at a point that depends on timing,
+    so two evaluations producing the same tokens can still end at different lengths.
+    """
+    if a == b:
+        return True
+    if len(a) > len(b):
+        a, a_stop, b, b_stop = b, b_stop, a, a_stop
+    return a_stop == "limit" and b.startswith(a)
+
+
+class Target:
+    """One server under test: a name, a base URL and its HTTP client."""
+
+    def __init__(self, name: str, url: str, api_key: str | None = None) -> None:
+        self.name = name
+        self.url = url.rstrip("/")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.AsyncClient(
+            base_url=self.url, headers=headers, timeout=httpx.Timeout(None, connect=10.0)
+        )
+
+    async def post(self, body: dict[str, Any], outcome: Outcome) -> Outcome:
+        """POST /infill and fill ``outcome``; cancellation aborts the connection."""
+        t0 = time.perf_counter()
+        try:
+            r = await self.http.post("/infill", json=body)
+        except httpx.HTTPError as exc:
+            outcome.status, outcome.error = "error", f"{type(exc).__name__}: {exc}"
+            outcome.latency_ms = (time.perf_counter() - t0) * 1e3
+            return outcome
+        outcome.latency_ms = (time.perf_counter() - t0) * 1e3
+        outcome.server_timing = _parse_server_timing(r.headers.get("server-timing"))
+        if r.status_code != 200:
+            outcome.status, outcome.error = "error", f"HTTP {r.status_code}: {r.text[:300]}"
+            return outcome
+        try:
+            _fill(outcome, r.json())
+        except ValueError as exc:
+            outcome.status, outcome.error = "error", f"bad JSON: {exc}"
+        return outcome
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+
+class _Clock:
+    """Simulated typist time that skips ahead whenever no request is in flight."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.skipped = 0.0
+        self.inflight: set[asyncio.Task[Outcome]] = set()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0 + self.skipped
+
+    async def until(self, when: float) -> None:
+        while True:
+            self.inflight = {t for t in self.inflight if not t.done()}
+            left = when - self.now()
+            if left <= 0:
+                return
+            if not self.inflight:
+                self.skipped += left
+                return
+            await asyncio.wait(self.inflight, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+
+
+async def _abort(task: asyncio.Task[Outcome]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def run_burst(target: Target, burst: Burst) -> list[Outcome]:
+    """One location on one server: warm-ups in the idle time, then the keystrokes."""
+    clock = _Clock()
+    warmups: list[asyncio.Task[Outcome]] = []
+    results: list[Outcome] = []
+    for i, body in enumerate(burst.warmups):
+        await clock.until(float(i))
+        out = Outcome(target.name, burst.index, -1, "warmup", "ok", 0.0)
+        task = asyncio.create_task(target.post(body, out))
+        warmups.append(task)
+        clock.inflight.add(task)
+    send_at = burst.idle_s
+    for k, key in enumerate(burst.keys):
+        await clock.until(send_at)
+        out = Outcome(target.name, burst.index, k, key.kind, "ok", 0.0)
+        sent = time.perf_counter()
+        task = asyncio.create_task(target.post(key.body, out))
+        clock.inflight.add(task)
+        send_at += key.wait_s
+        await clock.until(send_at)
+        if not task.done():
+            await _abort(task)
+            out.status = "aborted"
+            out.latency_ms = (time.perf_counter() - sent) * 1e3
+        results.append(task.result() if not task.cancelled() else out)
+    for task in warmups:  # not aborted, as in the editor: wait for them before moving on
+        results.append(await task)
+    return results
+
+
+def _wants_cold(outcome: Outcome, mode: ColdMode) -> bool:
+    if outcome.status != "ok" or mode == "none" or outcome.kind in ("warmup", "setup"):
+        return False
+    if mode == "all":
+        return True
+    if mode == "pauses":
+        return outcome.kind in ("pause", "final")
+    return outcome.kind == "final"
+
+
+async def cold_check(
+    target: Target, burst: Burst, outcomes: Sequence[Outcome], mode: ColdMode
+) -> None:
+    """Re-send chosen requests with the cache off and compare the answers."""
+    for out in outcomes:
+        if out.server != target.name or not _wants_cold(out, mode):
+            continue
+        body = {**burst.keys[out.key].body, "cache_prompt": False}
+        probe = Outcome(target.name, burst.index, out.key, out.kind, "ok", 0.0)
+        await target.post(body, probe)
+        out.cold = ColdCheck(
+            status=probe.status,
+            latency_ms=probe.latency_ms,
+            content=probe.content,
+            stop_type=probe.stop_type,
+            prompt_n=probe.prompt_n,
+            identical=probe.status == "ok" and probe.content == out.content,
+            consistent=probe.status == "ok"
+            and answers_consistent(out.content, out.stop_type, probe.content, probe.stop_type),
+            error=probe.error,
+        )
+
+
+async def replay(
+    targets: Sequence[Target],
+    schedule: Schedule,
+    *,
+    cold: ColdMode = "final",
+    progress: Callable[[int, Burst, list[Outcome]], None] | None = None,
+) -> list[Outcome]:
+    """The whole schedule on every target, interleaved burst by burst."""
+    outcomes: list[Outcome] = []
+    for target in targets:  # the ring's first fill: a cold prefill nobody types through
+        setup = Outcome(target.name, -1, -1, "setup", "ok", 0.0)
+        outcomes.append(await target.post(schedule.setup, setup))
+    for burst in schedule.bursts:
+        order = list(targets) if burst.index % 2 == 0 else list(reversed(targets))
+        done: list[Outcome] = []
+        for target in order:
+            got = await run_burst(target, burst)
+            await cold_check(target, burst, got, cold)
+            done.extend(got)
+        outcomes.extend(done)
+        if progress is not None:
+            progress(burst.index, burst, done)
+    return outcomes

@@ -1,0 +1,316 @@
+"""``localspec bench replay``: an editor session replayed against localspec and llama-server.
+
+For N cursor locations in real source files, the replay jumps there and retypes the line key
+by key with one ``/infill`` per keystroke, exactly as llama-vscode sends them (see
+:mod:`localspec.bench.editor`), aborting a request when the next keystroke comes first.
+Several servers replay the same session in one run, interleaved location by location, and the
+report compares them: latency percentiles, prompt tokens evaluated and reused, generation
+speed, speculative acceptance, and how often an answer equals a cold-cache evaluation of the
+same request (the quality cost of chunk reuse).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from localspec.bench import anchor, editor, report
+from localspec.bench.driver import Outcome, Target, replay
+from localspec.bench.stats import fmt, percentile, ratio
+
+EPILOG = """\
+examples:
+  # localspec vs llama-server (plain and draft modes) on the same files, one interleaved run
+  localspec bench replay --target t.gguf --draft d.gguf --vs-llama-server plain,draft \\
+      --locations 20 --json replay.json --plot replay.png
+  # a running daemon against any other server speaking /infill
+  localspec bench replay --url http://127.0.0.1:8012 --vs http://127.0.0.1:8080
+  # your own code, greedy answers, every completed request checked against a cold cache
+  localspec bench replay --url http://127.0.0.1:8012 --code ~/src/app --greedy --cold all
+
+llama-server comes from $LLAMA_SERVER_BIN (build it with scripts/build-llama-server.sh).
+"""
+
+
+def _range(text: str) -> tuple[float, float]:
+    try:
+        low, _, high = text.partition(",")
+        values = (float(low), float(high or low))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX in seconds, got {text!r}") from None
+    if not 0 <= values[0] <= values[1]:
+        raise argparse.ArgumentTypeError(f"expected 0 <= MIN <= MAX, got {text!r}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="localspec bench replay",
+        description=__doc__.split("\n\n")[1] if __doc__ else None,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    srv = p.add_argument_group("servers")
+    srv.add_argument("--target", type=Path, metavar="GGUF", help="target model file")
+    srv.add_argument("--draft", type=Path, metavar="GGUF", help="draft model file")
+    srv.add_argument("--url", help="replay against this running server instead of starting one")
+    srv.add_argument(
+        "--vs", action="append", default=[], metavar="URL", help="also replay against URL"
+    )
+    srv.add_argument(
+        "--vs-llama-server",
+        metavar="MODES",
+        help="start $LLAMA_SERVER_BIN with the same files in these comma-separated modes: "
+        "plain, ngram, draft, or any llama-server --spec-type",
+    )
+    srv.add_argument("--llama-server-bin", metavar="PATH", help="instead of $LLAMA_SERVER_BIN")
+    srv.add_argument("--spec-mode", help="localspec's speculative mode (default: its settings)")
+    srv.add_argument("--ctx", type=int, default=4096, help="context per slot (default 4096)")
+    srv.add_argument(
+        "--threads", type=int, default=None, help="llama.cpp threads (default: physical cores)"
+    )
+    srv.add_argument("--cache-reuse", type=int, default=256, help="KV-shift chunk (default 256)")
+    srv.add_argument("--api-key", default=os.environ.get("LOCALSPEC_API_KEY"), help="for --url")
+    srv.add_argument(
+        "--load-timeout", type=float, default=600.0, help="seconds to wait for a server to load"
+    )
+    srv.add_argument("--log-dir", type=Path, help="where started servers log (default: a tmpdir)")
+
+    tr = p.add_argument_group("traffic")
+    tr.add_argument("--code", type=Path, help="source tree to type in (default: Python's stdlib)")
+    tr.add_argument("--pattern", default="*.py", help="file glob under --code (default *.py)")
+    tr.add_argument("--locations", type=int, default=20, help="cursor locations (default 20)")
+    tr.add_argument("--max-keys", type=int, default=40, help="keystrokes per line (default 40)")
+    tr.add_argument("--seed", type=int, default=42, help="schedule and sampler seed")
+    tr.add_argument("--greedy", action="store_true", help="top_k 1 instead of llama-vscode's 40")
+    tr.add_argument(
+        "--interval", type=_range, default=(0.08, 0.15), metavar="MIN,MAX", help="typing (s)"
+    )
+    tr.add_argument("--pause-prob", type=float, default=0.08, help="reading pause per keystroke")
+    tr.add_argument(
+        "--t-max-predict-ms", type=int, default=500, help="the client's generation time budget"
+    )
+    tr.add_argument(
+        "--cold",
+        choices=("none", "final", "pauses", "all"),
+        default="final",
+        help="which completed requests to re-evaluate with a cold cache (default: final "
+        "keystroke of each line; pauses adds reading pauses)",
+    )
+
+    out = p.add_argument_group("output")
+    out.add_argument("--json", type=Path, metavar="FILE", help="write results as JSON")
+    out.add_argument("--plot", type=Path, metavar="FILE.png", help="latency plot (matplotlib)")
+    out.add_argument("--quiet", action="store_true", help="no per-location progress lines")
+    return p
+
+
+def _threads(explicit: int | None) -> int:
+    if explicit:
+        return explicit
+    try:
+        import psutil
+
+        return max(1, psutil.cpu_count(logical=False) or 1)
+    except ImportError:  # pragma: no cover - psutil is a dependency
+        return max(1, os.cpu_count() or 1)
+
+
+def server_specs(args: argparse.Namespace) -> list[anchor.ServerSpec]:
+    """What to start: localspec unless --url, then llama-server per requested mode."""
+    specs: list[anchor.ServerSpec] = []
+    need_files = args.url is None or args.vs_llama_server
+    if need_files:
+        if args.target is None:
+            raise ValueError("give --target (and --draft) to start servers, or --url")
+        for path in (args.target, args.draft):
+            if path is not None and not path.is_file():
+                raise ValueError(f"model file not found: {path}")
+    serve = anchor.ServeSettings(
+        target=args.target.resolve() if args.target else Path(),
+        draft=args.draft.resolve() if args.draft else None,
+        ctx=args.ctx,
+        threads=_threads(args.threads),
+        cache_reuse=args.cache_reuse,
+    )
+    if args.url is None:
+        specs.append(anchor.localspec_spec(serve, args.spec_mode))
+    if args.vs_llama_server:
+        binary = anchor.find_llama_server(args.llama_server_bin)
+        for mode in (m.strip() for m in args.vs_llama_server.split(",")):
+            if mode:
+                specs.append(anchor.llama_server_spec(binary, serve, mode))
+    return specs
+
+
+def _progress(msg: str) -> None:
+    print(f"  {msg}", file=sys.stderr, flush=True)
+
+
+def _burst_line(n: int, burst: editor.Burst, done: list[Outcome], servers: Sequence[str]) -> str:
+    parts = []
+    for name in servers:
+        mine = [o for o in done if o.server == name and o.key >= 0]
+        ok = [o for o in mine if o.status == "ok"]
+        p50 = percentile([o.latency_ms for o in ok], 50)
+        cold = [o.cold.identical for o in ok if o.cold is not None]
+        mark = "" if not cold else (" =cold" if all(cold) else " !=cold")
+        parts.append(f"{name} {len(ok)}/{len(mine)} ok p50 {fmt(p50)} ms{mark}")
+    where = f"{Path(burst.filename).name}:{burst.line_no + 1}"
+    return f"[{burst.index + 1}/{n}] {where:<28} " + " | ".join(parts)
+
+
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+    }
+    try:
+        import psutil
+
+        info["physical_cores"] = psutil.cpu_count(logical=False)
+        info["memory_gb"] = round(psutil.virtual_memory().total / 2**30, 1)
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return info
+
+
+async def _run(
+    targets: list[Target], schedule: editor.Schedule, cold: str, quiet: bool
+) -> list[Outcome]:
+    names = [t.name for t in targets]
+    n = len(schedule.bursts)
+
+    def progress(_: int, burst: editor.Burst, done: list[Outcome]) -> None:
+        if not quiet:
+            print(_burst_line(n, burst, done, names), file=sys.stderr, flush=True)
+
+    try:
+        return await replay(targets, schedule, cold=cold, progress=progress)  # type: ignore[arg-type]
+    finally:
+        for t in targets:
+            await t.aclose()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        traffic = editor.TrafficSettings(
+            locations=args.locations,
+            max_keys=args.max_keys,
+            seed=args.seed,
+            greedy=args.greedy,
+            interval_s=args.interval,
+            pause_prob=args.pause_prob,
+            t_max_predict_ms=args.t_max_predict_ms,
+        )
+        traffic.check()
+        code = args.code or editor.default_code_dir()
+        print(f"reading sources under {code}", file=sys.stderr)
+        skip = editor.SKIP_DIRS | (editor.STDLIB_SKIP_DIRS if args.code is None else frozenset())
+        sources = editor.load_sources(code, pattern=args.pattern, skip_dirs=skip)
+        schedule = editor.build_schedule(traffic, sources)
+        specs = server_specs(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"{len(schedule.bursts)} locations, {schedule.n_requests} requests per server "
+        f"from {len(sources)} files",
+        file=sys.stderr,
+    )
+
+    log_dir = args.log_dir or Path(os.environ.get("TMPDIR", "/tmp")) / "localspec-bench-logs"
+    started: list[anchor.ManagedServer] = []
+    try:
+        if specs:
+            print("starting servers (one at a time)", file=sys.stderr)
+            started = anchor.start_all(specs, log_dir, args.load_timeout, _progress)
+        targets: list[Target] = []
+        if args.url:
+            targets.append(Target(f"url:{args.url.rstrip('/').rsplit(':', 1)[-1]}", args.url,
+                                  args.api_key))  # fmt: skip
+        targets += [Target(s.spec.name, s.spec.url) for s in started]
+        for i, url in enumerate(args.vs):
+            targets.append(Target(f"vs{i + 1}:{url.rstrip('/').rsplit(':', 1)[-1]}", url))
+        t0 = time.perf_counter()
+        outcomes = asyncio.run(_run(targets, schedule, args.cold, args.quiet))
+        wall_s = time.perf_counter() - t0
+    except (anchor.ServerError, FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    finally:
+        for server in started:
+            server.stop()
+
+    names = [t.name for t in targets]
+    summaries = report.summarize(outcomes, names)
+    print()
+    print(report.table(summaries))
+    best = report.best_anchor(summaries)
+    if best is not None and summaries[0].server != best.server:
+        first = summaries[0]
+        shown = ", ".join(
+            f"{label} {fmt(ratio(getattr(first, attr), getattr(best, attr)), '.2f')}x"
+            for label, attr in (
+                ("p50", "p50_ms"),
+                ("p95", "p95_ms"),
+                ("paired p50", "paired_p50_ms"),
+                ("paired p95", "paired_p95_ms"),
+                ("prompt tokens", "prompt_n_mean"),
+            )
+        )
+        print(f"\n{first.server} vs llama-server's best here ({best.server}): {shown}")
+    print(f"\nwall time {wall_s:.0f} s; server logs in {log_dir}")
+
+    if args.json:
+        doc = {
+            "benchmark": "replay",
+            "machine": machine(),
+            "traffic": {k: v for k, v in vars(traffic).items()},
+            "code": str(args.code or editor.default_code_dir()),
+            "servers": [
+                {"name": s.spec.name, "url": s.spec.url, "argv": s.spec.argv} for s in started
+            ]
+            + [{"name": t.name, "url": t.url} for t in targets if t.name.startswith(("url", "vs"))],
+            "wall_s": wall_s,
+            "summaries": [report.summary_json(s) for s in summaries],
+            "ratios": report.ratios(summaries),
+            "best_llama_server": best.server if best else None,
+            "requests": [o.to_json() for o in outcomes],
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=1))
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        try:
+            report.plot(outcomes, names, args.plot)
+            print(f"wrote {args.plot}", file=sys.stderr)
+        except RuntimeError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

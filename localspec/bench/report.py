@@ -1,0 +1,228 @@
+"""Summaries of a replay: per-server figures, ratios between servers, the table and the plot."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from localspec.bench.driver import Outcome
+from localspec.bench.stats import fmt, mean, percentile, ratio, share
+
+
+@dataclass
+class Summary:
+    """One server's figures over one replay (keystroke requests only, unless named)."""
+
+    server: str
+    sent: int = 0
+    completed: int = 0
+    aborted: int = 0
+    errors: int = 0
+    p50_ms: float | None = None
+    p95_ms: float | None = None
+    p99_ms: float | None = None
+    paired_p50_ms: float | None = None  # over keystrokes every server completed
+    paired_p95_ms: float | None = None
+    final_p50_ms: float | None = None  # the last keystroke of each line (always completes)
+    final_p95_ms: float | None = None
+    prompt_n_mean: float | None = None  # prompt tokens evaluated per completed request
+    prompt_n_p50: float | None = None
+    cache_n_mean: float | None = None  # prompt tokens reused per completed request
+    prompt_ms_mean: float | None = None  # where the time goes: prompt evaluation ...
+    predicted_ms_mean: float | None = None  # ... and generation
+    predicted_n_mean: float | None = None
+    predicted_per_s: float | None = None
+    draft_n: int = 0
+    draft_accepted: int = 0
+    acceptance: float | None = None
+    warmups: int = 0
+    warmup_p50_ms: float | None = None
+    warmup_prompt_n_mean: float | None = None
+    setup_ms: float | None = None  # the first (cold) fill of the ring
+    cold_checked: int = 0
+    cold_identical: float | None = None
+    cold_consistent: float | None = None
+    agree_with_first: float | None = None  # final answers equal to the first server's
+
+
+KEYS = ("type", "pause", "final")
+
+
+def _sum(values: Sequence[float | int | None]) -> float:
+    return float(sum(v for v in values if v is not None))
+
+
+def summarize(outcomes: Sequence[Outcome], servers: Sequence[str]) -> list[Summary]:
+    by_key: dict[tuple[str, int, int], Outcome] = {
+        (o.server, o.burst, o.key): o for o in outcomes if o.kind in KEYS
+    }
+    keys = sorted({(b, k) for (_, b, k) in by_key})
+    paired = [
+        bk
+        for bk in keys
+        if all(
+            by_key.get((s, *bk)) is not None and by_key[(s, *bk)].status == "ok" for s in servers
+        )
+    ]
+    first = servers[0] if servers else ""
+    summaries = []
+    for name in servers:
+        mine = [o for o in outcomes if o.server == name]
+        keyed = [o for o in mine if o.kind in KEYS]
+        ok = [o for o in keyed if o.status == "ok"]
+        lat = [o.latency_ms for o in ok]
+        finals = [o for o in ok if o.kind == "final"]
+        warm = [o for o in mine if o.kind == "warmup" and o.status == "ok"]
+        setup = [o for o in mine if o.kind == "setup" and o.status == "ok"]
+        colds = [o.cold for o in ok if o.cold is not None and o.cold.status == "ok"]
+        pl = [by_key[(name, *bk)].latency_ms for bk in paired]
+        s = Summary(server=name)
+        s.sent = len(keyed)
+        s.completed = len(ok)
+        s.aborted = sum(o.status == "aborted" for o in keyed)
+        s.errors = sum(o.status == "error" for o in mine)
+        s.p50_ms, s.p95_ms, s.p99_ms = (percentile(lat, q) for q in (50, 95, 99))
+        s.paired_p50_ms, s.paired_p95_ms = percentile(pl, 50), percentile(pl, 95)
+        s.final_p50_ms = percentile([o.latency_ms for o in finals], 50)
+        s.final_p95_ms = percentile([o.latency_ms for o in finals], 95)
+        prompt_n = [float(o.prompt_n) for o in ok if o.prompt_n is not None]
+        s.prompt_n_mean, s.prompt_n_p50 = mean(prompt_n), percentile(prompt_n, 50)
+        s.cache_n_mean = mean([float(o.cache_n) for o in ok if o.cache_n is not None])
+        s.prompt_ms_mean = mean([o.prompt_ms for o in ok if o.prompt_ms is not None])
+        s.predicted_ms_mean = mean([o.predicted_ms for o in ok if o.predicted_ms is not None])
+        s.predicted_n_mean = mean([float(o.predicted_n) for o in ok if o.predicted_n is not None])
+        pred_ms = _sum([o.predicted_ms for o in ok])
+        s.predicted_per_s = _sum([o.predicted_n for o in ok]) / pred_ms * 1e3 if pred_ms else None
+        s.draft_n = int(_sum([o.draft_n for o in ok]))
+        s.draft_accepted = int(_sum([o.draft_n_accepted for o in ok]))
+        s.acceptance = share(s.draft_accepted, s.draft_n)
+        s.warmups = len(warm)
+        s.warmup_p50_ms = percentile([o.latency_ms for o in warm], 50)
+        s.warmup_prompt_n_mean = mean([float(o.prompt_n) for o in warm if o.prompt_n is not None])
+        s.setup_ms = setup[0].latency_ms if setup else None
+        s.cold_checked = len(colds)
+        s.cold_identical = share(sum(c.identical for c in colds), len(colds))
+        s.cold_consistent = share(sum(c.consistent for c in colds), len(colds))
+        if name != first:
+            pairs = [
+                (o.content, by_key[(first, o.burst, o.key)].content)
+                for o in finals
+                if by_key.get((first, o.burst, o.key)) is not None
+                and by_key[(first, o.burst, o.key)].status == "ok"
+            ]
+            s.agree_with_first = share(sum(a == b for a, b in pairs), len(pairs))
+        summaries.append(s)
+    return summaries
+
+
+RATIO_FIELDS = ("p50_ms", "p95_ms", "p99_ms", "paired_p50_ms", "paired_p95_ms", "final_p50_ms",
+                "final_p95_ms", "prompt_n_mean")  # fmt: skip
+
+
+def ratios(summaries: Sequence[Summary]) -> dict[str, dict[str, float | None]]:
+    """The first server's figures divided by each other server's (below 1: the first is better)."""
+    if len(summaries) < 2:
+        return {}
+    first = summaries[0]
+    return {
+        other.server: {f: ratio(getattr(first, f), getattr(other, f)) for f in RATIO_FIELDS}
+        for other in summaries[1:]
+    }
+
+
+def best_anchor(summaries: Sequence[Summary], prefix: str = "llama-server") -> Summary | None:
+    """llama-server's best configuration in the run: the lowest paired p50 (then p50)."""
+    anchors = [s for s in summaries if s.server.startswith(prefix)]
+    scored = [s for s in anchors if (s.paired_p50_ms or s.p50_ms) is not None]
+    return min(scored, key=lambda s: s.paired_p50_ms or s.p50_ms or 0.0) if scored else None
+
+
+ROWS: tuple[tuple[str, str, str], ...] = (
+    ("keystrokes sent", "sent", "d"),
+    ("completed", "completed", "d"),
+    ("aborted (next key came first)", "aborted", "d"),
+    ("errors", "errors", "d"),
+    ("latency p50 ms (completed)", "p50_ms", ".0f"),
+    ("latency p95 ms", "p95_ms", ".0f"),
+    ("latency p99 ms", "p99_ms", ".0f"),
+    ("paired p50 ms (done by all)", "paired_p50_ms", ".0f"),
+    ("paired p95 ms", "paired_p95_ms", ".0f"),
+    ("end-of-line p50 ms", "final_p50_ms", ".0f"),
+    ("end-of-line p95 ms", "final_p95_ms", ".0f"),
+    ("prompt tokens evaluated/req", "prompt_n_mean", ".1f"),
+    ("  median", "prompt_n_p50", ".0f"),
+    ("prompt tokens reused/req", "cache_n_mean", ".0f"),
+    ("prompt ms/req", "prompt_ms_mean", ".0f"),
+    ("generation ms/req", "predicted_ms_mean", ".0f"),
+    ("tokens generated/req", "predicted_n_mean", ".1f"),
+    ("generation tokens/s", "predicted_per_s", ".1f"),
+    ("drafted", "draft_n", "d"),
+    ("acceptance", "acceptance", ".0%"),
+    ("warm-ups", "warmups", "d"),
+    ("warm-up p50 ms", "warmup_p50_ms", ".0f"),
+    ("warm-up prompt tokens", "warmup_prompt_n_mean", ".0f"),
+    ("first ring fill ms", "setup_ms", ".0f"),
+    ("cold-cache checks", "cold_checked", "d"),
+    ("identical to cold cache", "cold_identical", ".0%"),
+    ("consistent with cold cache", "cold_consistent", ".0%"),
+    ("end-of-line answers = first", "agree_with_first", ".0%"),
+)
+
+
+def table(summaries: Sequence[Summary]) -> str:
+    names = [s.server for s in summaries]
+    width = max(12, *(len(n) for n in names))
+    label_w = max(len(r[0]) for r in ROWS)
+    lines = [" " * label_w + "  " + "  ".join(n.rjust(width) for n in names)]
+    for label, attr, spec in ROWS:
+        cells = [fmt(getattr(s, attr), spec).rjust(width) for s in summaries]
+        lines.append(label.ljust(label_w) + "  " + "  ".join(cells))
+    rel = ratios(summaries)
+    if rel:
+        lines.append("")
+        lines.append(f"{names[0]} / other (below 1: {names[0]} is better)")
+        for other, values in rel.items():
+            shown = ", ".join(f"{k.removesuffix('_ms')} {fmt(v, '.2f')}" for k, v in values.items())
+            lines.append(f"  vs {other}: {shown}")
+    return "\n".join(lines)
+
+
+def summary_json(s: Summary) -> dict[str, Any]:
+    return {f.name: getattr(s, f.name) for f in fields(s)}
+
+
+def plot(outcomes: Sequence[Outcome], servers: Sequence[str], path: Path) -> None:
+    """Latency CDFs (completed keystrokes) and prompt tokens evaluated, one line per server."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RuntimeError(
+            "--plot needs matplotlib: pip install 'localspec[bench]' (or pip install matplotlib)"
+        ) from None
+    fig, (ax_lat, ax_tok) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name in servers:
+        ok = [o for o in outcomes if o.server == name and o.kind in KEYS and o.status == "ok"]
+        lat = sorted(o.latency_ms for o in ok)
+        if lat:
+            ys = [(i + 1) / len(lat) for i in range(len(lat))]
+            ax_lat.step(lat, ys, where="post", label=f"{name} (n={len(lat)})")
+        toks = sorted(float(o.prompt_n) for o in ok if o.prompt_n is not None)
+        if toks:
+            ys = [(i + 1) / len(toks) for i in range(len(toks))]
+            ax_tok.step([max(t, 0.5) for t in toks], ys, where="post", label=name)
+    ax_lat.set(xscale="log", xlabel="latency ms (completed /infill)", ylabel="share of requests")
+    ax_lat.set_title("Editor replay latency")
+    ax_tok.set(xscale="log", xlabel="prompt tokens evaluated per request", ylabel="share")
+    ax_tok.set_title("Prompt work per request")
+    for ax in (ax_lat, ax_tok):
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(loc="lower right", fontsize="small")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

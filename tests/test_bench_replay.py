@@ -1,0 +1,480 @@
+"""`localspec bench replay`: request shapes, abort behaviour, reports, and a real short replay.
+
+The traffic is checked field by field against what llama-vscode sends; the driver runs against
+a loopback stub that answers after a delay chosen per request and records whether the client
+waited or closed the connection (an abort), so abort behaviour is observed on the wire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from localspec.bench import editor, report
+from localspec.bench.driver import (
+    ColdCheck,
+    Outcome,
+    Target,
+    answers_consistent,
+    replay,
+    run_burst,
+)
+from localspec.bench.replay import main as replay_main
+from localspec.bench.stats import percentile
+
+KEYSTROKE_FIELDS = {
+    "id_slot", "input_prefix", "input_suffix", "input_extra", "prompt", "n_predict", "n_cmpl",
+    "top_k", "top_p", "seed", "stream", "samplers", "cache_prompt", "t_max_prompt_ms",
+    "t_max_predict_ms",
+}  # fmt: skip
+
+
+def _write_code(root: Path, n_files: int = 4, n_lines: int = 400) -> Path:
+    """Source files whose every line says where it is, so windows can be checked exactly."""
+    root.mkdir(parents=True, exist_ok=True)
+    for f in range(n_files):
+        lines = []
+        for i in range(n_lines):
+            indent = "    " * (i % 3)
+            lines.append(f"{indent}value_{f}_{i} = compute({i}, name='f{f}')")
+        (root / f"mod{f}.py").write_text("\n".join(lines) + "\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def code_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _write_code(tmp_path_factory.mktemp("code"))
+
+
+@pytest.fixture(scope="module")
+def sources(code_dir: Path) -> list[editor.SourceFile]:
+    return editor.load_sources(code_dir)
+
+
+# --- the traffic ----------------------------------------------------------------------------
+
+
+def test_keystroke_bodies_match_llama_vscode(sources: list[editor.SourceFile]) -> None:
+    settings = editor.TrafficSettings(locations=6, max_keys=12)
+    schedule = editor.build_schedule(settings, sources)
+    by_path = {s.path: s.lines for s in sources}
+    assert len(schedule.bursts) == 6
+    for burst in schedule.bursts:
+        lines = by_path[burst.filename]
+        y = burst.line_no
+        indent = len(burst.line) - len(burst.line.lstrip(" "))
+        # one request on arrival, then one per typed character
+        assert len(burst.keys) == min(12, len(burst.line.rstrip()) - indent) + 1
+        assert [k.kind for k in burst.keys][-1] == "final"
+        for k, key in enumerate(burst.keys):
+            body = key.body
+            assert set(body) == KEYSTROKE_FIELDS | ({"n_indent"} if indent else set())
+            assert body["input_prefix"] == "\n".join(lines[max(0, y - 256) : y]) + "\n"
+            # retyping: nothing of the line is right of the cursor yet
+            assert body["input_suffix"] == "\n" + "\n".join(lines[y + 1 : y + 65]) + "\n"
+            typed = burst.line[: indent + k]
+            assert body["prompt"] == ("" if typed.strip() == "" else typed)
+            if indent:
+                assert body["n_indent"] == indent
+            assert body["n_predict"] == 128 and body["n_cmpl"] == 1
+            assert body["top_k"] == 40 and body["top_p"] == 0.99 and body["seed"] == 42
+            assert body["samplers"] == ["top_k", "top_p", "infill"]
+            assert body["cache_prompt"] is True and body["stream"] is False
+            assert body["t_max_prompt_ms"] == 500 and body["t_max_predict_ms"] == 500
+            assert body["id_slot"] == 0
+            assert body["input_extra"] == burst.keys[0].body["input_extra"]
+        waits = [k.wait_s for k in burst.keys[:-1] if k.kind == "type"]
+        assert all(0.08 <= w <= 0.15 for w in waits)
+        assert all(1.0 <= k.wait_s <= 2.5 for k in burst.keys if k.kind == "pause")
+
+
+def test_prefix_window_is_256_lines_deep_in_a_file(tmp_path: Path) -> None:
+    srcs = editor.load_sources(_write_code(tmp_path / "c", n_files=2, n_lines=900))
+    settings = editor.TrafficSettings(locations=12, max_keys=2)
+    deep = [b for b in editor.build_schedule(settings, srcs).bursts if b.line_no >= 300]
+    assert deep, "some location lies past line 300"
+    body = deep[0].keys[0].body
+    assert body["input_prefix"].count("\n") == 256
+    assert body["input_suffix"].count("\n") == 1 + min(64, 900 - deep[0].line_no)
+
+
+def test_ring_chunks_and_warmups(sources: list[editor.SourceFile]) -> None:
+    settings = editor.TrafficSettings(locations=10, max_keys=3)
+    schedule = editor.build_schedule(settings, sources)
+    # the session starts with a ring filled from other places, sent as one warm-up
+    setup = schedule.setup
+    assert setup["n_predict"] == 0 and setup["samplers"] == [] and setup["t_max_predict_ms"] == 1
+    assert setup["input_prefix"] == setup["input_suffix"] == setup["prompt"] == ""
+    assert 1 <= len(setup["input_extra"]) <= 16
+    n_warmups = 0
+    previous = setup["input_extra"]
+    for burst in schedule.bursts:
+        assert len(burst.warmups) <= int(burst.idle_s) + 1  # one per idle second at most
+        for warm in burst.warmups:
+            n_warmups += 1
+            assert set(warm) == KEYSTROKE_FIELDS
+            assert warm["n_predict"] == 0 and warm["samplers"] == []
+            assert warm["t_max_predict_ms"] == 1
+            assert warm["input_prefix"] == warm["input_suffix"] == warm["prompt"] == ""
+            # each warm-up follows exactly one chunk entering the ring (oldest evicted if full)
+            assert warm["input_extra"][-1] not in previous
+            assert warm["input_extra"][:-1] == [c for c in previous if c in warm["input_extra"]]
+            previous = warm["input_extra"]
+        extra = burst.keys[0].body["input_extra"]
+        assert extra == previous
+        assert len(extra) <= 16
+        for chunk in extra:
+            assert set(chunk) == {"text", "time", "filename"}
+            assert chunk["text"].endswith("\n") and 3 <= chunk["text"].count("\n") <= 32
+            assert Path(chunk["filename"]).is_absolute()
+    assert n_warmups > 0
+
+
+def test_schedule_is_seeded(sources: list[editor.SourceFile]) -> None:
+    a = editor.build_schedule(editor.TrafficSettings(locations=4), sources)
+    b = editor.build_schedule(editor.TrafficSettings(locations=4), sources)
+    c = editor.build_schedule(editor.TrafficSettings(locations=4, seed=7), sources)
+    assert a.bursts == b.bursts
+    assert a.bursts != c.bursts
+    greedy = editor.build_schedule(editor.TrafficSettings(locations=1, greedy=True), sources)
+    assert greedy.bursts[0].keys[0].body["top_k"] == 1
+
+
+def test_ring_evicts_near_duplicates_and_oldest() -> None:
+    import random
+
+    ring = editor.Ring(editor.TrafficSettings(ring_n_chunks=2, ring_chunk_lines=4))
+    rng = random.Random(0)
+    src = editor.SourceFile("/a.py", [f"line {i}" for i in range(20)])
+    ring.pick(rng, src, 0, 4, 1)
+    ring.pick(rng, src, 0, 4, 2)  # the same four lines: not queued twice
+    assert len(ring.queued) == 1
+    ring.update()
+    ring.pick(rng, src, 8, 12, 3)
+    ring.pick(rng, src, 12, 16, 4)
+    assert ring.update() and ring.update() and not ring.update()
+    assert [c.lines[0] for c in ring.chunks] == ["line 8", "line 12"]  # oldest evicted
+
+
+def test_bad_settings_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="locations"):
+        editor.TrafficSettings(locations=0).check()
+    with pytest.raises(ValueError, match="interval_s"):
+        editor.TrafficSettings(interval_s=(0.2, 0.1)).check()
+    with pytest.raises(ValueError, match="not found"):
+        editor.load_sources(tmp_path / "missing")
+    with pytest.raises(ValueError, match="at least two"):
+        editor.load_sources(_write_code(tmp_path / "one", n_files=1))
+
+
+# --- the driver, against a stub that sees aborts on the wire ---------------------------------
+
+
+class Stub:
+    """An HTTP/1.1 /infill server on loopback: answers after ``delay(body)`` seconds, or
+    records an abort when the client closes the connection first."""
+
+    def __init__(self, delay: Any) -> None:
+        self.delay = delay
+        self.log: list[tuple[str, dict[str, Any]]] = []  # ("answered" | "aborted", body)
+        self.port = 0
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._server = self._loop.run_until_complete(
+            asyncio.start_server(self._handle, "127.0.0.1", 0)
+        )
+        self.port = self._server.sockets[0].getsockname()[1]
+        self._ready.set()
+        self._loop.run_forever()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                lines = head.decode().split("\r\n")
+                length = next(
+                    int(h.split(":")[1]) for h in lines if h.lower().startswith("content-length")
+                )
+                body = json.loads(await reader.readexactly(length))
+                try:  # a closed connection reads EOF before the delay is over
+                    got = await asyncio.wait_for(reader.read(1), self.delay(body))
+                except asyncio.TimeoutError:
+                    got = None
+                if got == b"":
+                    self.log.append(("aborted", body))
+                    return
+                self.log.append(("answered", body))
+                answer = {
+                    "content": f"<{body['prompt']}>",
+                    "stop_type": "limit",
+                    "tokens_cached": 10,
+                    "timings": {
+                        "prompt_n": len(body["prompt"]) + 1,
+                        "cache_n": 9,
+                        "prompt_ms": 1.0,
+                        "predicted_n": 4,
+                        "predicted_ms": 2.0,
+                        "draft_n": 4,
+                        "draft_n_accepted": 3,
+                    },
+                }
+                if body.get("cache_prompt") is False and body["prompt"].endswith("2"):
+                    answer["content"] = "different"  # the cold cache disagrees here
+                data = json.dumps(answer).encode()
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                    b"Server-Timing: engine;dur=1.5, app;dur=0.2\r\n"
+                    + f"Content-Length: {len(data)}\r\n\r\n".encode()
+                    + data
+                )
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            return
+        finally:
+            writer.close()
+
+    def __enter__(self) -> Stub:
+        self._thread.start()
+        self._ready.wait(5)
+        return self
+
+    async def _shutdown(self) -> None:
+        self._server.close()
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def __exit__(self, *_: object) -> None:
+        asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        self._loop.close()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def _slow_on(chars: str) -> Any:
+    """A delay rule: 3 s (far past any typing interval) when the prompt ends in ``chars``."""
+
+    def delay(body: dict[str, Any]) -> float:
+        if body["n_predict"] == 0:
+            return 0.05
+        prompt = body["prompt"]
+        return 3.0 if prompt and prompt[-1] in chars and body["cache_prompt"] else 0.0
+
+    return delay
+
+
+def _burst(keys: list[tuple[str, float, editor.KeyKind]], warmups: int = 1) -> editor.Burst:
+    base = {"n_predict": 128, "cache_prompt": True}
+    return editor.Burst(
+        index=0,
+        filename="/x.py",
+        line_no=0,
+        line="",
+        idle_s=0.2,
+        warmups=tuple({"prompt": "", "n_predict": 0} for _ in range(warmups)),
+        keys=tuple(editor.Keystroke({**base, "prompt": p}, w, kind) for p, w, kind in keys),
+    )
+
+
+def test_slow_requests_are_aborted_on_the_wire() -> None:
+    burst = _burst(
+        [("a", 0.1, "type"), ("ab", 0.1, "type"), ("abc", 0.1, "type"), ("abcd", 5.0, "final")]
+    )
+    with Stub(_slow_on("b")) as stub:
+
+        async def go() -> list[Outcome]:
+            target = Target("stub", stub.url)
+            try:
+                return await run_burst(target, burst)
+            finally:
+                await target.aclose()
+
+        outcomes = asyncio.run(go())
+    keys = [o for o in outcomes if o.key >= 0]
+    assert [o.status for o in keys] == ["ok", "aborted", "ok", "ok"]
+    assert [o.kind for o in outcomes if o.key < 0] == ["warmup"]
+    # the stub saw the abort: the client closed that connection before the answer
+    assert ("aborted", burst.keys[1].body) in stub.log
+    assert [s for s, b in stub.log if b.get("n_predict") == 0] == ["answered"]
+    ok = keys[0]
+    assert ok.content == "<a>" and ok.prompt_n == 2 and ok.cache_n == 9
+    assert ok.draft_n == 4 and ok.draft_n_accepted == 3
+    assert ok.server_timing == {"engine": 1.5, "app": 0.2}
+
+
+def test_interleaved_replay_with_cold_checks() -> None:
+    settings = editor.TrafficSettings(locations=2, max_keys=3, pause_prob=0.0)
+    src = [
+        editor.SourceFile(f"/m{i}.py", [f"x{i}_{j} = {j}  # filler" for j in range(120)])
+        for i in range(3)
+    ]
+    schedule = editor.build_schedule(settings, src)
+    with Stub(_slow_on("")) as a, Stub(_slow_on("")) as b:
+
+        async def go() -> list[Outcome]:
+            targets = [Target("A", a.url), Target("B", b.url)]
+            try:
+                return await replay(targets, schedule, cold="all")
+            finally:
+                for t in targets:
+                    await t.aclose()
+
+        outcomes = asyncio.run(go())
+        log_a, log_b = list(a.log), list(b.log)
+    # both servers saw the same requests in the same order (setup, warm-ups, keys, cold)
+    assert [body for _, body in log_a] == [body for _, body in log_b]
+    n_keys = sum(len(bu.keys) for bu in schedule.bursts)
+    keyed = [o for o in outcomes if o.key >= 0 and o.kind != "warmup"]
+    assert len(keyed) == 2 * n_keys and all(o.status == "ok" for o in keyed)
+    colds = [body for _, body in log_a if body.get("cache_prompt") is False]
+    assert len(colds) == n_keys
+    summaries = report.summarize(outcomes, ["A", "B"])
+    for s in summaries:
+        assert s.sent == n_keys and s.completed == n_keys and s.aborted == 0
+        assert s.cold_checked == n_keys
+        n_differ = sum(1 for o in keyed if o.server == s.server and o.cold and not o.cold.identical)
+        assert s.cold_identical == pytest.approx(1 - n_differ / n_keys)
+        assert s.acceptance == pytest.approx(0.75)
+    assert summaries[1].agree_with_first == 1.0
+
+
+# --- reports --------------------------------------------------------------------------------
+
+
+def test_percentile_matches_numpy_linear() -> None:
+    np = pytest.importorskip("numpy")
+    values = [5.0, 1.0, 9.0, 3.0, 7.0, 2.0]
+    for q in (0, 10, 50, 95, 99, 100):
+        assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+    assert percentile([], 50) is None
+
+
+def test_consistency_rule() -> None:
+    assert answers_consistent("abc", "eos", "abc", "eos")
+    assert answers_consistent("ab", "limit", "abcd", "eos")  # cut early by the time budget
+    assert answers_consistent("abcd", "eos", "ab", "limit")
+    assert not answers_consistent("ab", "eos", "abcd", "eos")
+    assert not answers_consistent("ax", "limit", "abcd", "eos")
+
+
+def _outcome(server: str, key: int, ms: float, status: str = "ok", **kw: Any) -> Outcome:
+    return Outcome(server, 0, key, kw.pop("kind", "type"), status, ms, **kw)  # type: ignore[arg-type]
+
+
+def test_summary_pairs_latency_and_ratios() -> None:
+    outcomes = [
+        _outcome("fast", 0, 10, prompt_n=2),
+        _outcome("fast", 1, 20, prompt_n=4),
+        _outcome(
+            "fast",
+            2,
+            30,
+            kind="final",
+            prompt_n=6,
+            content="x",
+            cold=ColdCheck("ok", 50, "x", identical=True, consistent=True),
+        ),
+        _outcome("slow", 0, 100, prompt_n=10),
+        _outcome("slow", 1, 150, "aborted"),
+        _outcome(
+            "slow",
+            2,
+            300,
+            kind="final",
+            prompt_n=30,
+            content="y",
+            cold=ColdCheck("ok", 50, "z", identical=False, consistent=False),
+        ),
+    ]
+    fast, slow = report.summarize(outcomes, ["fast", "slow"])
+    assert (fast.completed, slow.completed, slow.aborted) == (3, 2, 1)
+    assert fast.p50_ms == 20 and slow.p50_ms == 200
+    assert fast.paired_p50_ms == 20  # keys 0 and 2 only: key 1 was aborted on "slow"
+    assert slow.paired_p50_ms == 200
+    assert fast.prompt_n_mean == 4 and slow.prompt_n_mean == 20
+    assert fast.cold_identical == 1.0 and slow.cold_identical == 0.0
+    assert slow.agree_with_first == 0.0
+    rel = report.ratios([fast, slow])["slow"]
+    assert rel["paired_p50_ms"] == pytest.approx(0.1) and rel["prompt_n_mean"] == 0.2
+    text = report.table([fast, slow])
+    assert "latency p50 ms" in text and "identical to cold cache" in text and "vs slow" in text
+    anchor_like = replace(slow, server="llama-server/plain")
+    assert report.best_anchor([fast, anchor_like]) is anchor_like
+
+
+# --- the command ----------------------------------------------------------------------------
+
+
+def test_cli_against_a_url_writes_json(code_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    with Stub(_slow_on("e")) as stub:
+        code = replay_main(
+            [
+                "--url",
+                stub.url,
+                "--code",
+                str(code_dir),
+                "--locations",
+                "2",
+                "--max-keys",
+                "6",
+                "--json",
+                str(out),
+                "--quiet",
+            ]
+        )
+    assert code == 0
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "replay" and doc["traffic"]["locations"] == 2
+    (summary,) = doc["summaries"]
+    assert summary["sent"] == summary["completed"] + summary["aborted"]
+    assert summary["cold_checked"] == 2  # the last keystroke of each line
+    assert {r["kind"] for r in doc["requests"]} >= {"setup", "type", "final"}
+
+
+def test_cli_refuses_missing_inputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert replay_main(["--code", str(_write_code(tmp_path / "c"))]) == 2
+    assert "--target" in capsys.readouterr().err
+    assert replay_main(["--target", str(tmp_path / "nope.gguf"), "--code", str(tmp_path)]) == 2
+    assert "not found" in capsys.readouterr().err
+
+
+@pytest.fixture()
+def no_llama_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.delenv("LLAMA_SERVER_BIN", raising=False)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    yield
+
+
+@pytest.mark.usefixtures("no_llama_server")
+def test_vs_llama_server_needs_a_binary(
+    qwen_target: Path, code_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        "--url",
+        "http://127.0.0.1:9",
+        "--target",
+        str(qwen_target),
+        "--code",
+        str(code_dir),
+        "--vs-llama-server",
+        "plain",
+    ]
+    assert replay_main(argv) == 2
+    assert "LLAMA_SERVER_BIN" in capsys.readouterr().err
