@@ -60,7 +60,8 @@ def bind_sockets(host: str, port: int) -> list[socket.socket]:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, plus: a signal first cancels the request in flight."""
+    """uvicorn's server, plus: a signal first cancels the request in flight, and a stop by
+    signal is a clean exit (uvicorn would re-raise the signal after shutting down)."""
 
     def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
         super().__init__(config)
@@ -69,6 +70,9 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self._on_exit()
         super().handle_exit(sig, frame)
+        captured = getattr(self, "_captured_signals", None)
+        if isinstance(captured, list):
+            captured.clear()
 
 
 def serve(

@@ -205,7 +205,8 @@ class Worker:
         try:
             engine = self._load()
         except BaseException as exc:  # reported to the caller, never raised here
-            log.error("the model failed to load: %s", exc)
+            if self._on_failure is None:
+                log.error("the model failed to load: %s", exc)
             with self._cond:
                 self.error = exc
                 self.state = "failed"
