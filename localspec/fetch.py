@@ -26,7 +26,8 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -339,8 +340,16 @@ def pull(
         started = time.monotonic()
         fetched = 0
         for n, (index, spec, found) in enumerate(todo, 1):
-            say(f"[{n}/{len(todo)}] {spec.label}")
-            path, nbytes = _fetch_one(spec, found, client, models_dir, progress=progress, say=say)
+            path, nbytes = _fetch_one(
+                spec,
+                found,
+                client,
+                models_dir,
+                progress=progress,
+                say=say,
+                force=force,
+                prefix=f"[{n}/{len(todo)}] ",
+            )
             results[index] = path
             fetched += nbytes
         elapsed = max(time.monotonic() - started, 1e-6)
@@ -491,6 +500,8 @@ def _fetch_one(
     *,
     progress: bool,
     say: Any,
+    force: bool = False,
+    prefix: str = "",
 ) -> tuple[Path, int]:
     """Download one file to ``.partial``, verify, then move it into place. Returns bytes got."""
     meta = hub.metadata(spec)
@@ -499,6 +510,7 @@ def _fetch_one(
         hub_sha = meta.etag  # X-Linked-Etag of an LFS file is its sha256
     expected_sha = spec.sha256 or hub_sha
     expected_size = spec.size or hub_size or meta.size
+    say(f"{prefix}{spec.label} ({_human(expected_size) if expected_size else 'size unknown'})")
     if spec.sha256 and hub_sha and spec.sha256 != hub_sha:
         raise VerifyError(
             f"{spec.label}: the hub's file (commit {meta.commit_hash[:12]}) has sha256 {hub_sha}, "
@@ -529,6 +541,59 @@ def _fetch_one(
         return previous.path, 0
     final = layout_path(spec, models_dir)
     final.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(final, models_dir, say):
+        record = _read_record(final, models_dir)
+        if record and expected_sha and record.get("sha256") == expected_sha and not force:
+            return final, 0  # another localspec process fetched it while we waited
+        return _download_verified(
+            spec,
+            meta,
+            final,
+            expected_size,
+            expected_sha,
+            previous,
+            hub,
+            models_dir,
+            progress=progress,
+            say=say,
+        )
+
+
+@contextmanager
+def _exclusive(final: Path, models_dir: Path, say: Any) -> Iterator[None]:
+    """One download per file at a time across processes (`up` and `pull` may overlap)."""
+    from filelock import Timeout
+    from huggingface_hub.utils import WeakFileLock
+
+    key = hashlib.sha256(str(final.resolve()).encode()).hexdigest()[:32]
+    lock_path = models_dir / ".locks" / f"{key}.lock"
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    lock = WeakFileLock(lock_path, timeout=0.2)
+    try:
+        lock.__enter__()
+    except Timeout:
+        say(f"  waiting for another localspec download of {final.name}")
+        lock = WeakFileLock(lock_path)
+        lock.__enter__()
+    try:
+        yield
+    finally:
+        lock.__exit__(None, None, None)
+
+
+def _download_verified(
+    spec: FileSpec,
+    meta: Any,
+    final: Path,
+    expected_size: int | None,
+    expected_sha: str | None,
+    previous: LocalFile | None,
+    hub: _Hub,
+    models_dir: Path,
+    *,
+    progress: bool,
+    say: Any,
+) -> tuple[Path, int]:
     partial = final.with_name(final.name + _PARTIAL_SUFFIX)
     partial_meta = final.with_name(final.name + _PARTIAL_SUFFIX + ".json")
     resume = _resumable(partial, partial_meta, meta.etag, expected_size)

@@ -13,6 +13,7 @@ import hashlib
 import json
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -66,6 +67,7 @@ class LocalHub:
         self.failing: set[str] = set()  # filenames answered 503 (the "network" stays down)
         self.corrupt: set[str] = set()  # filenames served with flipped bytes
         self.fail_after_cut = True
+        self.chunk_delay = 0.0  # seconds slept per 64 KiB sent: a slow link
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -309,6 +311,8 @@ def _handler_for(hub: LocalHub) -> type[BaseHTTPRequestHandler]:
                     break
                 sent += len(block)
                 pos += len(block)
+                if hub.chunk_delay:
+                    time.sleep(hub.chunk_delay)
             if limit is not None:
                 self.wfile.flush()
             return sent

@@ -406,3 +406,31 @@ def test_pulls_a_real_gguf_that_gguf_can_read(smollm_q4: Path, tmp_path: Path) -
     reader = gguf.GGUFReader(path)
     arch = reader.fields["general.architecture"]
     assert bytes(arch.parts[arch.data[0]]).decode() == "llama"
+
+
+def test_concurrent_pulls_of_one_file_download_it_once(hub: LocalHub, models: Path) -> None:
+    import io
+    import threading
+
+    hub.chunk_delay = 0.01  # ~0.5 s for the file: the second pull finds the first under way
+    outs = [io.StringIO(), io.StringIO()]
+    results: list[object] = [None, None]
+
+    def run(i: int) -> None:
+        try:
+            results[i] = pull([spec()], models_dir=models, endpoint=hub.url, out=outs[i])
+        except Exception as exc:  # surfaced by the assertion below
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
+    threads[0].start()
+    partial = models / "acme" / "Tiny-Coder-GGUF" / "main" / (NAME + ".partial")
+    while not partial.exists() and threads[0].is_alive():  # the first is downloading
+        threading.Event().wait(0.01)
+    threads[1].start()
+    for t in threads:
+        t.join(timeout=60)
+    assert results[0] == results[1] and isinstance(results[0], list)
+    assert results[0][0].read_bytes() == DATA
+    assert hub.bytes_served(NAME) == SIZE  # one download, not two
+    assert "waiting for another localspec download" in outs[1].getvalue()
