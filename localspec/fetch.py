@@ -310,6 +310,7 @@ def pull(
     specs = _as_specs(files)
     results: dict[int, Path] = {}
     todo: list[tuple[int, FileSpec, LocalFile | None]] = []
+    damaged: list[Path] = []
     for index, spec in enumerate(specs):
         if spec.repo is None:
             results[index] = _local_file(spec, models_dir, progress)
@@ -323,14 +324,16 @@ def pull(
                 if _verify_existing(found.path, spec, models_dir, progress):
                     results[index] = found.path
                     continue
+                damaged.append(found.path)
                 found = None  # damaged copy: download again, the bad file is replaced
             elif offline:
                 say(f"warning: {found.path} has no recorded check and no pinned sha256; using it")
                 results[index] = found.path
                 continue
-        if offline:
-            raise OfflineError(_offline_message(spec, models_dir, readonly_dirs))
         todo.append((index, spec, found))
+    if todo and offline:
+        missing = [spec for _, spec, _ in todo]
+        raise OfflineError(_offline_message(missing, damaged, models_dir, readonly_dirs))
     if todo:
         client = _Hub(endpoint=endpoint, token=token)
         total = sum(spec.size or 0 for _, spec, _ in todo)
@@ -377,15 +380,23 @@ def _local_file(spec: FileSpec, models_dir: Path, progress: bool) -> Path:
     return path
 
 
-def _offline_message(spec: FileSpec, models_dir: Path, readonly_dirs: Sequence[Path]) -> str:
+def _offline_message(
+    missing: list[FileSpec], damaged: list[Path], models_dir: Path, readonly_dirs: Sequence[Path]
+) -> str:
     where = ", ".join(str(d) for d in [*readonly_dirs, models_dir])
+    lines = [
+        f"  {spec.filename} (repo {spec.repo}, revision {spec.revision or DEFAULT_REVISION})"
+        for spec in missing
+    ]
+    bad = "".join(f"\n  {p} is there but fails its sha256 check" for p in damaged)
     return (
-        f"model file {spec.filename} (repo {spec.repo}, revision "
-        f"{spec.revision or DEFAULT_REVISION}) is not on this machine (looked in {where}) "
-        "and the network is off (--offline, HF_HUB_OFFLINE=1 or hub.offline).\n"
-        "To get it: run `localspec pull` on a connected machine and copy its models "
-        f"directory to {models_dir}; or give an IT-provisioned directory in models.dirs; "
-        "or allow the network with a reachable mirror in hub.endpoint / HF_ENDPOINT."
+        f"{len(missing)} model file(s) needed and not on this machine (looked in {where}):\n"
+        + "\n".join(lines)
+        + bad
+        + "\nThe network is off (--offline, HF_HUB_OFFLINE=1 or hub.offline). To get them: "
+        "run `localspec pull` on a connected machine and copy its models directory to "
+        f"{models_dir}; or give an IT-provisioned directory in models.dirs; or allow the "
+        "network with a reachable mirror in hub.endpoint / HF_ENDPOINT."
     )
 
 

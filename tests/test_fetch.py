@@ -11,6 +11,7 @@ import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
+import huggingface_hub.constants  # noqa: F401 - read before a test sets HF_HUB_OFFLINE
 import pytest
 
 from localspec import fetch
@@ -165,6 +166,14 @@ def test_offline_missing_file_names_it_and_how_to_get_it(
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(OfflineError, match="HF_HUB_OFFLINE"):
         pull([spec()], models_dir=models, endpoint=hub.url)
+    # every missing file is named at once; a damaged copy is called damaged, not missing
+    damaged = models / "acme" / "Tiny-Coder-GGUF" / "main" / NAME
+    damaged.parent.mkdir(parents=True)
+    damaged.write_bytes(b"\0" * SIZE)
+    with pytest.raises(OfflineError) as err:
+        pull([spec(sha256=SHA), FileSpec("draft.gguf", "acme/Draft")], models_dir=models)
+    assert "2 model file(s)" in str(err.value) and "draft.gguf (repo acme/Draft" in str(err.value)
+    assert f"{damaged} is there but fails its sha256 check" in str(err.value)
     assert hub.requests == []
 
 
