@@ -4,7 +4,8 @@ Endpoints: ``HEAD``/``GET /{repo}/resolve/{revision}/{filename}`` (``ETag``, ``X
 ``X-Linked-Etag``, ``X-Linked-Size``, ``Content-Length``, ``Range`` -> 206),
 ``GET /api/models/{repo}[/revision/{rev}]`` (siblings; sizes and LFS sha256 with ``blobs=True``)
 and ``POST /api/models/{repo}/paths-info/{rev}``. It counts every request, serves files from
-bytes or from disk, and can cut a download off midway or serve corrupted bytes.
+bytes or from disk, and can cut a download off midway or serve corrupted bytes. It also
+answers requests sent to it as an HTTP proxy (absolute-form targets) and can serve HTTPS.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import ssl
 import threading
 import time
 from dataclasses import dataclass, field
@@ -59,7 +61,7 @@ class Request:
 class LocalHub:
     """Use as a context manager; ``url`` goes into ``HF_ENDPOINT`` or ``endpoint=``."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, tls_cert: Path | None = None, tls_key: Path | None = None) -> None:
         self.repos: dict[str, HubRepo] = {}
         self.requests: list[Request] = []
         self.lock = threading.Lock()
@@ -70,13 +72,19 @@ class LocalHub:
         self.chunk_delay = 0.0  # seconds slept per 64 KiB sent: a slow link
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
         self._server.daemon_threads = True
+        self.scheme = "http"
+        if tls_cert is not None:  # an HTTPS hub, for CA-bundle tests
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(tls_cert, tls_key)
+            self._server.socket = context.wrap_socket(self._server.socket, server_side=True)
+            self.scheme = "https"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
     # -- setup ---------------------------------------------------------------------------
     @property
     def url(self) -> str:
         host, port = self._server.server_address[:2]
-        return f"http://{host!s}:{port}"
+        return f"{self.scheme}://{host!s}:{port}"
 
     def add_file(
         self, repo: str, filename: str, data: bytes | Path, *, commit: str | None = None

@@ -443,3 +443,50 @@ def test_concurrent_pulls_of_one_file_download_it_once(hub: LocalHub, models: Pa
     assert results[0][0].read_bytes() == DATA
     assert hub.bytes_served(NAME) == SIZE  # one download, not two
     assert "waiting for another localspec download" in outs[1].getvalue()
+
+
+def test_profile_proxy_routes_the_hub_traffic(
+    hub: LocalHub, models: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from huggingface_hub import close_session
+
+    for var in ("HTTPS_PROXY", "HTTP_PROXY", "NO_PROXY", "no_proxy"):
+        monkeypatch.setenv(var, "")  # restored after the test
+    # the endpoint's host does not exist: only the proxy (our hub) can answer
+    fetch.apply_network_settings(proxy=hub.url)
+    try:
+        (path,) = pull([spec()], models_dir=models, endpoint="http://hub.invalid", progress=False)
+    finally:
+        close_session()
+    assert path.read_bytes() == DATA
+    assert all(r.path.startswith("http://hub.invalid/") for r in hub.requests)
+
+
+def test_ca_bundle_lets_a_private_tls_mirror_through(
+    tmp_path: Path, models: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from huggingface_hub import close_session
+
+    cert, key = tmp_path / "mirror.pem", tmp_path / "mirror.key"
+    subprocess.run(
+        [
+            *("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"),
+            *("-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"),
+            *("-keyout", str(key), "-out", str(cert)),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    monkeypatch.setenv("SSL_CERT_FILE", "")  # restored after the test
+    monkeypatch.delenv("SSL_CERT_FILE")  # the default trust store does not know our mirror
+    with LocalHub(tls_cert=cert, tls_key=key) as mirror:
+        mirror.add_file(REPO, NAME, DATA)
+        close_session()
+        with pytest.raises(FetchError, match=r"SSL_CERT_FILE or hub\.ca_bundle"):
+            pull([spec()], models_dir=models, endpoint=mirror.url, progress=False)
+        fetch.apply_network_settings(ca_bundle=cert)
+        try:
+            (path,) = pull([spec()], models_dir=models, endpoint=mirror.url, progress=False)
+        finally:
+            close_session()
+    assert path.read_bytes() == DATA
