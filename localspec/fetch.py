@@ -618,9 +618,8 @@ def _download_verified(
                 f"not enough disk space for {spec.label}: needs {_human(expected_size - resume)}, "
                 f"{_human(free)} free in {final.parent}"
             )
-    got = _download(spec, meta, partial, resume, expected_size, hub, progress)
+    got, actual_sha = _download(spec, meta, partial, resume, expected_size, hub, progress)
     actual_size = partial.stat().st_size
-    actual_sha = sha256_file(partial, progress=progress, label=spec.filename)
     if (expected_size and actual_size != expected_size) or (
         expected_sha and actual_sha != expected_sha
     ):
@@ -669,7 +668,10 @@ def _download(
     expected_size: int | None,
     hub: _Hub,
     progress: bool,
-) -> int:
+) -> tuple[int, str]:
+    """Stream the rest of the file into ``partial``; return (bytes got, sha256 of it all).
+
+    The sha256 is computed as the bytes are written, so an 8 GB file is not read back."""
     from huggingface_hub.file_download import http_get
     from huggingface_hub.utils import build_hf_headers
 
@@ -679,12 +681,12 @@ def _download(
         headers.pop("authorization", None)  # a CDN's signed URL must not see the token
     tqdm_class = None if progress else _silent_tqdm()
     try:
-        with partial.open("r+b" if resume else "wb") as f:
-            f.seek(resume)
+        with partial.open("r+b" if resume else "w+b") as f:
+            sink = _HashingFile(f, resume)
             with _hub_errors(spec, hub.endpoint):
                 http_get(
                     url,
-                    f,
+                    sink,  # type: ignore[arg-type]
                     resume_size=resume,
                     headers=headers,
                     expected_size=expected_size,
@@ -705,7 +707,53 @@ def _download(
                 "the partial file was removed and any previous copy is untouched"
             ) from exc
         raise
-    return partial.stat().st_size - resume
+    return partial.stat().st_size - resume, sink.hexdigest()
+
+
+class _HashingFile:
+    """A file that hashes what is written to it; ``http_get`` needs write/seek/tell/truncate.
+
+    Invariant: the digest covers exactly the bytes before the file position. A seek
+    elsewhere (``http_get`` rewinds when a server ignores Range) re-hashes up to there.
+    """
+
+    def __init__(self, f: IO[bytes], start: int) -> None:
+        self._f = f
+        self.seek(start)
+
+    def _rehash(self, upto: int) -> None:
+        self._digest = hashlib.sha256()
+        self._f.seek(0)
+        left = upto
+        while left > 0 and (block := self._f.read(min(_HASH_BLOCK, left))):
+            self._digest.update(block)
+            left -= len(block)
+        self._pos = upto - left
+        self._f.seek(self._pos)
+
+    def write(self, data: bytes) -> int:
+        written = self._f.write(data)
+        self._digest.update(memoryview(data)[:written])
+        self._pos += written
+        return written
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        target = self._f.seek(offset, whence)
+        if getattr(self, "_pos", None) != target:
+            self._rehash(target)
+        return target
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def truncate(self, size: int | None = None) -> int:
+        return self._f.truncate(size)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def hexdigest(self) -> str:
+        return self._digest.hexdigest()
 
 
 def _same_host(url: str, endpoint: str) -> bool:

@@ -69,6 +69,7 @@ class LocalHub:
         self.failing: set[str] = set()  # filenames answered 503 (the "network" stays down)
         self.corrupt: set[str] = set()  # filenames served with flipped bytes
         self.fail_after_cut = True
+        self.ignore_range = False  # answer 200 with the whole file, as some CDNs do
         self.chunk_delay = 0.0  # seconds slept per 64 KiB sent: a slow link
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
         self._server.daemon_threads = True
@@ -283,7 +284,7 @@ def _handler_for(hub: LocalHub) -> type[BaseHTTPRequestHandler]:
             }
             start, status = 0, 200
             range_header = self.headers.get("Range")
-            if range_header and self.command == "GET":
+            if range_header and self.command == "GET" and not hub.ignore_range:
                 match = _RANGE.match(range_header.strip())
                 if not match or int(match[1]) >= f.size:
                     self._send(416, b"", {"Content-Range": f"bytes */{f.size}"})

@@ -121,6 +121,26 @@ def test_cut_off_download_resumes_with_a_range_request(hub: LocalHub, models: Pa
     assert not partial.exists()
 
 
+def test_resume_ignored_by_the_server_restarts_cleanly(hub: LocalHub, models: Path) -> None:
+    """A server answering 200 to a Range request: the partial is rewound, hash included."""
+    big_name, chunk = "big-q5_k_m.gguf", 10 * 1024 * 1024
+    big = random.Random(8).randbytes(chunk + 4321)
+    hub.add_file(REPO, big_name, big)
+    hub.cut(big_name, at=chunk + 100)
+    with pytest.raises(FetchError, match="resume"):
+        pull([FileSpec(big_name, REPO)], models_dir=models, endpoint=hub.url, progress=False)
+    hub.heal()
+    hub.ignore_range = True
+    hub.reset_counts()
+    (path,) = pull([FileSpec(big_name, REPO)], models_dir=models, endpoint=hub.url)
+    assert path.read_bytes() == big
+    assert hub.bytes_served(big_name) == len(big)
+    assert [r.range for r in hub.requests if r.method == "GET"] == [f"bytes={chunk}-"]
+    assert (
+        hashlib.sha256(big).hexdigest() in path.with_name(big_name + ".verified.json").read_text()
+    )
+
+
 def test_corrupted_download_is_rejected_and_the_previous_good_file_kept(
     hub: LocalHub, models: Path
 ) -> None:
