@@ -59,7 +59,7 @@ class QuantEntry(_Frozen):
     """One quantization of a model: a hub repo (or local paths) and its files."""
 
     repo: str | None = Field(default=None, pattern=r"^[\w.\-]+/[\w.\-]+$")
-    revision: str | None = None  # a commit sha pins the bytes; None means the repo's main
+    revision: str | None = Field(default=None, min_length=1)  # a commit sha pins the bytes
     files: tuple[FileEntry, ...] = Field(min_length=1)
     size_bytes: int | None = Field(default=None, gt=0)  # approximate when file sizes are unknown
     note: str = ""
@@ -68,6 +68,14 @@ class QuantEntry(_Frozen):
     def _has_source(self) -> QuantEntry:
         if self.repo is None and any(f.path is None for f in self.files):
             raise ValueError("needs a 'repo', or a 'path' for every file")
+        sizes = [f.size for f in self.files]
+        if self.size_bytes is not None and None not in sizes:
+            total = sum(s for s in sizes if s is not None)
+            if total != self.size_bytes:
+                raise ValueError(f"size_bytes {self.size_bytes} != the files' sizes ({total})")
+        names = [f.filename for f in self.files]
+        if len(set(names)) != len(names):
+            raise ValueError("a file is listed twice")
         return self
 
     @property

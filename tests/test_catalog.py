@@ -166,6 +166,15 @@ def test_quant_needs_a_repo_or_local_paths(tmp_path: Path) -> None:
         load_catalog([tmp_path], builtin=False)
 
 
+def test_size_bytes_must_agree_with_exact_file_sizes(tmp_path: Path) -> None:
+    text = GOOD_MODEL.replace(
+        'path = "weights/mine.gguf" }]', 'path = "weights/mine.gguf", size = 10 }]\nsize_bytes = 11'
+    )
+    _write(tmp_path, "sizes.toml", text)
+    with pytest.raises(CatalogError, match=r"'quants.F32': Value error, size_bytes 11 != .*\(10\)"):
+        load_catalog([tmp_path], builtin=False)
+
+
 def test_profile_adds_local_model_and_overrides_builtin(tmp_path: Path) -> None:
     override = """
 [models."qwen2.5-coder-0.5b".quants.Q8_0]
