@@ -82,6 +82,21 @@ class FileSpec:
     sha256: str | None = None
     path: str | None = None
 
+    @classmethod
+    def parse(cls, ref: str) -> FileSpec:
+        """``owner/repo[@revision]/path/file.gguf`` (``hf://`` optional), for `localspec pull`."""
+        text = ref.removeprefix("hf://").strip("/")
+        parts = text.split("/")
+        if len(parts) < 3 or not all(parts) or not parts[-1].endswith(".gguf"):
+            raise ValueError(
+                f"{ref!r} is not owner/repo[@revision]/file.gguf "
+                "(e.g. ggml-org/Qwen2.5-Coder-0.5B-Q8_0-GGUF/qwen2.5-coder-0.5b-q8_0.gguf)"
+            )
+        name, _, revision = parts[1].partition("@")
+        return cls(
+            filename="/".join(parts[2:]), repo=f"{parts[0]}/{name}", revision=revision or None
+        )
+
     @property
     def label(self) -> str:
         if self.repo is None:

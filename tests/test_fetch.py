@@ -510,3 +510,12 @@ def test_ca_bundle_lets_a_private_tls_mirror_through(
         finally:
             close_session()
     assert path.read_bytes() == DATA
+
+
+def test_file_references_parse_for_the_cli() -> None:
+    ref = FileSpec.parse("hf://acme/Tiny-GGUF@abc123/sub/tiny.gguf")
+    assert (ref.repo, ref.revision, ref.filename) == ("acme/Tiny-GGUF", "abc123", "sub/tiny.gguf")
+    assert FileSpec.parse("acme/Tiny-GGUF/tiny.gguf").revision is None
+    for bad in ("tiny.gguf", "acme/tiny.gguf", "acme//x.gguf", "acme/Tiny-GGUF/readme.md"):
+        with pytest.raises(ValueError, match="owner/repo"):
+            FileSpec.parse(bad)
