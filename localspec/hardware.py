@@ -182,7 +182,12 @@ class HardwareFacts:
     gpus: tuple[GpuDevice, ...] = ()
     build: BuildFacts = field(default_factory=lambda: BuildFacts(installed=False))
     working_set_bytes: int | None = None  # Apple: Metal's recommended max working set
-    warnings: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()  # anything else the probe wants the user to know
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        """Derived, so a changed build or GPU list can never carry a stale warning."""
+        return self.notes + build_warnings(self.gpus, self.build)
 
     @property
     def unified_memory(self) -> bool:
@@ -196,6 +201,7 @@ class HardwareFacts:
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["unified_memory"] = self.unified_memory
+        data["warnings"] = list(self.warnings)
         return data
 
 
@@ -493,7 +499,6 @@ def probe(run: Runner = run_command) -> HardwareFacts:
         gpus=tuple(gpus),
         build=build,
         working_set_bytes=working_set,
-        warnings=build_warnings(tuple(gpus), build),
     )
 
 
@@ -579,7 +584,6 @@ def hardware_from_dict(name: str, data: Mapping[str, Any]) -> HardwareFacts:
         gpus=tuple(gpus),
         build=build,
         working_set_bytes=working_set,
-        warnings=build_warnings(tuple(gpus), build),
     )
 
 

@@ -1,0 +1,559 @@
+"""The fit planner: table-driven over the built-in profiles and odd machines, every plan checked
+by an independent recomputation of its memory, and the estimate checked against what
+llama.cpp itself allocates for the fixture models."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import gguf
+import llama_cpp
+import numpy as np
+import pytest
+from llama_cpp import _logger
+
+from localspec.catalog import Catalog, load_catalog
+from localspec.hardware import (
+    HARDWARE_PROFILES,
+    BuildFacts,
+    CpuFacts,
+    GiB,
+    HardwareFacts,
+    MiB,
+    load_hardware_profile,
+    with_gpu_free,
+)
+from localspec.plan import (
+    GGML_TYPE_SIZES,
+    Candidate,
+    Device,
+    Layout,
+    ModelFacts,
+    Plan,
+    PlanError,
+    PlanSettings,
+    facts_from_catalog_entry,
+    make_plan,
+    memory_table,
+    model_facts_from_gguf,
+    poisson_quantile,
+    read_gguf_header,
+    speculative_speedup,
+)
+
+KV_BYTES = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+
+
+@pytest.fixture(scope="module")
+def catalog() -> Catalog:
+    return load_catalog()
+
+
+def _cpu(ram_gib: float, avail_gib: float, cores: int = 8, bw: float = 51) -> CpuFacts:
+    return CpuFacts("test CPU", cores, cores * 2, int(ram_gib * GiB), int(avail_gib * GiB), (), bw)
+
+
+def _odd_machines() -> dict[str, HardwareFacts]:
+    rtx = load_hardware_profile("rtx4090-24gb")
+    mixed = load_hardware_profile("rtx3060-12gb")
+    mixed = replace(
+        mixed,
+        name="rtx3060+rtx4090",
+        gpus=(mixed.gpus[0], replace(rtx.gpus[0], index=1)),
+    )
+    return {
+        "no-gpu-4gb": HardwareFacts(
+            "no-gpu-4gb", "no GPU, 4 GB RAM", "personal", _cpu(4, 3.2, cores=2),
+            build=BuildFacts(installed=True, gpu_offload=False),
+        ),
+        "gpu-2gb-free-of-24": with_gpu_free(rtx, 0, 2 * GiB),
+        "two-unequal-gpus": mixed,
+        "cuda-card-cpu-build": replace(
+            rtx, build=BuildFacts(installed=True, gpu_offload=False, backends=("CPU",))
+        ),
+    }  # fmt: skip
+
+
+MACHINES: dict[str, HardwareFacts] = {
+    **{name: load_hardware_profile(name) for name in HARDWARE_PROFILES},
+    **_odd_machines(),
+}
+
+
+@pytest.fixture(scope="module")
+def plans(catalog: Catalog) -> dict[str, Plan]:
+    return {name: make_plan(catalog, facts) for name, facts in MACHINES.items()}
+
+
+# ----------------------------------------------------------------- the independent recomputation
+
+
+def _facts_for(catalog: Catalog, model_id: str, quant: str) -> ModelFacts:
+    return facts_from_catalog_entry(catalog.models[model_id], quant)
+
+
+def _placement(n_layer: int, ngl: int, split: tuple[float, ...]) -> list[int]:
+    """Device of each block and the output layer (-1 = host), written from llama.cpp's rule."""
+    first = n_layer + 1 - ngl  # the last ngl of the n_layer + 1 layers go to the GPUs
+    act = n_layer + 1 - max(first, 0)
+    bounds, acc = [], 0.0
+    for s in split:
+        acc += s / sum(split)
+        bounds.append(acc)
+    out = []
+    for il in range(n_layer + 1):
+        if not split or il < first:
+            out.append(-1)
+            continue
+        frac = (il - max(first, 0)) / act
+        out.append(next((i for i, b in enumerate(bounds) if frac < b), len(split) - 1))
+    return out
+
+
+def _model_bytes(
+    m: ModelFacts, ngl: int, split: tuple[float, ...], plan: Plan, n_gpus: int
+) -> dict[int, int]:
+    """Bytes per device (-1 = host) that one model adds: weights, KV, compute buffers."""
+    used: dict[int, int] = dict.fromkeys([*range(n_gpus), -1], 0)
+    where = _placement(m.n_layer, ngl, split)
+    cells = -(-plan.n_ctx // 256) * 256 * plan.n_slots
+    kv_layer = int(cells * m.n_head_kv * m.head_dim * 2 * KV_BYTES[plan.type_k])
+    for il in range(m.n_layer):
+        used[where[il]] += m.layer_bytes[il] + kv_layer
+    out = where[m.n_layer]
+    if out != -1 or not m.tied_embeddings:
+        used[out] += m.output_bytes
+    used[-1] += m.embd_bytes
+    ub = plan.n_ubatch
+    for dev in used:
+        layers = dev in where[: m.n_layer]
+        if layers or dev == out:
+            logits = 4 * ub * (m.n_vocab + 2 * m.n_embd) if dev == out else 0
+            ffn = 4 * ub * (3 * m.n_embd + 2 * m.n_ff) if layers else 0
+            used[dev] += max(logits, ffn, 8 * ub * m.n_embd)
+    used[-1] += 4 * m.n_vocab * plan.n_slots * 17  # logits rows for a 16-token verify
+    if -1 not in where:
+        used[-1] += 8 * ub * m.n_embd
+    return used
+
+
+def recompute(catalog: Catalog, plan: Plan, facts: HardwareFacts) -> dict[str, tuple[int, int]]:
+    """(used, budget) per device name, from the plan's own settings and the model sizes."""
+    gpus = facts.usable_gpus
+    target = _facts_for(catalog, *plan.target)
+    split = plan.tensor_split or ((1.0,) if gpus else ())
+    used = _model_bytes(target, plan.target_ngl, split, plan, len(gpus))
+    if plan.draft is not None:
+        draft = _facts_for(catalog, *plan.draft)
+        names = [f"{g.backend}:{g.index} {g.name}" for g in gpus]
+        dev = names.index(plan.draft_device) if plan.draft_device in names else -1
+        one_hot = tuple(1.0 if i == dev else 0.0 for i in range(len(gpus))) if dev >= 0 else ()
+        for d, b in _model_bytes(draft, plan.draft_ngl, one_hot, plan, len(gpus)).items():
+            used[d] += b
+    out: dict[str, tuple[int, int]] = {}
+    unified_used = 0
+    for i, g in enumerate(gpus):
+        if g.unified:
+            budget = min(g.free_bytes, facts.cpu.ram_available_bytes) - 2 * GiB
+            unified_used += used[i]
+        else:
+            budget = g.free_bytes - 1 * GiB
+        out[f"{g.backend}:{g.index} {g.name}"] = (used[i], budget)
+    host_budget = facts.cpu.ram_available_bytes - 2 * GiB - unified_used
+    out[f"cpu ({facts.cpu.model})"] = (used[-1], host_budget)
+    return out
+
+
+# ----------------------------------------------------------------- table-driven properties
+
+
+@pytest.mark.parametrize("name", list(MACHINES))
+def test_every_plan_fits_its_budget_by_recomputation(
+    name: str, plans: dict[str, Plan], catalog: Catalog
+) -> None:
+    plan, facts = plans[name], MACHINES[name]
+    again = recompute(catalog, plan, facts)
+    rows = {r.device: r for r in plan.memory}
+    assert set(again) == set(rows)
+    for device, (used, budget) in again.items():
+        assert used <= budget, f"{device}: {used / GiB:.2f} GiB > {budget / GiB:.2f} GiB"
+        assert abs(rows[device].used - used) <= 1024, device  # the plan reports what it uses
+        assert rows[device].budget == budget
+
+
+@pytest.mark.parametrize("name", list(MACHINES))
+def test_context_never_below_4096_and_draft_always_counted(
+    name: str, plans: dict[str, Plan]
+) -> None:
+    plan = plans[name]
+    assert plan.n_ctx >= 4096 and plan.n_ctx % 256 == 0
+    if plan.draft is not None:
+        row = next(r for r in plan.memory if r.device == plan.draft_device)
+        assert row.draft > 0
+        assert plan.expected_spec_speedup is not None and plan.expected_spec_speedup > 1.0
+    else:
+        assert all(r.draft == 0 for r in plan.memory)
+
+
+def _scaled(facts: HardwareFacts, k: float) -> HardwareFacts:
+    gpus = tuple(
+        replace(g, total_bytes=int(g.total_bytes * k), free_bytes=int(g.free_bytes * k))
+        for g in facts.gpus
+    )
+    cpu = replace(
+        facts.cpu,
+        ram_total_bytes=int(facts.cpu.ram_total_bytes * k),
+        ram_available_bytes=int(facts.cpu.ram_available_bytes * k),
+    )
+    return replace(facts, gpus=gpus, cpu=cpu)
+
+
+def _target_size(catalog: Catalog, facts: HardwareFacts) -> float:
+    try:
+        plan = make_plan(catalog, facts)
+    except PlanError:
+        return 0.0
+    return catalog.models[plan.target[0]].params_b
+
+
+@pytest.mark.parametrize("name", list(MACHINES))
+def test_more_memory_never_gives_a_smaller_target(name: str, catalog: Catalog) -> None:
+    sizes = [_target_size(catalog, _scaled(MACHINES[name], k)) for k in (0.5, 1, 1.5, 2, 4)]
+    assert sizes == sorted(sizes), sizes
+
+
+def _fits_wholly_at_its_most_frugal(catalog: Catalog, model_id: str, facts: HardwareFacts) -> bool:
+    """Smallest quant, no draft, one slot, 4096 tokens, quantized KV, ubatch 512."""
+    entry = catalog.models[model_id]
+    quant = entry.quant_ladder()[0]
+    m = _facts_for(catalog, model_id, quant)
+    kv = "q8_0" if m.head_dim % 32 == 0 else "f16"
+    gpus = facts.usable_gpus
+    devices = [
+        Device(g.name, "unified" if g.unified else "gpu", g.free_bytes,
+               2 * GiB if g.unified else GiB, g.bandwidth_gbps, g.tflops)
+        for g in gpus
+    ] + [Device("host", "host", facts.cpu.ram_available_bytes, 2 * GiB, 50, 1)]  # fmt: skip
+    shares = [max(d.budget, 1) for d in devices[:-1]]
+    split = tuple(s / sum(shares) for s in shares)
+    layout = Layout(4096, 1, kv, 512, m.n_layer + 1 if gpus else 0, split, None)
+    return all(r.fits for r in memory_table(m, None, layout, devices))
+
+
+@pytest.mark.parametrize("name", list(MACHINES))
+def test_chosen_target_is_the_largest_that_fits_wholly(
+    name: str, plans: dict[str, Plan], catalog: Catalog
+) -> None:
+    plan, facts = plans[name], MACHINES[name]
+    chosen = catalog.models[plan.target[0]].params_b
+    bigger = {m.id for m in catalog.targets() if m.params_b > chosen}
+    for model_id in bigger:
+        reasons = [r.reason for r in plan.rejected if r.candidate.startswith(model_id + " ")]
+        assert reasons, f"{model_id} is bigger than the choice but was never considered"
+        if _fits_wholly_at_its_most_frugal(catalog, model_id, facts):
+            # It fits (alone); then the plan must have refused it for speed, sessions or
+            # latency, not for memory.
+            assert any(re.search(r"tok/s|sessions|ms/token|would not pay", r) for r in reasons)
+    if not plan.fits_wholly:
+        assert all(not _fits_wholly_at_its_most_frugal(catalog, m.id, facts)
+                   for m in catalog.targets())  # fmt: skip
+
+
+# ----------------------------------------------------------------- specific rules
+
+
+def test_unequal_gpus_split_by_room_and_draft_on_the_fastest(plans: dict[str, Plan]) -> None:
+    plan = plans["two-unequal-gpus"]
+    assert plan.tensor_split is not None and len(plan.tensor_split) == 2
+    assert plan.tensor_split[1] > plan.tensor_split[0]  # the 4090 has twice the room
+    assert plan.draft is not None and plan.draft_device is not None
+    assert "4090" in plan.draft_device
+    assert plan.fits_wholly
+
+
+def test_cuda_card_with_cpu_build_plans_for_the_cpu_and_says_how_to_rebuild(
+    plans: dict[str, Plan],
+) -> None:
+    plan = plans["cuda-card-cpu-build"]
+    assert [r.device.split()[0] for r in plan.memory] == ["cpu"]
+    assert plan.target_ngl == 0
+    assert any('CMAKE_ARGS="-DGGML_CUDA=on"' in w for w in plan.warnings)
+    assert "-DGGML_CUDA=on" in plan.explain()
+
+
+def test_busy_gpu_takes_a_small_model_wholly(plans: dict[str, Plan]) -> None:
+    plan = plans["gpu-2gb-free-of-24"]
+    assert plan.fits_wholly and plan.target_ngl == plan.target_layers
+    gpu = plan.memory[0]
+    assert gpu.budget == 1 * GiB and gpu.used <= gpu.budget
+
+
+def test_tiny_cpu_machine_still_gets_a_plan_or_a_clear_error(catalog: Catalog) -> None:
+    facts = MACHINES["no-gpu-4gb"]
+    plan = make_plan(catalog, facts)
+    assert plan.target[0] == "qwen2.5-coder-0.5b"
+    tiny = replace(facts, cpu=_cpu(2, 2.1))
+    with pytest.raises(PlanError, match=r"no catalog model fits.*GiB of RAM usable"):
+        make_plan(catalog, tiny)
+
+
+def test_apple_unified_memory_shares_one_pool(plans: dict[str, Plan]) -> None:
+    plan = plans["apple-m2-16gb"]
+    metal, host = plan.memory
+    assert metal.device.startswith("metal")
+    assert host.shared_with == metal.used
+    assert host.budget == 11 * GiB - 2 * GiB - metal.used
+    assert metal.budget == 16 * GiB * 2 // 3 - 2 * GiB
+
+
+def test_kv_quantized_and_context_shrunk_before_spilling(plans: dict[str, Plan]) -> None:
+    plan = plans["rtx3060-12gb"]
+    assert plan.fits_wholly
+    assert plan.type_k == "q8_0" and plan.flash_attn
+    assert any("q8_0" in n for n in plan.notes)
+
+
+def _fake(
+    model_id: str, quant: str, params: float, layer_mib: int, n_layer: int = 28
+) -> ModelFacts:
+    return ModelFacts(
+        model_id, quant, params, n_layer, 3584, 28, 4, 128, 152064, 32768, 18944,
+        (layer_mib * MiB,) * n_layer, 300 * MiB, 300 * MiB, False,
+    )  # fmt: skip
+
+
+def test_a_smaller_quant_that_fits_beats_a_bigger_one_that_spills() -> None:
+    facts = with_gpu_free(load_hardware_profile("rtx4090-24gb"), 0, 8 * GiB)
+    big = Candidate("m+ngram", _fake("m", "Q8_0", 7.6, 270), None)  # ~8 GiB: spills
+    small = Candidate("m+ngram", _fake("m", "Q4_K_M", 7.6, 150), None)  # ~4.4 GiB: fits
+    plan = make_plan([big, small], facts)
+    assert plan.target == ("m", "Q4_K_M") and plan.fits_wholly
+
+
+def test_spilling_when_nothing_fits_wholly() -> None:
+    facts = with_gpu_free(load_hardware_profile("rtx4090-24gb"), 0, 4 * GiB)
+    model = _fake("m", "Q8_0", 7.6, 270)
+    plan = make_plan([Candidate("m+ngram", model, None)], facts)
+    assert not plan.fits_wholly and "layers on the GPU" in plan.explain()
+    assert 0 < plan.target_ngl < plan.target_layers
+    assert plan.type_k == "q8_0"  # KV quantized before layers spill
+    gpu = plan.memory[0]
+    assert gpu.used <= gpu.budget
+    devices = [
+        Device("gpu", "gpu", 4 * GiB, GiB, 1008, 165),
+        Device("host", "host", facts.cpu.ram_available_bytes, 2 * GiB, 90, 1),
+    ]
+    for ngl, ctx, fits in ((plan.target_ngl + 1, 4096, False), (plan.target_ngl, 4096, True)):
+        layout = Layout(ctx, 1, "q8_0", plan.n_ubatch, ngl, (1.0,), None)
+        assert memory_table(model, None, layout, devices)[0].fits is fits
+
+
+def test_gpu_memory_cap(catalog: Catalog) -> None:
+    facts = load_hardware_profile("rtx4090-24gb")
+    plan = make_plan(catalog, facts, PlanSettings(gpu_memory_cap_bytes=8 * GiB))
+    assert plan.memory[0].budget == 7 * GiB
+    assert catalog.models[plan.target[0]].params_b < 14
+
+
+def test_preferred_pair_and_allowed_patterns(catalog: Catalog) -> None:
+    facts = load_hardware_profile("rtx4090-24gb")
+    plan = make_plan(catalog, facts, PlanSettings(pair="qwen2.5-coder-7b+0.5b"))
+    assert plan.pair_id == "qwen2.5-coder-7b+0.5b" and plan.draft is not None
+    plan = make_plan(catalog, facts, PlanSettings(allowed=("qwen2.5-coder-3b*",)))
+    assert plan.target[0] == "qwen2.5-coder-3b"
+    with pytest.raises(PlanError, match="allow at least one pair"):
+        make_plan(catalog, facts, PlanSettings(allowed=("llama-*",)))
+    with pytest.raises(PlanError, match="not in the catalog"):
+        make_plan(catalog, facts, PlanSettings(pair="nope+0.5b"))
+
+
+def test_context_below_4096_only_when_asked(catalog: Catalog) -> None:
+    plan = make_plan(catalog, load_hardware_profile("cpu-8gb"), PlanSettings(context=2048))
+    assert plan.n_ctx == 2048
+
+
+def test_seed_scenario_500_sessions_on_2xh100(catalog: Catalog) -> None:
+    facts = load_hardware_profile("2xh100-80gb")
+    plan = make_plan(catalog, facts, PlanSettings(concurrent_sessions=500))
+    cap = plan.capacity
+    assert cap is not None
+    assert plan.concurrent_sessions == cap.sessions_held >= 500
+    assert cap.step_ms_at_full_batch <= 50
+    assert plan.n_slots == min(cap.slots_by_memory, cap.slots_by_latency)
+    assert cap.busy_slots_p95 <= plan.n_slots
+    assert poisson_quantile(cap.sessions_held * cap.duty_cycle, 0.95) <= plan.n_slots
+    text = plan.explain()
+    assert "concurrent sessions" in text and "at p95 (Poisson)" in text
+    assert plan.tensor_split is not None
+
+
+def test_datacenter_asks_for_more_sessions_than_any_plan_holds(catalog: Catalog) -> None:
+    facts = load_hardware_profile("a100-40gb")
+    plan = make_plan(catalog, facts, PlanSettings(concurrent_sessions=100_000))
+    assert plan.capacity is not None and plan.capacity.sessions_held < 100_000
+    assert any("100000" in w for w in plan.warnings)
+
+
+def test_speedup_formula() -> None:
+    alpha, c = 0.7, 0.12
+    s4 = (1 - alpha**5) / ((1 - alpha) * (4 * c + 1))
+    best, _ = speculative_speedup(alpha, c, 16)
+    assert best >= s4 > 1.8
+    assert speculative_speedup(0.7, 2.0, 16) == (1.0, 0)  # a draft slower than the target
+
+
+def test_poisson_quantile() -> None:
+    assert poisson_quantile(0, 0.95) == 0
+    assert 93 <= poisson_quantile(80, 0.95) <= 96  # 80 + 1.645 * sqrt(80) ≈ 94.7
+
+
+# ----------------------------------------------------------------- output
+
+
+def test_json_engine_settings_and_table(plans: dict[str, Plan], tmp_path: Path) -> None:
+    plan = plans["rtx4090-24gb"]
+    data = json.loads(json.dumps(plan.to_json()))
+    assert data["target"] == list(plan.target) and data["memory"][0]["used"] > 0
+    assert data["concurrent_sessions"] == plan.n_slots
+    assert plan.draft is not None
+    settings = plan.engine_settings(tmp_path / "t.gguf", tmp_path / "d.gguf")
+    assert settings.target.n_gpu_layers == plan.target_ngl
+    assert settings.target.n_ctx == plan.n_ctx and settings.n_slots == plan.n_slots
+    assert settings.target.type_k == plan.type_k and settings.target.flash_attn is True
+    assert settings.draft is not None and settings.draft.n_gpu_layers == plan.draft_ngl
+    with pytest.raises(PlanError, match="draft"):
+        plan.engine_settings(tmp_path / "t.gguf")
+    text = plan.explain()
+    for heading in ("pair:", "memory (GiB)", "weights", "KV", "compute", "draft", "margin",
+                    "decode ceiling", "speculative"):  # fmt: skip
+        assert heading in text
+    assert "rejected" in plans["rtx3060-12gb"].explain()
+
+
+# ----------------------------------------------------------------- against llama.cpp itself
+
+_BUFFER = re.compile(r"(\w+)\s+(model|KV|compute|output) buffer size =\s+([\d.]+) MiB")
+
+
+def _llama_cpp_buffers(
+    path: Path, n_ctx: int, n_slots: int, type_kv: str, n_ubatch: int
+) -> dict[str, float]:
+    """Load with llama.cpp on the CPU and read the buffer sizes it logs (bytes)."""
+    lines: list[str] = []
+
+    @llama_cpp.llama_log_callback
+    def capture(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+        lines.append(text.decode("utf-8", "replace"))
+
+    llama_cpp.llama_log_set(capture, ctypes.c_void_p(0))
+    try:
+        mparams = llama_cpp.llama_model_default_params()
+        mparams.n_gpu_layers = 0
+        model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
+        assert model, f"llama.cpp could not load {path}"
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.n_ctx, cparams.n_seq_max = n_ctx * n_slots, n_slots
+        cparams.n_batch = cparams.n_ubatch = n_ubatch
+        cparams.n_threads = cparams.n_threads_batch = 1
+        cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        cparams.type_k = cparams.type_v = {"f16": 1, "q8_0": 8}[type_kv]
+        ctx = llama_cpp.llama_init_from_model(model, cparams)
+        assert ctx, "llama.cpp could not create the context"
+        llama_cpp.llama_free(ctx)
+        llama_cpp.llama_model_free(model)
+    finally:
+        llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
+    sizes: dict[str, float] = {}
+    for line in lines:
+        match = _BUFFER.search(line)
+        if match:
+            kind = "compute" if match.group(2) == "output" else match.group(2)
+            sizes[kind] = sizes.get(kind, 0.0) + float(match.group(3)) * MiB
+    return sizes
+
+
+@pytest.mark.parametrize(
+    ("fixture", "n_ctx", "n_slots", "type_kv", "n_ubatch"),
+    [
+        ("qwen_target", 4096, 1, "f16", 512),
+        ("qwen_target_152064", 2048, 2, "f16", 1024),
+        ("smollm_q4", 4096, 1, "f16", 512),
+        ("smollm_q4", 2048, 3, "q8_0", 256),
+        ("smollm_f16", 8192, 1, "q8_0", 1024),
+    ],
+)
+def test_estimate_within_10_percent_of_llama_cpp(
+    fixture: str, n_ctx: int, n_slots: int, type_kv: str, n_ubatch: int,
+    request: pytest.FixtureRequest,
+) -> None:  # fmt: skip
+    path: Path = request.getfixturevalue(fixture)
+    facts = model_facts_from_gguf(path)
+    real = _llama_cpp_buffers(path, n_ctx, n_slots, type_kv, n_ubatch)
+    layout = Layout(n_ctx, n_slots, type_kv, n_ubatch, 0, (), None, spec_n_max=0)
+    host = Device("cpu", "host", 64 * GiB, 0, 50, 1)
+    (row,) = memory_table(facts, None, layout, [host])
+    for kind, estimate in (("model", row.weights), ("KV", row.kv), ("compute", row.compute)):
+        assert real[kind] > 0
+        assert abs(estimate - real[kind]) <= 0.10 * real[kind], (
+            f"{kind}: estimated {estimate / MiB:.2f} MiB, llama.cpp {real[kind] / MiB:.2f} MiB"
+        )
+
+
+def test_gguf_header_reader_agrees_with_the_gguf_package(tmp_path: Path) -> None:
+    """Our header reader skips arrays instead of decoding them; check it against GGUFReader."""
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_uint32("llama.embedding_length", 64)
+    writer.add_token_list([f"tok{i}" for i in range(1000)])
+    writer.add_array("test.nested", [[1, 2], [3, 4, 5]])
+    writer.add_array("test.floats", [0.5, 1.5])
+    rng = np.random.default_rng(0)
+    data = rng.standard_normal((64, 96)).astype(np.float32)
+    writer.add_tensor("blk.0.ffn_up.weight", data)
+    writer.add_tensor("blk.0.attn_norm.weight", data[0].astype(np.float16))
+    q8 = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("output.weight", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    ours = read_gguf_header(path)
+    theirs = gguf.GGUFReader(str(path))
+    assert ours.metadata["tokenizer.ggml.tokens"] == 1000
+    assert ours.metadata["test.nested"] == 2 and ours.metadata["llama.embedding_length"] == 64
+    assert ours.metadata["general.architecture"] == "llama"
+    assert [(n, t, e) for n, t, e in ours.tensors] == [
+        (t.name, int(t.tensor_type), int(t.n_elements)) for t in theirs.tensors
+    ]
+    for (name, ggml_type, n), t in zip(ours.tensors, theirs.tensors, strict=True):
+        assert ours.tensor_bytes(name, ggml_type, n) == int(t.n_bytes)
+    for type_id, sizes in GGML_TYPE_SIZES.items():
+        assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(type_id)] == sizes
+    with pytest.raises(PlanError, match="not a GGUF"):
+        read_gguf_header(Path(__file__))
+
+
+def test_gguf_tensor_table(qwen_target: Path, qwen_target_152064: Path) -> None:
+    tied = model_facts_from_gguf(qwen_target, model_id="t", quant="F32")
+    assert tied.tied_embeddings and tied.n_vocab == 151936
+    assert len(tied.layer_bytes) == tied.n_layer and all(b > 0 for b in tied.layer_bytes)
+    assert tied.output_bytes >= tied.embd_bytes  # the output layer is token_embd's copy
+    assert tied.source.startswith("GGUF tensor table")
+    untied = model_facts_from_gguf(qwen_target_152064)
+    assert not untied.tied_embeddings and untied.n_vocab == 152064
+    assert untied.file_bytes <= Path(qwen_target_152064).stat().st_size
+    assert untied.file_bytes > Path(qwen_target_152064).stat().st_size - 8 * MiB  # the header
+
+
+def test_measured_facts_replace_catalog_estimates(catalog: Catalog, smollm_q4: Path) -> None:
+    measured = model_facts_from_gguf(smollm_q4, model_id="qwen2.5-coder-0.5b", quant="Q8_0")
+    settings = PlanSettings(allowed=("qwen2.5-coder-0.5b+ngram",),
+                            measured={("qwen2.5-coder-0.5b", "Q8_0"): measured})  # fmt: skip
+    plan = make_plan(catalog, load_hardware_profile("cpu-8gb"), settings)
+    assert plan.target_source.startswith("GGUF tensor table")
+    assert plan.memory[0].weights == measured.file_bytes
