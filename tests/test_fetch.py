@@ -519,3 +519,18 @@ def test_file_references_parse_for_the_cli() -> None:
     for bad in ("tiny.gguf", "acme/tiny.gguf", "acme//x.gguf", "acme/Tiny-GGUF/readme.md"):
         with pytest.raises(ValueError, match="owner/repo"):
             FileSpec.parse(bad)
+
+
+def test_a_changed_hub_never_costs_the_local_model(hub: LocalHub, models: Path) -> None:
+    (path,) = pull([spec()], models_dir=models, endpoint=hub.url, progress=False)
+    hub.add_file(REPO, NAME, b"new weights", commit="e" * 40)  # main moved, file replaced
+    hub.reset_counts()
+    assert pull([spec()], models_dir=models, endpoint=hub.url, progress=False) == [path]
+    assert hub.requests == [] and path.read_bytes() == DATA
+    # a catalog pinned to the old commit and sha256 still finds the copy pulled under main/
+    old_commit = hashlib.sha1(REPO.encode()).hexdigest()
+    record = path.with_name(NAME + ".verified.json").read_text()
+    assert old_commit in record
+    pinned = spec(revision=old_commit, sha256=SHA, size=SIZE)
+    assert pull([pinned], models_dir=models, offline=True) == [path]
+    assert resolve_local(spec(revision="e" * 40), models_dir=models) is None  # not proven
