@@ -20,7 +20,7 @@ import math
 import mmap
 import re
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from os import PathLike
 from typing import Any, Literal
@@ -141,8 +141,38 @@ class PlanSettings:
     new_prompt_tokens_per_request: int = 256  # prompt tokens not already in the slot cache
     threads: int | None = None
     allow_q4_kv: bool = False  # q4_0 KV costs quality; off unless asked
+    draft_models: bool = True  # False: n-gram pairs only (speculative.mode off or ngram)
+    speculative: SpecSettings = field(default_factory=SpecSettings)  # handed to the engine
+    cache_reuse: int = 256  # handed to the engine
     measured: Mapping[tuple[str, str], ModelFacts] = field(default_factory=dict)
     """(model id, quant) -> facts read from a GGUF on disk; replaces the catalog estimate."""
+
+
+def plan_settings_from(settings: Any) -> PlanSettings:
+    """PlanSettings from localspec's layered Settings (models.*, limits.*, server.slots,
+    speculative.*, cache.reuse_chunk). A pinned models.pair is the only pair considered."""
+    models, limits, spec = settings.models, settings.limits, settings.speculative
+    allowed = tuple(models.allowed)
+    if models.pair:
+        if not _allowed(allowed, models.pair):
+            raise PlanError(f"models.pair {models.pair!r} is not in models.allowed {list(allowed)}")
+        allowed = (models.pair,)
+    cap = limits.gpu_memory_gb
+    return PlanSettings(
+        allowed=allowed,
+        pair=models.pair,
+        context=limits.context,
+        min_context=min(4096, limits.context) if limits.context else 4096,
+        n_slots=settings.server.slots,
+        gpu_memory_cap_bytes=int(cap * 1e9) if cap else None,
+        threads=limits.threads,
+        spec_n_max=spec.n_max,
+        draft_models=spec.mode not in ("off", "ngram"),
+        speculative=SpecSettings(
+            mode=spec.mode, n_max=spec.n_max, n_min=spec.n_min, p_min=spec.p_min
+        ),
+        cache_reuse=settings.cache.reuse_chunk,
+    )
 
 
 # ---------------------------------------------------------------------------- catalog adapter
@@ -254,6 +284,8 @@ def candidates_from_catalog(catalog: Any, settings: PlanSettings) -> list[Candid
         if not pair.compatible:
             continue
         if not _allowed(settings.allowed, pair.id, pair.target):
+            continue
+        if pair.draft and not settings.draft_models:
             continue
         target = catalog.models[pair.target]
         draft_entry = catalog.models[pair.draft] if pair.draft else None
@@ -664,6 +696,8 @@ class Plan:
     notes: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
     target_source: str = "catalog estimate"
+    speculative: SpecSettings = field(default_factory=SpecSettings)
+    cache_reuse: int = 256
 
     @property
     def concurrent_sessions(self) -> int:
@@ -691,12 +725,15 @@ class Plan:
         if self.draft is not None and draft_path is None:
             raise PlanError(f"the plan uses the draft {self.draft[0]}; give its GGUF path")
         draft = model(draft_path, self.draft_ngl) if self.draft and draft_path else None
-        mode = "hybrid" if draft else "ngram"
+        spec = self.speculative
+        if draft is None and spec.mode in ("draft", "hybrid"):
+            spec = replace(spec, mode="ngram")  # no draft model fits: n-grams still help
         return EngineSettings(
             target=model(target_path, self.target_ngl),
             draft=draft,
             n_slots=self.n_slots,
-            spec=SpecSettings(mode=mode),
+            spec=spec,
+            cache_reuse=self.cache_reuse,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -1192,12 +1229,16 @@ def _threads(c: _Ctx, fit: _Fit) -> tuple[int, int]:
     return (decode if cpu_work else min(cores, 4)), cores
 
 
-def make_plan(catalog: Any, facts: HardwareFacts, settings: PlanSettings | None = None) -> Plan:
+def make_plan(catalog: Any, facts: HardwareFacts, settings: Any = None) -> Plan:
     """Choose and justify the serving configuration for ``facts`` (pure; see module doc).
 
-    ``catalog`` is a localspec.catalog.Catalog, or already a list of ``Candidate``.
+    ``catalog`` is a localspec.catalog.Catalog, or already a list of ``Candidate``;
+    ``settings`` a PlanSettings or localspec's Settings (see ``plan_settings_from``).
     """
-    settings = settings or PlanSettings()
+    if settings is None:
+        settings = PlanSettings()
+    elif not isinstance(settings, PlanSettings):
+        settings = plan_settings_from(settings)
     if isinstance(catalog, list | tuple):
         candidates = candidate_order(
             [
@@ -1335,7 +1376,27 @@ def _to_plan(
         notes=tuple(notes),
         warnings=tuple(warnings),
         target_source=cand.target.source,
+        speculative=c.settings.speculative,
+        cache_reuse=c.settings.cache_reuse,
     )
+
+
+def smaller(plan: Plan) -> Plan | None:
+    """The next, more frugal plan when llama.cpp still runs out of memory loading ``plan``
+    (a driver or another process took more than the probe saw): first halve the context
+    (not below 4096), then move a quarter of the GPU layers back to the CPU. None: nothing
+    left to give up. The memory table is the original estimate; the note says what changed.
+    """
+    if plan.n_ctx > 4096:
+        n_ctx = max(4096, padded_ctx(plan.n_ctx // 2))
+        note = f"loading ran out of memory: context {plan.n_ctx} -> {n_ctx} tokens"
+        return replace(plan, n_ctx=n_ctx, notes=(*plan.notes, note))
+    if plan.target_ngl > 0:
+        ngl = plan.target_ngl - max(1, plan.target_layers // 4)
+        ngl = max(0, ngl)
+        note = f"loading ran out of memory: GPU layers {plan.target_ngl} -> {ngl}"
+        return replace(plan, target_ngl=ngl, fits_wholly=False, notes=(*plan.notes, note))
+    return None
 
 
 # ---------------------------------------------------------------------------- GGUF reader (I/O)
@@ -1492,6 +1553,31 @@ def model_facts_from_gguf(
     )
 
 
+def measured_models(
+    catalog: Any, locate: Callable[[str, str], str | PathLike[str] | None]
+) -> dict[tuple[str, str], ModelFacts]:
+    """Tensor-table facts for every catalog quant already on disk, for PlanSettings.measured.
+
+    ``locate(model_id, quant)`` returns the local GGUF (e.g. via localspec.fetch.find_local)
+    or None. Split GGUFs keep their catalog estimate: one shard's table is not the model's.
+    """
+    out: dict[tuple[str, str], ModelFacts] = {}
+    for entry in catalog.models.values():
+        for quant, q in entry.quants.items():
+            path = locate(entry.id, quant) if len(q.files) == 1 else None
+            if path is None:
+                continue
+            a = entry.arch
+            out[(entry.id, quant)] = model_facts_from_gguf(
+                path,
+                model_id=entry.id,
+                quant=quant,
+                params_b=entry.params_b,
+                active_params_b=getattr(a, "active_params_b", None),
+            )
+    return out
+
+
 __all__ = [
     "Candidate",
     "DeviceMemory",
@@ -1504,8 +1590,11 @@ __all__ = [
     "estimate_model_facts",
     "facts_from_catalog_entry",
     "make_plan",
+    "measured_models",
     "memory_table",
     "model_facts_from_gguf",
+    "plan_settings_from",
     "render_plan",
+    "smaller",
     "speculative_speedup",
 ]

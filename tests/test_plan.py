@@ -38,12 +38,15 @@ from localspec.plan import (
     PlanSettings,
     facts_from_catalog_entry,
     make_plan,
+    measured_models,
     memory_table,
     model_facts_from_gguf,
     poisson_quantile,
     read_gguf_header,
+    smaller,
     speculative_speedup,
 )
+from localspec.settings import Settings
 
 KV_BYTES = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 
@@ -557,3 +560,59 @@ def test_measured_facts_replace_catalog_estimates(catalog: Catalog, smollm_q4: P
     plan = make_plan(catalog, load_hardware_profile("cpu-8gb"), settings)
     assert plan.target_source.startswith("GGUF tensor table")
     assert plan.memory[0].weights == measured.file_bytes
+
+
+# ----------------------------------------------------------------- wiring for `up` and the CLI
+
+
+def _settings(**sections: dict[str, object]) -> Settings:
+    return Settings.model_validate(sections)
+
+
+def test_plan_from_localspec_settings(catalog: Catalog) -> None:
+    settings = _settings(
+        models={"pair": "qwen2.5-coder-7b+0.5b"},
+        limits={"context": 8192, "gpu_memory_gb": 20},
+        server={"slots": 2},
+        speculative={"n_max": 8},
+        cache={"reuse_chunk": 128},
+    )
+    facts = load_hardware_profile("rtx4090-24gb")
+    plan = make_plan(catalog, facts, settings)
+    assert plan.pair_id == "qwen2.5-coder-7b+0.5b"  # a pinned pair is the only one tried
+    assert plan.n_ctx == 8192 and plan.n_slots == 2
+    assert plan.memory[0].budget == int(20e9) - GiB
+    engine = plan.engine_settings("t.gguf", "d.gguf")
+    assert engine.spec.n_max == 8 and engine.cache_reuse == 128 and engine.n_slots == 2
+    plan = make_plan(catalog, facts, _settings(speculative={"mode": "ngram"}))
+    assert plan.draft is None and plan.engine_settings("t.gguf").spec.mode == "ngram"
+    pinned_elsewhere = _settings(
+        models={"allowed": ["qwen2.5-coder-3b*"], "pair": "qwen2.5-coder-7b+0.5b"}
+    )
+    with pytest.raises(PlanError, match=r"models.pair .* is not in models.allowed"):
+        make_plan(catalog, facts, pinned_elsewhere)
+
+
+def test_smaller_plans_for_a_failed_load(plans: dict[str, Plan]) -> None:
+    plan = plans["rtx4090-24gb"]
+    steps = []
+    current: Plan | None = plan
+    while current is not None:
+        steps.append(current)
+        current = smaller(current)
+    contexts = [p.n_ctx for p in steps]
+    layers = [p.target_ngl for p in steps]
+    assert contexts[0] == plan.n_ctx and min(contexts) == 4096
+    assert contexts == sorted(contexts, reverse=True) and layers == sorted(layers, reverse=True)
+    assert layers[-1] == 0 and "ran out of memory" in steps[-1].notes[-1]
+
+
+def test_measured_models_reads_local_files(catalog: Catalog, qwen_target: Path) -> None:
+    def locate(model_id: str, quant: str) -> Path | None:
+        return qwen_target if (model_id, quant) == ("qwen2.5-coder-0.5b", "Q8_0") else None
+
+    measured = measured_models(catalog, locate)
+    assert list(measured) == [("qwen2.5-coder-0.5b", "Q8_0")]
+    facts = measured[("qwen2.5-coder-0.5b", "Q8_0")]
+    assert facts.params_b == catalog.models["qwen2.5-coder-0.5b"].params_b
+    assert facts.n_layer == 2 and facts.source.startswith("GGUF")
