@@ -1157,9 +1157,10 @@ def _why_not(c: _Ctx, group: Sequence[Candidate], found: _Search) -> str:
             f"fewer than the {c.settings.concurrent_sessions} asked"
         )
     if found.too_slow:
-        cand, tps = max(found.too_slow, key=lambda x: x[1])
+        # the fastest quant; on a tie (compute-bound) the smallest, which comes last
+        cand, tps = max(reversed(found.too_slow), key=lambda x: x[1])
         return (
-            f"fits, but even {cand.target.quant} decodes at ~{tps:.0f} tok/s, under the "
+            f"fits, but decodes at ~{tps:.0f} tok/s at best ({cand.target.quant}), under the "
             f"{c.min_tps:.0f} tok/s that {c.settings.max_token_ms:g} ms/token needs"
         )
     if found.draft_loses:
@@ -1174,7 +1175,7 @@ def _why_not(c: _Ctx, group: Sequence[Candidate], found: _Search) -> str:
         512,
         _full_ngl(smallest.target, c),
         (),
-        _draft_placements(c, smallest)[-1],
+        _draft_placements(c, smallest)[0],
         c.settings.spec_n_max,
     )
     _, rows = _rows(c, smallest, layout)
@@ -1182,9 +1183,13 @@ def _why_not(c: _Ctx, group: Sequence[Candidate], found: _Search) -> str:
     if not over:
         return f"no slot meets the {c.settings.max_token_ms:g} ms/token bound"
     r = over[0]
+    where, need, usable = r.device, r.used, r.budget
+    if r.shared_with:  # unified memory: the GPU's share and the CPU's come from one pool
+        where, need = "unified memory", r.used + r.shared_with
+        usable = max(0, r.available - r.margin)
     return (
-        f"even {smallest.target.quant} needs {_gib(r.used)} GiB on {r.device} but "
-        f"{_gib(r.budget)} GiB is usable (at {ctx} tokens, {kv} KV)"
+        f"even {smallest.target.quant} needs {_gib(need)} GiB on {where} but "
+        f"{_gib(usable)} GiB is usable (at {ctx} tokens, {kv} KV)"
     )
 
 
