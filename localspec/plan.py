@@ -685,6 +685,7 @@ class Plan:
     n_threads_batch: int
     tensor_split: tuple[float, ...] | None
     draft_device: str | None
+    draft_gpu: int | None  # index among the GPUs (llama.cpp main_gpu for the draft); None: CPU
     memory: tuple[DeviceMemory, ...]
     rejected: tuple[Rejection, ...]
     decode_ceiling_tps: tuple[float, float | None]  # (target, draft), bandwidth bound
@@ -1370,6 +1371,7 @@ def _to_plan(
         n_threads_batch=n_threads_batch,
         tensor_split=layout.split if c.n_gpus > 1 else None,
         draft_device=draft_device,
+        draft_gpu=layout.draft_device if draft_ngl else None,
         memory=fit.rows,
         rejected=tuple(rejected),
         decode_ceiling_tps=(target_tps, draft_tps),

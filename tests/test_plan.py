@@ -274,7 +274,7 @@ def test_unequal_gpus_split_by_room_and_draft_on_the_fastest(plans: dict[str, Pl
     assert plan.tensor_split is not None and len(plan.tensor_split) == 2
     assert plan.tensor_split[1] > plan.tensor_split[0]  # the 4090 has twice the room
     assert plan.draft is not None and plan.draft_device is not None
-    assert "4090" in plan.draft_device
+    assert "4090" in plan.draft_device and plan.draft_gpu == 1
     assert plan.fits_wholly
 
 
