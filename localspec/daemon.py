@@ -22,7 +22,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import httpx
 import psutil
 
 from localspec import paths
@@ -105,6 +104,8 @@ def _port_is_bound(host: str, port: int) -> bool:
 
 def is_localspec(url: str, api_key: str | None = None, timeout: float = 2.0) -> bool | None:
     """True: a localspec server answers; False: some other HTTP or TCP service; None: nothing."""
+    import httpx  # here, not at the top: `localspec --help` stays fast
+
     try:
         response = httpx.get(f"{url}/props", headers=_headers(api_key), timeout=timeout)
     except httpx.TransportError:
@@ -118,8 +119,10 @@ def probe_port(host: str, port: int, api_key: str | None = None) -> PortOwner:
     url = base_url(host, port)
     answer = is_localspec(url, api_key)
     pid = listener_pid(port)
+    info = read_pid_file(port)
+    if answer is False and (info or (pid and _looks_like_localspec(pid))):
+        answer = True  # a localspec still loading answers 503 without the marker
     if answer is True:
-        info = read_pid_file(port)
         pid = info.pid if info else pid
         return PortOwner("localspec", pid, "localspec", url)
     if answer is None and not _port_is_bound(host, port):
@@ -210,6 +213,8 @@ HealthState = Literal["ready", "loading", "down"]
 
 
 def health(url: str, timeout: float = 2.0) -> tuple[HealthState, dict[str, Any]]:
+    import httpx
+
     try:
         response = httpx.get(f"{url}/health", timeout=timeout)
     except httpx.TransportError:
@@ -292,10 +297,14 @@ def tail(path: Path, lines: int) -> list[str]:
 
 
 def follow(path: Path, interval: float = 0.5) -> Iterator[str]:
-    """Yield lines appended to ``path`` (forever; the caller stops on Ctrl-C); follows
-    truncation and rotation by reopening."""
-    fh = open(path, "rb")  # noqa: SIM115 - reopened on rotation below
+    """Lines appended to ``path`` from now on (forever; the caller stops on Ctrl-C); follows
+    truncation and rotation by reopening. The end is found now, not at the first ``next``."""
+    fh = open(path, "rb")  # noqa: SIM115 - closed by the generator
     fh.seek(0, os.SEEK_END)
+    return _follow(path, fh, interval)
+
+
+def _follow(path: Path, fh: Any, interval: float) -> Iterator[str]:
     buffer = b""
     try:
         while True:

@@ -7,7 +7,6 @@ import sys
 import time
 from typing import Any
 
-import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -114,6 +113,8 @@ def run_down(args: argparse.Namespace) -> int:
 
 
 def _get_json(url: str, api_key: str | None) -> Any:
+    import httpx
+
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         response = httpx.get(url, headers=headers, timeout=5.0)
@@ -134,6 +135,8 @@ def metric_totals(text: str) -> dict[str, float]:
 
 
 def gather_status(host: str, port: int, api_key: str | None) -> dict[str, Any]:
+    import httpx
+
     url = daemon.base_url(host, port)
     state, health = daemon.health(url)
     report: dict[str, Any] = {"url": url, "health": state}
@@ -212,17 +215,19 @@ def render_status(report: dict[str, Any]) -> str:
         lines.append(f"  process      pid {report['pid']}{extra}{rss}")
     props = report.get("props") or {}
     settings = props.get("default_generation_settings") or {}
-    model = props.get("model_alias") or props.get("model") or props.get("model_path")
+    model = props.get("model_path") or props.get("model_alias") or props.get("model")
     if model:
         lines.append(f"  target       {model}")
-    draft = props.get("draft_model") or props.get("model_draft") or props.get("draft")
+    draft = props.get("draft_model_path")
     if draft:
-        lines.append(
-            f"  draft        {draft if isinstance(draft, str) else draft.get('path', draft)}"
-        )
+        lines.append(f"  draft        {draft}")
     speculative = props.get("speculative") or {}
     if isinstance(speculative, dict) and speculative:
-        shown = ", ".join(f"{k} {v}" for k, v in speculative.items() if not isinstance(v, dict))
+        shown = ", ".join(
+            f"{k} {v}"
+            for k, v in speculative.items()
+            if not isinstance(v, (dict, list)) and k != "draft_model"
+        )
         lines.append(f"  speculative  {shown}")
     n_ctx = settings.get("n_ctx") or props.get("n_ctx")
     if n_ctx:

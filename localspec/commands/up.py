@@ -270,12 +270,14 @@ def _serve(args: argparse.Namespace, settings: st.Settings, api_key: str | None)
     def on_ready(*_: object) -> None:
         progress.finish(f"serving at {url} (Ctrl-C to stop)")
 
+    uvicorn_level = "debug" if settings.log.level == "debug" else "warning"
     try:
-        code = serve(server_settings, served.engine, on_ready=on_ready)
+        code = serve(server_settings, served.engine, on_ready=on_ready, log_level=uvicorn_level)
     except KeyboardInterrupt:
         code = c.EXIT_OK
     finally:
         if not progress.finished:
             progress.finish("stopped", ok=False)
         daemon.remove_pid_file(settings.server.port)
-    return code
+    # serve: 0 clean stop, 4 could not bind, else the model failed to load
+    return {0: c.EXIT_OK, 4: c.EXIT_PORT_BUSY}.get(code, c.EXIT_FAILURE)
