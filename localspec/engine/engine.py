@@ -287,6 +287,7 @@ class _Run:
                 st.drafted += len(draft)
                 st.accepted += accepted
                 self.policy.observe_result(source, len(draft), accepted)
+                res.spec_steps.append((source, len(draft), accepted))
             self.policy.tick()
             events = []
             n_emitted = 0

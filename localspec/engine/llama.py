@@ -37,7 +37,7 @@ _log = logging.getLogger("localspec.llama")
 def _quiet_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
     """llama.cpp's errors go to our logger; its chatter (load lines, warnings) is dropped.
     Set LOCALSPEC_LLAMA_LOG=1 to see everything."""
-    if level == 3:
+    if level == 4:  # GGML_LOG_LEVEL_ERROR
         _log.error("%s", text.decode("utf-8", errors="replace").rstrip())
 
 

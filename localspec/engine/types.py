@@ -120,6 +120,8 @@ class GenerationResult:
     t_sample_ms: float = 0.0
     t_outside_ms: float = 0.0  # wall time not spent inside llama.cpp calls
     cancelled: bool = False
+    # one entry per speculative step: (source, drafted, accepted); for stats and tests
+    spec_steps: list[tuple[str, int, int]] = field(default_factory=list)
 
     @property
     def draft_n(self) -> int:

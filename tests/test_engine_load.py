@@ -1,0 +1,100 @@
+"""Loading: clear errors for bad files, the pair check, the vocabulary's special ids."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from localspec.engine import (
+    Engine,
+    EngineSettings,
+    GenerationRequest,
+    ModelLoadError,
+    ModelSettings,
+    PairMismatchError,
+    PromptTooLongError,
+    SamplingParams,
+)
+
+QWEN_FIM = (151659, 151661, 151660, 151662, 151663, 151664)
+
+
+def settings(target: Path, draft: Path | None = None, **kw: object) -> EngineSettings:
+    return EngineSettings(
+        target=ModelSettings(str(target), n_ctx=512, n_batch=256, n_ubatch=256, n_threads=1),
+        draft=None
+        if draft is None
+        else ModelSettings(str(draft), n_ctx=512, n_batch=256, n_ubatch=256, n_threads=1),
+        **kw,
+    )
+
+
+@pytest.fixture(scope="module")
+def qwen_pair(qwen_target: Path, qwen_draft: Path) -> Engine:
+    with Engine.load(settings(qwen_target, qwen_draft, n_slots=2)) as eng:
+        yield eng
+
+
+def test_missing_file_names_the_path(tmp_path: Path) -> None:
+    path = tmp_path / "nope.gguf"
+    with pytest.raises(ModelLoadError, match=r"not found: .*nope\.gguf"):
+        Engine.load(settings(path))
+
+
+def test_not_gguf_names_the_path(tmp_path: Path) -> None:
+    path = tmp_path / "page.gguf"
+    path.write_text("<html>rate limited</html>")
+    with pytest.raises(ModelLoadError, match=r"not a GGUF file: .*page\.gguf"):
+        Engine.load(settings(path))
+
+
+def test_truncated_file_names_the_path(tmp_path: Path, qwen_target: Path) -> None:
+    path = tmp_path / "cut.gguf"
+    with qwen_target.open("rb") as src:
+        path.write_bytes(src.read(3_000_000))
+    with pytest.raises(ModelLoadError, match=r"cut\.gguf.*truncated"):
+        Engine.load(settings(path))
+
+
+def test_bad_draft_file_is_a_load_error(tmp_path: Path, qwen_target: Path) -> None:
+    with pytest.raises(ModelLoadError, match="missing-draft"):
+        Engine.load(settings(qwen_target, tmp_path / "missing-draft.gguf"))
+
+
+def test_pair_check_accepts_151936_with_152064(qwen_target: Path, qwen_target_152064: Path) -> None:
+    with Engine.load(settings(qwen_target_152064, qwen_target)) as eng:
+        assert eng.vocab.n_vocab == 152064
+        assert eng.draft_path == str(qwen_target)
+
+
+def test_pair_check_rejects_a_changed_token(qwen_target: Path, qwen_changed_vocab: Path) -> None:
+    with pytest.raises(PairMismatchError, match="token 1000 differs"):
+        Engine.load(settings(qwen_target, qwen_changed_vocab))
+
+
+def test_vocab_exposes_fim_eog_and_tokenizes_without_special(qwen_pair: Engine) -> None:
+    v = qwen_pair.vocab
+    f = v.fim
+    assert (f.pre, f.suf, f.mid, f.pad, f.rep, f.sep) == QWEN_FIM
+    assert {151643, 151662, 151663, 151664} <= v.eog
+    assert not v.add_bos
+    literal = v.tokenize("x = '<|fim_prefix|>'")
+    assert 151659 not in literal
+    assert v.tokenize("<|fim_prefix|>", special=True) == [151659]
+    assert v.detokenize(literal) == "x = '<|fim_prefix|>'"
+    assert v.piece(151659) == b"" and v.piece(151659, special=True) == b"<|fim_prefix|>"
+    assert qwen_pair.n_ctx == 512 and qwen_pair.n_slots == 2 and qwen_pair.n_ctx_train > 0
+
+
+def test_bad_requests_are_value_errors(qwen_pair: Engine) -> None:
+    with pytest.raises(ValueError, match="unknown sampler 'nope'"):
+        qwen_pair.generate(
+            GenerationRequest(slot=0, prompt=[1, 2], sampling=SamplingParams(samplers=("nope",)))
+        )
+    with pytest.raises(PromptTooLongError):
+        qwen_pair.generate(GenerationRequest(slot=0, prompt=[1] * 600))
+    with pytest.raises(ValueError, match="slot 5"):
+        qwen_pair.generate(GenerationRequest(slot=5, prompt=[1]))
+    with pytest.raises(ValueError, match="empty prompt"):
+        qwen_pair.generate(GenerationRequest(slot=0, prompt=[]))

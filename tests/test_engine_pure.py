@@ -1,0 +1,193 @@
+"""Pure engine logic: stop rules, the cache-reuse planner, the n-gram drafter, the policy."""
+
+from __future__ import annotations
+
+import pytest
+
+from localspec.engine.cache_plan import Run, plan_reuse
+from localspec.engine.engine import draft_window_start
+from localspec.engine.ngram import NgramIndex
+from localspec.engine.policy import SpecPolicy
+from localspec.engine.sampling import canonical_samplers
+from localspec.engine.stops import StopRules, find_partial_stop, incomplete_utf8_tail
+
+
+def feed(rules: StopRules, pieces: list[str | bytes]) -> tuple[list[str], bool]:
+    out = []
+    for p in pieces:
+        data = p.encode() if isinstance(p, str) else p
+        step = rules.push(data, is_eog=False)
+        out.append(step.text)
+        if step.stop:
+            return out, True
+    return out, False
+
+
+# --- stop rules --------------------------------------------------------------------------
+def test_stop_string_full_match_stops_and_trims() -> None:
+    rules = StopRules(stop=("END",))
+    out, stopped = feed(rules, ["a", "b", "E", "N", "D", "x"])
+    assert stopped
+    assert rules.text == "ab"
+    assert rules.stop_type == "word" and rules.stopping_word == "END"
+    assert "".join(out) == "ab"
+
+
+def test_partial_stop_is_held_back_then_released() -> None:
+    rules = StopRules(stop=("END",))
+    out, stopped = feed(rules, ["a", "E", "N", "x"])
+    assert not stopped
+    assert out == ["a", "", "", "ENx"]
+
+
+def test_incomplete_utf8_is_held_back() -> None:
+    rules = StopRules()
+    euro = "€".encode()
+    out, _ = feed(rules, [b"a", euro[:1], euro[1:2], euro[2:]])
+    assert out == ["a", "", "", "€"]
+    assert incomplete_utf8_tail(b"a" + euro[:2]) == 2
+    assert incomplete_utf8_tail(b"a" + euro) == 0
+
+
+def test_find_partial_stop() -> None:
+    assert find_partial_stop("hello wor", "world") == 6
+    assert find_partial_stop("hello", "world") == -1
+
+
+def test_n_predict_budget() -> None:
+    rules = StopRules(n_predict=2)
+    _, stopped = feed(rules, ["a", "b", "c"])
+    assert stopped and rules.stop_type == "limit" and rules.text == "ab"
+
+
+def test_n_indent_cuts_a_dedented_line() -> None:
+    rules = StopRules(n_indent=4)
+    out, stopped = feed(rules, ["    x = 1", "\n", "    y = 2", "\n", "z", " = 3"])
+    assert stopped and rules.stop_type == "limit"
+    # the newline stays, the line's text from its first non-blank character is cut
+    assert rules.text == "    x = 1\n    y = 2\n"
+
+
+def test_n_indent_keeps_indented_lines() -> None:
+    rules = StopRules(n_indent=4)
+    _, stopped = feed(rules, ["a", "\n", "    b", "\n", "     c"])
+    assert not stopped
+
+
+def test_t_max_predict_ms_stops_at_a_newline_after_the_deadline() -> None:
+    now = [0.0]
+    rules = StopRules(t_max_predict_ms=100, clock=lambda: now[0])
+    assert not rules.push(b"a", is_eog=False).stop
+    now[0] = 0.5  # 500 ms later, but no newline yet
+    assert not rules.push(b"b", is_eog=False).stop
+    step = rules.push(b"\n", is_eog=False)
+    assert step.stop and rules.stop_type == "limit" and rules.text == "ab\n"
+
+
+def test_eog_stops_with_eos() -> None:
+    rules = StopRules(stop=("x",))
+    step = rules.push(b"", is_eog=True)
+    assert step.stop and rules.stop_type == "eos"
+
+
+# --- cache planner -----------------------------------------------------------------------
+def test_plan_identical_prompt_reevaluates_only_the_last_token() -> None:
+    toks = list(range(100))
+    plan = plan_reuse(toks, toks, min_chunk=256)
+    assert plan.n_prefix == 99 and plan.n_evaluated == 1
+
+
+def test_plan_appended_prompt() -> None:
+    plan = plan_reuse(list(range(50)), list(range(60)), min_chunk=256)
+    assert plan.n_prefix == 50 and plan.n_evaluated == 10 and plan.runs == ()
+
+
+def test_plan_deleted_middle_chunk_moves_the_rest() -> None:
+    cached = list(range(300))
+    prompt = cached[:100] + cached[150:]
+    plan = plan_reuse(cached, prompt, min_chunk=64)
+    assert plan.n_prefix == 100
+    assert plan.runs == (Run(src=150, dst=100, n=149),)
+    assert plan.n_evaluated == 1  # the last token, for fresh logits
+    assert plan_reuse(cached, prompt, min_chunk=0).n_evaluated == 150  # reuse off
+
+
+def test_plan_inserted_middle_keeps_the_tail_block() -> None:
+    """The editor's keystroke: new tokens in the middle, the suffix block unchanged."""
+    head, tail = list(range(1000, 1300)), list(range(2000, 2100))
+    cached = [*head, 7, *tail]
+    prompt = [*head, 8, 9, *tail]
+    plan = plan_reuse(cached, prompt, min_chunk=256, tail_min=32)
+    assert plan.n_prefix == 300
+    assert plan.runs == (Run(src=301, dst=302, n=99),)
+    assert plan.fresh == ((300, 302), (401, 402))
+    assert plan.n_evaluated == 3
+    # llama-server's rule (no short tail run) recomputes the whole tail
+    assert plan_reuse(cached, prompt, min_chunk=256, tail_min=256).n_evaluated == 102
+
+
+def test_plan_without_shift_support_keeps_only_the_prefix() -> None:
+    cached = list(range(300))
+    prompt = cached[:100] + cached[150:]
+    assert plan_reuse(cached, prompt, min_chunk=64, can_shift=False).runs == ()
+
+
+def test_plan_cached_generation_is_not_reused_past_the_prompt() -> None:
+    cached = [*range(50), 900, 901, 902]  # prompt + generated tokens
+    plan = plan_reuse(cached, list(range(50)), min_chunk=4)
+    assert plan.n_prefix == 49 and plan.n_evaluated == 1
+
+
+# --- n-gram drafter ----------------------------------------------------------------------
+def test_ngram_proposes_the_continuation_of_the_longest_match() -> None:
+    idx = NgramIndex([1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 1, 2, 3], n_min=2)
+    draft, match = idx.draft(3)
+    assert draft == [4, 5, 9] and match == 3
+    idx.extend([4])
+    assert idx.draft(2)[0] == [5, 9]
+
+
+def test_ngram_no_match() -> None:
+    idx = NgramIndex([1, 2, 3, 4], n_min=2)
+    assert idx.draft(4) == ([], 0)
+
+
+# --- policy ------------------------------------------------------------------------------
+def test_policy_switches_a_failing_source_off_and_probes_later() -> None:
+    pol = SpecPolicy(n_max=8)
+    pol.observe_target(1, 10.0)
+    pol.observe_target(5, 14.0)
+    pol.observe_draft_cost("draft", 5.0)
+    for _ in range(6):
+        pol.observe_result("draft", pol.plan("draft") or 2, 0)
+        pol.tick()
+    assert pol.plan("draft") == 0
+    for _ in range(300):
+        pol.tick()
+    assert 0 < pol.plan("draft") <= pol.probe_len
+
+
+def test_policy_drafts_long_when_acceptance_is_high() -> None:
+    pol = SpecPolicy(n_max=16)
+    pol.observe_target(1, 10.0)
+    pol.observe_target(9, 12.0)
+    for _ in range(10):
+        pol.observe_result("ngram", 8, 8)
+    assert pol.plan("ngram") >= 8
+    assert pol.gain("ngram", 8) > 2.0
+
+
+# --- misc --------------------------------------------------------------------------------
+def test_sampler_names() -> None:
+    assert canonical_samplers(["top-k", "TopP", "temp", "infill", "penalties"]) == (
+        "top_k", "top_p", "temperature", "infill", "penalties",
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="bogus"):
+        canonical_samplers(["top_k", "bogus"])
+
+
+def test_draft_window_start_moves_in_coarse_steps() -> None:
+    assert draft_window_start(300, 512) == 0
+    starts = {draft_window_start(n, 512) for n in range(600, 640)}
+    assert starts == {128}
+    assert all(n - draft_window_start(n, 512) <= 512 for n in range(513, 3000))
