@@ -29,7 +29,7 @@ PLAN_EPILOG = """\
 examples:
   localspec plan                         the pair, quants, GPU layers, context for this machine
   localspec plan --json                      the same plan with its arithmetic, as JSON
-  localspec plan --hardware rtx-4090         plan for a named hardware profile instead
+  localspec plan --hardware rtx4090-24gb     plan for a named hardware profile instead
   localspec plan --gpu-memory-gb 10 --ctx-size 8192
 """
 CATALOG_EPILOG = """\
@@ -220,11 +220,8 @@ def run_pull(args: argparse.Namespace) -> int:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    try:
-        from localspec import hardware, plan
-    except ImportError as exc:
-        c.error(f"the planner is not in this build ({exc.name} is missing)")
-        return c.EXIT_FAILURE
+    from localspec import hardware, plan
+
     try:
         settings = c.load_settings(args).settings
         catalog = load_catalog()
@@ -241,8 +238,7 @@ def run_plan(args: argparse.Namespace) -> int:
         c.error(str(exc))
         return c.EXIT_USAGE
     if args.json:
-        to_json = getattr(chosen, "to_json", None) or getattr(chosen, "as_dict", None)
-        c.print_json(to_json() if to_json else chosen.__dict__)
+        c.print_json(chosen.to_json())
     else:
         print(plan.render_plan(chosen))
     return c.EXIT_OK

@@ -79,7 +79,7 @@ def render_explain(resolved: st.ResolvedSettings) -> str:
     value_width = min(40, max(len(r.value) for r in rows))
     lines = []
     for row in rows:
-        value = row.value if len(row.value) <= 60 else row.value[:57] + "..."
+        value = row.value
         lock = "  [locked]" if row.locked_by else ""
         lines.append(f"{row.key:<{key_width}}  {value:<{value_width}}  {row.origin}{lock}")
     sources = ["", "layers read:"]

@@ -200,26 +200,29 @@ def _local_models(args: argparse.Namespace, settings: st.Settings) -> Served:
 
 
 def _planned_models(settings: st.Settings) -> Served:
-    """Probe → plan → pull; needs the catalog, planner and fetcher."""
+    """Probe → plan → pull: the catalog pair that fits this machine, downloaded and verified."""
+    from localspec import fetch, hardware, plan
+    from localspec.commands.models import hub_options, load_catalog
+
     try:
-        from localspec import catalog as catalog_mod
-        from localspec import fetch, hardware, plan
-    except ImportError as exc:
-        raise UpError(
-            f"planning is not available in this build ({exc.name} is missing); "
-            "serve local files with --target PATH [--draft PATH]"
-        ) from None
-    with c.Progress("probing hardware") as progress:
-        facts = hardware.probe()
-        progress.finish("done")
-    catalog = catalog_mod.load_catalog()
-    chosen = plan.make_plan(catalog, facts, settings)
-    print(plan.render_plan(chosen))
-    pair_name = getattr(chosen, "pair_id", None) or getattr(chosen, "pair", "")
-    if not allowed(settings, str(pair_name)):
-        raise UpError(f"the planned pair {pair_name} is not in models.allowed")
-    target_path, draft_path = fetch.pull_plan(chosen, settings=settings)
-    return Served(chosen.engine_settings(target_path, draft_path), str(pair_name))
+        with c.Progress("probing hardware") as progress:
+            facts = hardware.probe()
+            progress.finish("done")
+        catalog = load_catalog()
+        chosen = plan.make_plan(catalog, facts, settings)
+    except ValueError as exc:  # CatalogError, HardwareError, PlanError
+        raise UpError(str(exc)) from None
+    print(plan.render_plan(chosen), file=sys.stderr)
+    options = hub_options(settings)
+    paths: list[Path] = []
+    for model_id, quant in [chosen.target, *([chosen.draft] if chosen.draft else [])]:
+        entry = catalog.model(model_id).quants[quant]
+        try:
+            paths.append(fetch.pull([entry], **options)[0])  # the first shard is what loads
+        except fetch.FetchError as exc:
+            raise UpError(str(exc)) from None
+    draft_path = paths[1] if len(paths) > 1 else None
+    return Served(chosen.engine_settings(paths[0], draft_path), chosen.pair_id)
 
 
 def _server_settings(settings: st.Settings, api_key: str | None, served: Served) -> Any:

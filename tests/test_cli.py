@@ -1,0 +1,295 @@
+"""The `localspec` command as users run it: real subprocesses, a temporary HOME and XDG dirs,
+a real llama.cpp model serving real HTTP over loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import httpx
+import pytest
+
+from localspec import cli
+
+INFILL = {"input_prefix": "def add(a, b):\n    return ", "input_suffix": "\n", "n_predict": 4}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    """A clean environment: no LOCALSPEC_*/HF_*/XDG_* of the machine, a home of our own."""
+    home = tmp_path / "home"
+    home.mkdir()
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("LOCALSPEC_", "XDG_", "HF_")) or k == "LOCALSPEC_FIXTURE_CACHE"
+    }
+    clean.update(
+        HOME=str(home),
+        XDG_CONFIG_HOME=str(home / ".config"),
+        XDG_STATE_HOME=str(home / ".local/state"),
+        XDG_DATA_HOME=str(home / ".local/share"),
+        XDG_CACHE_HOME=str(home / ".cache"),
+        LOCALSPEC_SYSTEM_CONFIG_DIR=str(tmp_path / "system"),
+        LOCALSPEC_LIMITS_THREADS="1",
+        PYTHONUNBUFFERED="1",
+    )
+    return clean
+
+
+def _system(env: dict[str, str]) -> Path:
+    path = Path(env["LOCALSPEC_SYSTEM_CONFIG_DIR"])
+    path.mkdir(exist_ok=True)
+    return path
+
+
+def _user_config(env: dict[str, str]) -> Path:
+    path = Path(env["XDG_CONFIG_HOME"]) / "localspec" / "config.toml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _state(env: dict[str, str]) -> Path:
+    return Path(env["XDG_STATE_HOME"]) / "localspec"
+
+
+def localspec(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "localspec", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _wait_ready(port: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the daemon exited before it was ready"
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("not ready in time")
+
+
+def test_up_serves_infill_reports_already_running_and_stops_on_sigterm(
+    env: dict[str, str], smollm_fim_q4: Path, tmp_path: Path
+) -> None:
+    port = _free_port()
+    out = (tmp_path / "up.out").open("w+")
+    model = str(smollm_fim_q4)
+    args = ["up", "--target", model, "--draft", model, "--port", str(port), "--ctx-size", "512"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "localspec", *args],
+        env=env,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        _wait_ready(port, proc)
+        answer = httpx.post(f"http://127.0.0.1:{port}/infill", json=INFILL, timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert isinstance(answer.json()["content"], str)
+        pid_file = _state(env) / f"localspec-{port}.pid"
+        assert json.loads(pid_file.read_text())["pid"] == proc.pid
+
+        again = localspec(env, "up", "--port", str(port), "--target", str(smollm_fim_q4))
+        assert again.returncode == 0, again.stderr
+        assert f"already running at http://127.0.0.1:{port} (pid {proc.pid})" in again.stdout
+
+        status = localspec(env, "status", "--port", str(port))
+        assert status.returncode == 0, status.stderr
+        assert "ready" in status.stdout and str(smollm_fim_q4) in status.stdout
+        assert f"draft        {smollm_fim_q4}" in status.stdout
+        assert "1 served" in status.stdout
+        report = json.loads(localspec(env, "status", "--port", str(port), "--json").stdout)
+        assert report["pid"] == proc.pid and report["metrics"]["requests"] == 1
+        assert report["metrics"]["prompt_tokens_evaluated"] > 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(60)
+    out.seek(0)
+    log = out.read()
+    assert code == 0, log
+    assert f"serving at http://127.0.0.1:{port}" in log
+    assert not pid_file.exists()
+
+
+def test_detach_status_logs_down_with_a_locked_port(
+    env: dict[str, str], smollm_fim_q4: Path
+) -> None:
+    port, attempted = _free_port(), _free_port()
+    profile = _system(env) / "50-it.toml"
+    profile.write_text(f'locked = ["server.port"]\n[server]\nport = {port}\n')
+    up = localspec(
+        env,
+        "up",
+        "--detach",
+        "--port",
+        str(attempted),
+        "--target",
+        str(smollm_fim_q4),
+        "--ctx-size",
+        "512",
+    )
+    try:
+        assert up.returncode == 0, up.stderr
+        assert f"flag --port tried to set {attempted}, but system profile {profile}" in up.stderr
+        assert f"localspec is running at http://127.0.0.1:{port}" in up.stdout
+        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+
+        status = localspec(env, "status", "--json")
+        assert status.returncode == 0
+        report = json.loads(status.stdout)
+        assert report["health"] == "ready" and report["localspec"] is True
+        assert report["props"]["model_path"] == str(smollm_fim_q4)
+
+        logs = localspec(env, "logs", "-n", "20")
+        assert logs.returncode == 0 and "serving at" in logs.stdout
+    finally:
+        down = localspec(env, "down")
+    assert down.returncode == 0, down.stderr
+    assert f"localspec on port {port} stopped" in down.stdout
+    assert localspec(env, "status").returncode == 3
+    again = localspec(env, "down")
+    assert again.returncode == 3 and "no localspec daemon" in again.stdout
+
+
+def test_port_held_by_another_program_is_named(env: dict[str, str], smollm_fim_q4: Path) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        result = localspec(env, "up", "--port", str(port), "--target", str(smollm_fim_q4))
+    assert result.returncode == 4
+    assert f"port {port} is held by" in result.stderr
+    assert f"(pid {os.getpid()})" in result.stderr  # psutil names the holder
+
+
+def test_bad_profiles_stop_up_with_named_errors(env: dict[str, str], smollm_fim_q4: Path) -> None:
+    profile = _system(env) / "10-corp.toml"
+    profile.write_text('locked = ["hub.endpiont"]\n[server]\nprot = 8012\n')
+    user = _user_config(env)
+    user.write_text("[speculative]\nn_max = 'many'\n")
+    result = localspec(env, "up", "--target", str(smollm_fim_q4))
+    assert result.returncode == 2
+    assert f"system profile {profile}: 'locked' names unknown key 'hub.endpiont'" in result.stderr
+    assert "(did you mean 'hub.endpoint'?)" in result.stderr
+    assert f"system profile {profile}: unknown key 'server.prot'" in result.stderr
+    assert (
+        f"user config {user}: speculative.n_max: Input should be a valid integer" in result.stderr
+    )
+    validate = localspec(env, "profile", "validate", str(profile))
+    assert validate.returncode == 2 and "server.prot" in validate.stderr
+    profile.write_text('locked = ["hub.endpoint"]\n[hub]\nendpoint = "https://m.example"\n')
+    validate = localspec(env, "profile", "validate", str(profile))
+    assert validate.returncode == 0 and "locks hub.endpoint" in validate.stdout
+
+
+def test_security_rules_refuse_to_start(
+    env: dict[str, str], smollm_fim_q4: Path, tmp_path: Path
+) -> None:
+    target = ["--target", str(smollm_fim_q4), "--port", str(_free_port())]
+    result = localspec(env, "up", "--host", "0.0.0.0", *target)
+    assert result.returncode == 2 and "reachable from other machines" in result.stderr
+    if os.name == "posix":
+        key = tmp_path / "key"
+        key.write_text("sk-test-key\n")
+        key.chmod(0o644)
+        result = localspec(env, "up", "--host", "0.0.0.0", "--api-key-file", str(key), *target)
+        assert result.returncode == 2 and f"chmod 600 {key}" in result.stderr
+        assert "sk-test-key" not in result.stderr + result.stdout
+
+
+def test_models_allowed_restricts_local_files(env: dict[str, str], smollm_fim_q4: Path) -> None:
+    (_system(env) / "p.toml").write_text(
+        'locked = ["models.allowed"]\n[models]\nallowed = ["qwen2.5-coder-*"]\n'
+    )
+    result = localspec(env, "up", "--target", str(smollm_fim_q4), "--port", str(_free_port()))
+    assert result.returncode == 1
+    assert "is not in models.allowed (qwen2.5-coder-*)" in result.stderr
+
+
+def test_profile_explain_names_every_origin_and_hides_the_key(env: dict[str, str]) -> None:
+    profile = _system(env) / "10-corp.toml"
+    profile.write_text(
+        'locked = ["server.host"]\n[hub]\nendpoint = "https://mirror.corp.example"\n'
+    )
+    user = _user_config(env)
+    user.write_text(
+        '[server]\nhost = "0.0.0.0"\napi_key = "sk-hidden-123"\n[log]\nlevel = "debug"\n'
+    )
+    env = {**env, "LOCALSPEC_SPECULATIVE_N_MAX": "8"}
+    result = localspec(env, "profile", "explain", "--port", "9123")
+    assert result.returncode == 0, result.stderr
+    rows = {line.split()[0]: line for line in result.stdout.splitlines() if line and line[0] != " "}
+    assert rows["hub.endpoint"].endswith(f"system profile {profile}")
+    assert rows["log.level"].endswith(f"user config {user}")
+    assert rows["speculative.n_max"].endswith("env LOCALSPEC_SPECULATIVE_N_MAX")
+    assert rows["server.port"].endswith("flag --port")
+    assert "127.0.0.1" in rows["server.host"] and rows["server.host"].endswith("[locked]")
+    assert f"set (from user config {user})" in rows["server.api_key"]
+    assert "tried to set 0.0.0.0" in result.stdout
+    shown = (
+        localspec(env, "profile", "show").stdout
+        + localspec(env, "profile", "explain", "--json").stdout
+    )
+    assert "sk-hidden-123" not in result.stdout + shown
+    assert 'api_key = "<secret>"' in shown
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["up"],
+        ["down"],
+        ["status"],
+        ["logs"],
+        ["models"],
+        ["pull"],
+        ["plan"],
+        ["bench"],
+        ["profile"],
+        ["profile", "explain"],
+        ["service"],
+        ["service", "install"],
+        ["catalog"],
+    ],
+)
+def test_every_command_has_help_with_examples(command: list[str], capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main([*command, "--help"])
+    assert info.value.code == 0
+    assert "examples:" in capsys.readouterr().out
+
+
+def test_top_level_help_documents_exit_codes(capsys) -> None:
+    assert cli.main([]) == 0
+    out = capsys.readouterr().out
+    assert "exit codes:" in out and "4  the port is held by another program" in out
+
+
+def test_bench_passes_the_remaining_arguments_through(monkeypatch) -> None:
+    seen: list[list[str]] = []
+    fake = types.ModuleType("localspec.bench.replay")
+    fake.main = lambda argv: seen.append(argv) or 0  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "localspec.bench.replay", fake)
+    assert cli.main(["bench", "replay", "--file", "x.py", "--requests", "3"]) == 0
+    assert seen == [["--file", "x.py", "--requests", "3"]]
