@@ -221,9 +221,15 @@ def start_all(
             server = ManagedServer(spec, log_dir)
             started.append(server)
             server.start()
-            server.wait_ready(
-                timeout_s, lambda s, n=spec.name: progress(f"loading {n} ({s:.0f} s)")
-            )
+            shown = [0.0]
+
+            def tick(elapsed: float, name: str = spec.name, shown: list[float] = shown) -> None:
+                if elapsed - shown[0] >= 10.0:  # a line every 10 s while a model loads
+                    shown[0] = elapsed
+                    progress(f"loading {name} ({elapsed:.0f} s)")
+
+            progress(f"loading {spec.name}")
+            server.wait_ready(timeout_s, tick)
             progress(f"{spec.name} ready at {spec.url}")
     except BaseException:
         for server in started:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -251,9 +251,14 @@ async def replay(
     schedule: Schedule,
     *,
     cold: ColdMode = "final",
+    cold_servers: Collection[str] | None = None,
     progress: Callable[[int, Burst, list[Outcome]], None] | None = None,
 ) -> list[Outcome]:
-    """The whole schedule on every target, interleaved burst by burst."""
+    """The whole schedule on every target, interleaved burst by burst.
+
+    ``cold_servers`` limits the cold-cache re-evaluations (a full prompt each) to those
+    servers; None checks every server.
+    """
     outcomes: list[Outcome] = []
     for target in targets:  # the ring's first fill: a cold prefill nobody types through
         setup = Outcome(target.name, -1, -1, "setup", "ok", 0.0)
@@ -263,7 +268,8 @@ async def replay(
         done: list[Outcome] = []
         for target in order:
             got = await run_burst(target, burst)
-            await cold_check(target, burst, got, cold)
+            if cold_servers is None or target.name in cold_servers:
+                await cold_check(target, burst, got, cold)
             done.extend(got)
         outcomes.extend(done)
         if progress is not None:

@@ -106,6 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
         "keystroke of each line; pauses adds reading pauses)",
     )
 
+    tr.add_argument(
+        "--cold-servers",
+        choices=("all", "first"),
+        default="all",
+        help="which servers get the cold-cache checks (a full prompt evaluation each)",
+    )
+
     out = p.add_argument_group("output")
     out.add_argument("--json", type=Path, metavar="FILE", help="write results as JSON")
     out.add_argument("--plot", type=Path, metavar="FILE.png", help="latency plot (matplotlib)")
@@ -193,7 +200,7 @@ def machine() -> dict[str, Any]:
 
 
 async def _run(
-    targets: list[Target], schedule: editor.Schedule, cold: str, quiet: bool
+    targets: list[Target], schedule: editor.Schedule, cold: str, cold_first: bool, quiet: bool
 ) -> list[Outcome]:
     names = [t.name for t in targets]
     n = len(schedule.bursts)
@@ -203,7 +210,13 @@ async def _run(
             print(_burst_line(n, burst, done, names), file=sys.stderr, flush=True)
 
     try:
-        return await replay(targets, schedule, cold=cold, progress=progress)  # type: ignore[arg-type]
+        return await replay(
+            targets,
+            schedule,
+            cold=cold,  # type: ignore[arg-type]
+            cold_servers={targets[0].name} if cold_first else None,
+            progress=progress,
+        )
     finally:
         for t in targets:
             await t.aclose()
@@ -251,7 +264,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for i, url in enumerate(args.vs):
             targets.append(Target(f"vs{i + 1}:{url.rstrip('/').rsplit(':', 1)[-1]}", url))
         t0 = time.perf_counter()
-        outcomes = asyncio.run(_run(targets, schedule, args.cold, args.quiet))
+        outcomes = asyncio.run(
+            _run(targets, schedule, args.cold, args.cold_servers == "first", args.quiet)
+        )
         wall_s = time.perf_counter() - t0
     except (anchor.ServerError, FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -32,6 +32,7 @@ class Summary:
     cache_n_mean: float | None = None  # prompt tokens reused per completed request
     prompt_ms_mean: float | None = None  # where the time goes: prompt evaluation ...
     predicted_ms_mean: float | None = None  # ... and generation
+    queue_ms_mean: float | None = None  # waiting behind other work (Server-Timing, localspec)
     predicted_n_mean: float | None = None
     predicted_per_s: float | None = None
     draft_n: int = 0
@@ -92,6 +93,7 @@ def summarize(outcomes: Sequence[Outcome], servers: Sequence[str]) -> list[Summa
         s.cache_n_mean = mean([float(o.cache_n) for o in ok if o.cache_n is not None])
         s.prompt_ms_mean = mean([o.prompt_ms for o in ok if o.prompt_ms is not None])
         s.predicted_ms_mean = mean([o.predicted_ms for o in ok if o.predicted_ms is not None])
+        s.queue_ms_mean = mean([o.server_timing["queue"] for o in ok if "queue" in o.server_timing])
         s.predicted_n_mean = mean([float(o.predicted_n) for o in ok if o.predicted_n is not None])
         pred_ms = _sum([o.predicted_ms for o in ok])
         s.predicted_per_s = _sum([o.predicted_n for o in ok]) / pred_ms * 1e3 if pred_ms else None
@@ -156,6 +158,7 @@ ROWS: tuple[tuple[str, str, str], ...] = (
     ("prompt tokens reused/req", "cache_n_mean", ".0f"),
     ("prompt ms/req", "prompt_ms_mean", ".0f"),
     ("generation ms/req", "predicted_ms_mean", ".0f"),
+    ("queue wait ms/req", "queue_ms_mean", ".0f"),
     ("tokens generated/req", "predicted_n_mean", ".1f"),
     ("generation tokens/s", "predicted_per_s", ".1f"),
     ("drafted", "draft_n", "d"),

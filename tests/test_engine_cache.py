@@ -1,0 +1,256 @@
+"""Slot caches: prefix reuse, chunk and tail reuse, rollback of rejected drafts, cancel.
+
+"Consistent" is checked the strict way: after the operation, the slot's KV is used to
+evaluate more tokens and the resulting logits must equal a cold evaluation of the same
+sequence (leftover KV from a rejected draft would change them).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from localspec.bench.speculative import code_prompts
+from localspec.engine import (
+    Engine,
+    EngineSettings,
+    GenerationRequest,
+    ModelSettings,
+    SamplingParams,
+    SpecSettings,
+)
+from localspec.engine import engine as engine_mod
+from localspec.engine.llama import Clock, Context, Model
+
+GREEDY = SamplingParams(top_k=1, temperature=0.0)
+
+
+def ms(path: Path) -> ModelSettings:
+    return ModelSettings(str(path), n_ctx=1024, n_batch=256, n_ubatch=256, n_threads=2)
+
+
+@pytest.fixture(scope="module")
+def prompt_text() -> str:
+    return "".join(code_prompts(3, lines=12))
+
+
+@pytest.fixture(scope="module")
+def engine(qwen_target: Path, qwen_draft: Path) -> Engine:
+    s = EngineSettings(
+        target=ms(qwen_target), draft=ms(qwen_draft), n_slots=2, cache_reuse=16, tail_reuse=8,
+        spec=SpecSettings(mode="draft", n_max=4, p_min=0.0),
+    )
+    with Engine.load(s) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def cold(qwen_target: Path) -> Context:
+    """The target alone in a fresh context: the reference for logits."""
+    model = Model(ms(qwen_target))
+    ctx = Context(model, ms(qwen_target), n_seq=1, n_ctx_total=1024, clock=Clock())
+    yield ctx
+    ctx.close()
+    model.close()
+
+
+def cold_logits(cold: Context, tokens: list[int]) -> np.ndarray:
+    cold.seq_rm(0, -1, -1)
+    for i in range(0, len(tokens), 256):
+        part = tokens[i : i + 256]
+        cold.decode(part, i, 0, logits="last" if i + 256 >= len(tokens) else "none")
+    return np.array(cold.logits(-1))
+
+
+def warm_logits(engine: Engine, slot: int, tokens: list[int]) -> np.ndarray:
+    """Evaluate ``tokens`` on the slot's current cache (prefix reuse only) and read logits."""
+    res = engine.generate(GenerationRequest(slot=slot, prompt=tokens, n_predict=0))
+    assert res.n_cached == len(engine.slot_tokens(slot)) - res.n_evaluated
+    return np.array(engine._tctx.logits(-1))
+
+
+def assert_slot_consistent(engine: Engine, slot: int) -> None:
+    toks = engine.slot_tokens(slot)
+    assert engine._tctx.seq_pos_max(slot) == len(toks) - 1
+    if engine._dcache is not None:
+        d = engine.draft_slot_tokens(slot)
+        assert engine._dctx.seq_pos_max(slot) == len(d) - 1
+
+
+def test_identical_prompt_evaluates_at_most_one_token(engine: Engine, prompt_text: str) -> None:
+    prompt = engine.vocab.tokenize(prompt_text)
+    engine.generate(GenerationRequest(slot=0, prompt=prompt, n_predict=0))
+    again = engine.generate(GenerationRequest(slot=0, prompt=prompt, n_predict=0))
+    assert again.n_evaluated <= 1 and again.n_cached == len(prompt) - 1
+    assert engine.slot_tokens(0) == prompt
+
+
+def test_appended_prompt_evaluates_only_new_tokens(engine: Engine, prompt_text: str) -> None:
+    prompt = engine.vocab.tokenize(prompt_text)
+    engine.generate(GenerationRequest(slot=0, prompt=prompt, n_predict=0))
+    more = prompt + engine.vocab.tokenize("\n    def extra(self):\n        return 1\n")
+    res = engine.generate(GenerationRequest(slot=0, prompt=more, n_predict=0))
+    assert res.n_evaluated == len(more) - len(prompt)
+    assert res.n_cached == len(prompt)
+
+
+def test_deleted_middle_chunk_is_moved_not_recomputed(
+    engine: Engine, cold: Context, prompt_text: str
+) -> None:
+    toks = engine.vocab.tokenize(prompt_text)
+    a, b, c = toks[:60], toks[60:100], toks[100:160]
+    engine.generate(GenerationRequest(slot=0, prompt=a + b + c, n_predict=0))
+    res = engine.generate(GenerationRequest(slot=0, prompt=a + c, n_predict=0))
+    assert res.n_evaluated == 1  # only the last token: C was shifted into place
+    assert res.n_shifted == len(c) - 1
+    assert engine.slot_tokens(0) == a + c
+    assert_slot_consistent(engine, 0)
+    # the moved KV is an approximation (it saw B), but a close one
+    warm = np.array(engine._tctx.logits(-1))
+    ref = cold_logits(cold, a + c)
+    assert np.corrcoef(warm, ref)[0, 1] > 0.9
+
+
+def test_tail_block_is_kept_when_the_middle_changes(engine: Engine, prompt_text: str) -> None:
+    """The editor keystroke: FIM_PRE prefix PROMPT FIM_SUF suffix FIM_MID, PROMPT edited."""
+    v = engine.vocab
+    f = v.fim
+    toks = v.tokenize(prompt_text)
+    prefix, suffix = toks[:150], toks[150:230]
+
+    def fim(line: str) -> list[int]:
+        return [f.pre, *prefix, *v.tokenize(line), f.suf, *suffix, f.mid]
+
+    engine.generate(GenerationRequest(slot=0, prompt=fim("    x = compute("), n_predict=0))
+    edited = fim("    x = compute(a")
+    res = engine.generate(GenerationRequest(slot=0, prompt=edited, n_predict=0))
+    changed = len(edited) - res.n_cached - 1
+    assert res.n_evaluated == changed + 1 <= 4
+    assert res.n_shifted == len(suffix) + 1  # FIM_SUF + suffix moved, FIM_MID recomputed
+    assert engine.slot_tokens(0) == edited
+    assert_slot_consistent(engine, 0)
+
+
+def test_with_reuse_off_output_equals_a_cold_context(
+    qwen_target: Path, qwen_draft: Path, prompt_text: str
+) -> None:
+    s = EngineSettings(target=ms(qwen_target), draft=ms(qwen_draft), cache_reuse=0,
+                       spec=SpecSettings(mode="off"))
+    with Engine.load(s) as eng:
+        toks = eng.vocab.tokenize(prompt_text)
+        a, b, c = toks[:60], toks[60:100], toks[100:160]
+        eng.generate(GenerationRequest(slot=0, prompt=a + b + c, n_predict=8, sampling=GREEDY))
+        warm = eng.generate(GenerationRequest(slot=0, prompt=a + c, n_predict=16,
+                                              sampling=GREEDY))
+        assert warm.n_cached == len(a) and warm.n_shifted == 0
+        warm_row = np.array(eng._tctx.logits(-1))
+        cold = eng.generate(GenerationRequest(slot=0, prompt=a + c, n_predict=16,
+                                              sampling=GREEDY, cache_prompt=False))
+        assert cold.n_cached == 0
+        assert warm.tokens == cold.tokens
+        np.testing.assert_allclose(warm_row, np.array(eng._tctx.logits(-1)), atol=0.05)
+
+
+@pytest.mark.parametrize("reject_at", ["first", "middle", "last"])
+def test_rejected_draft_positions_leave_kv_consistent(
+    engine: Engine, cold: Context, prompt_text: str, reject_at: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    prompt = engine.vocab.tokenize(prompt_text)[:120]
+    ref = engine.generate(GenerationRequest(slot=1, prompt=prompt, n_predict=20,
+                                            sampling=GREEDY, spec_n_max=0)).tokens
+    k = 4
+    bad_at = {"first": 0, "middle": 2, "last": k - 1}[reject_at]
+
+    def propose(self: engine_mod._Run, room: int) -> tuple[str, list[int]]:
+        n = len(self.out)
+        draft = ref[n : n + k]
+        if len(draft) < k:
+            return "", []
+        draft = list(draft)
+        draft[bad_at] = (draft[bad_at] + 1) % 1000  # certainly not the target's choice
+        return "draft", draft
+
+    monkeypatch.setattr(engine_mod._Run, "_propose", propose)
+    res = engine.generate(GenerationRequest(slot=0, prompt=prompt, n_predict=20,
+                                            sampling=GREEDY, cache_prompt=False))
+    monkeypatch.undo()
+    assert res.tokens == ref
+    assert res.spec_steps and all(acc == bad_at for _, _, acc in res.spec_steps)
+    assert engine.slot_tokens(0) == prompt + res.tokens[:-1]
+    assert_slot_consistent(engine, 0)
+    more = prompt + res.tokens + engine.vocab.tokenize(" + 1\n")
+    np.testing.assert_allclose(warm_logits(engine, 0, more), cold_logits(cold, more), atol=0.05)
+
+
+def test_draft_model_kv_keeps_only_accepted_tokens(engine: Engine, prompt_text: str) -> None:
+    prompt = engine.vocab.tokenize(prompt_text)[:100]
+    res = engine.generate(GenerationRequest(slot=0, prompt=prompt, n_predict=24,
+                                            sampling=GREEDY, cache_prompt=False))
+    assert res.drafted["draft"].drafted > res.drafted["draft"].accepted  # rejections
+    d = engine.draft_slot_tokens(0)
+    seq = prompt + res.tokens
+    assert d == seq[: len(d)] and len(d) >= len(prompt)
+    assert_slot_consistent(engine, 0)
+
+
+def test_cancel_returns_partial_output_and_consistent_caches(
+    engine: Engine, cold: Context, prompt_text: str
+) -> None:
+    prompt = engine.vocab.tokenize(prompt_text)[:90]
+    cancel = threading.Event()
+    seen: list[int] = []
+
+    def on_token(ev: object) -> None:
+        seen.append(ev.token)
+        if len(seen) >= 3:
+            cancel.set()
+
+    res = engine.generate(GenerationRequest(slot=0, prompt=prompt, n_predict=50,
+                                            sampling=GREEDY, cache_prompt=False),
+                          cancel=cancel, on_token=on_token)
+    assert res.cancelled and res.stop_type == "none"
+    assert 3 <= len(res.tokens) < 50 and seen == res.tokens
+    assert engine.slot_tokens(0) == prompt + res.tokens[:-1]
+    assert_slot_consistent(engine, 0)
+    more = prompt + res.tokens
+    np.testing.assert_allclose(warm_logits(engine, 0, more), cold_logits(cold, more), atol=0.05)
+
+
+def test_cancel_before_prompt_keeps_the_cache_usable(engine: Engine, prompt_text: str) -> None:
+    prompt = engine.vocab.tokenize(prompt_text)
+    cancel = threading.Event()
+    cancel.set()
+    res = engine.generate(GenerationRequest(slot=0, prompt=prompt, n_predict=5,
+                                            cache_prompt=False), cancel=cancel)
+    assert res.cancelled and res.tokens == []
+    assert_slot_consistent(engine, 0)
+
+
+def test_slots_are_independent(engine: Engine, prompt_text: str) -> None:
+    toks = engine.vocab.tokenize(prompt_text)
+    engine.generate(GenerationRequest(slot=1, prompt=toks[:80], n_predict=0))
+    engine.generate(GenerationRequest(slot=0, prompt=toks[40:200], n_predict=4,
+                                      sampling=GREEDY))
+    res = engine.generate(GenerationRequest(slot=1, prompt=toks[:80], n_predict=0))
+    assert res.n_evaluated == 1
+    assert_slot_consistent(engine, 0)
+    assert_slot_consistent(engine, 1)
+
+
+def test_stream_equals_text_and_stop_string_trims(engine: Engine, prompt_text: str) -> None:
+    prompt = engine.vocab.tokenize(prompt_text)[:80]
+    base = engine.generate(GenerationRequest(slot=0, prompt=prompt, n_predict=12,
+                                             sampling=GREEDY, spec_n_max=0))
+    word = base.text[len(base.text) // 2 :][:3]
+    assert word
+    pieces: list[str] = []
+    res = engine.generate(GenerationRequest(slot=0, prompt=prompt, n_predict=12,
+                                            sampling=GREEDY, stop=(word,)),
+                          on_token=lambda ev: pieces.append(ev.text))
+    assert res.stop_type == "word" and res.stopping_word == word
+    assert res.text == base.text[: base.text.index(word)]
+    assert "".join(pieces) == res.text
