@@ -40,7 +40,11 @@ def prompt_text() -> str:
 @pytest.fixture(scope="module")
 def engine(qwen_target: Path, qwen_draft: Path) -> Engine:
     s = EngineSettings(
-        target=ms(qwen_target), draft=ms(qwen_draft), n_slots=2, cache_reuse=16, tail_reuse=8,
+        target=ms(qwen_target),
+        draft=ms(qwen_draft),
+        n_slots=2,
+        cache_reuse=16,
+        tail_reuse=8,
         spec=SpecSettings(mode="draft", n_max=4, p_min=0.0),
     )
     with Engine.load(s) as eng:
@@ -137,18 +141,21 @@ def test_tail_block_is_kept_when_the_middle_changes(engine: Engine, prompt_text:
 def test_with_reuse_off_output_equals_a_cold_context(
     qwen_target: Path, qwen_draft: Path, prompt_text: str
 ) -> None:
-    s = EngineSettings(target=ms(qwen_target), draft=ms(qwen_draft), cache_reuse=0,
-                       spec=SpecSettings(mode="off"))
+    s = EngineSettings(
+        target=ms(qwen_target), draft=ms(qwen_draft), cache_reuse=0, spec=SpecSettings(mode="off")
+    )
     with Engine.load(s) as eng:
         toks = eng.vocab.tokenize(prompt_text)
         a, b, c = toks[:60], toks[60:100], toks[100:160]
         eng.generate(GenerationRequest(slot=0, prompt=a + b + c, n_predict=8, sampling=GREEDY))
-        warm = eng.generate(GenerationRequest(slot=0, prompt=a + c, n_predict=16,
-                                              sampling=GREEDY))
+        warm = eng.generate(GenerationRequest(slot=0, prompt=a + c, n_predict=16, sampling=GREEDY))
         assert warm.n_cached == len(a) and warm.n_shifted == 0
         warm_row = np.array(eng._tctx.logits(-1))
-        cold = eng.generate(GenerationRequest(slot=0, prompt=a + c, n_predict=16,
-                                              sampling=GREEDY, cache_prompt=False))
+        cold = eng.generate(
+            GenerationRequest(
+                slot=0, prompt=a + c, n_predict=16, sampling=GREEDY, cache_prompt=False
+            )
+        )
         assert cold.n_cached == 0
         assert warm.tokens == cold.tokens
         np.testing.assert_allclose(warm_row, np.array(eng._tctx.logits(-1)), atol=0.05)
@@ -156,12 +163,16 @@ def test_with_reuse_off_output_equals_a_cold_context(
 
 @pytest.mark.parametrize("reject_at", ["first", "middle", "last"])
 def test_rejected_draft_positions_leave_kv_consistent(
-    engine: Engine, cold: Context, prompt_text: str, reject_at: str,
+    engine: Engine,
+    cold: Context,
+    prompt_text: str,
+    reject_at: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     prompt = engine.vocab.tokenize(prompt_text)[:120]
-    ref = engine.generate(GenerationRequest(slot=1, prompt=prompt, n_predict=20,
-                                            sampling=GREEDY, spec_n_max=0)).tokens
+    ref = engine.generate(
+        GenerationRequest(slot=1, prompt=prompt, n_predict=20, sampling=GREEDY, spec_n_max=0)
+    ).tokens
     k = 4
     bad_at = {"first": 0, "middle": 2, "last": k - 1}[reject_at]
 
@@ -175,8 +186,9 @@ def test_rejected_draft_positions_leave_kv_consistent(
         return "draft", draft
 
     monkeypatch.setattr(engine_mod._Run, "_propose", propose)
-    res = engine.generate(GenerationRequest(slot=0, prompt=prompt, n_predict=20,
-                                            sampling=GREEDY, cache_prompt=False))
+    res = engine.generate(
+        GenerationRequest(slot=0, prompt=prompt, n_predict=20, sampling=GREEDY, cache_prompt=False)
+    )
     monkeypatch.undo()
     assert res.tokens == ref
     assert res.spec_steps and all(acc == bad_at for _, _, acc in res.spec_steps)
@@ -188,8 +200,9 @@ def test_rejected_draft_positions_leave_kv_consistent(
 
 def test_draft_model_kv_keeps_only_accepted_tokens(engine: Engine, prompt_text: str) -> None:
     prompt = engine.vocab.tokenize(prompt_text)[:100]
-    res = engine.generate(GenerationRequest(slot=0, prompt=prompt, n_predict=24,
-                                            sampling=GREEDY, cache_prompt=False))
+    res = engine.generate(
+        GenerationRequest(slot=0, prompt=prompt, n_predict=24, sampling=GREEDY, cache_prompt=False)
+    )
     assert res.drafted["draft"].drafted > res.drafted["draft"].accepted  # rejections
     d = engine.draft_slot_tokens(0)
     seq = prompt + res.tokens
@@ -209,9 +222,11 @@ def test_cancel_returns_partial_output_and_consistent_caches(
         if len(seen) >= 3:
             cancel.set()
 
-    res = engine.generate(GenerationRequest(slot=0, prompt=prompt, n_predict=50,
-                                            sampling=GREEDY, cache_prompt=False),
-                          cancel=cancel, on_token=on_token)
+    res = engine.generate(
+        GenerationRequest(slot=0, prompt=prompt, n_predict=50, sampling=GREEDY, cache_prompt=False),
+        cancel=cancel,
+        on_token=on_token,
+    )
     assert res.cancelled and res.stop_type == "none"
     assert 3 <= len(res.tokens) < 50 and seen == res.tokens
     assert engine.slot_tokens(0) == prompt + res.tokens[:-1]
@@ -224,8 +239,9 @@ def test_cancel_before_prompt_keeps_the_cache_usable(engine: Engine, prompt_text
     prompt = engine.vocab.tokenize(prompt_text)
     cancel = threading.Event()
     cancel.set()
-    res = engine.generate(GenerationRequest(slot=0, prompt=prompt, n_predict=5,
-                                            cache_prompt=False), cancel=cancel)
+    res = engine.generate(
+        GenerationRequest(slot=0, prompt=prompt, n_predict=5, cache_prompt=False), cancel=cancel
+    )
     assert res.cancelled and res.tokens == []
     assert_slot_consistent(engine, 0)
 
@@ -233,8 +249,7 @@ def test_cancel_before_prompt_keeps_the_cache_usable(engine: Engine, prompt_text
 def test_slots_are_independent(engine: Engine, prompt_text: str) -> None:
     toks = engine.vocab.tokenize(prompt_text)
     engine.generate(GenerationRequest(slot=1, prompt=toks[:80], n_predict=0))
-    engine.generate(GenerationRequest(slot=0, prompt=toks[40:200], n_predict=4,
-                                      sampling=GREEDY))
+    engine.generate(GenerationRequest(slot=0, prompt=toks[40:200], n_predict=4, sampling=GREEDY))
     res = engine.generate(GenerationRequest(slot=1, prompt=toks[:80], n_predict=0))
     assert res.n_evaluated == 1
     assert_slot_consistent(engine, 0)
@@ -243,14 +258,16 @@ def test_slots_are_independent(engine: Engine, prompt_text: str) -> None:
 
 def test_stream_equals_text_and_stop_string_trims(engine: Engine, prompt_text: str) -> None:
     prompt = engine.vocab.tokenize(prompt_text)[:80]
-    base = engine.generate(GenerationRequest(slot=0, prompt=prompt, n_predict=12,
-                                             sampling=GREEDY, spec_n_max=0))
+    base = engine.generate(
+        GenerationRequest(slot=0, prompt=prompt, n_predict=12, sampling=GREEDY, spec_n_max=0)
+    )
     word = base.text[len(base.text) // 2 :][:3]
     assert word
     pieces: list[str] = []
-    res = engine.generate(GenerationRequest(slot=0, prompt=prompt, n_predict=12,
-                                            sampling=GREEDY, stop=(word,)),
-                          on_token=lambda ev: pieces.append(ev.text))
+    res = engine.generate(
+        GenerationRequest(slot=0, prompt=prompt, n_predict=12, sampling=GREEDY, stop=(word,)),
+        on_token=lambda ev: pieces.append(ev.text),
+    )
     assert res.stop_type == "word" and res.stopping_word == word
     assert res.text == base.text[: base.text.index(word)]
     assert "".join(pieces) == res.text

@@ -64,6 +64,7 @@ def test_n_indent_cuts_a_dedented_line() -> None:
     rules = StopRules(n_indent=4)
     out, stopped = feed(rules, ["    x = 1", "\n", "    y = 2", "\n", "z", " = 3"])
     assert stopped and rules.stop_type == "limit"
+    assert "".join(out) == rules.text  # the cut text was never streamed
     # the newline stays, the line's text from its first non-blank character is cut
     assert rules.text == "    x = 1\n    y = 2\n"
 
