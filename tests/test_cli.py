@@ -293,3 +293,80 @@ def test_bench_passes_the_remaining_arguments_through(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "localspec.bench.replay", fake)
     assert cli.main(["bench", "replay", "--file", "x.py", "--requests", "3"]) == 0
     assert seen == [["--file", "x.py", "--requests", "3"]]
+
+
+SMOL_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct-GGUF"
+
+
+def _smol_catalog(directory: Path, filename: str) -> None:
+    """A catalog profile with one real model (SmolLM2 with FIM ids) and an n-gram pair."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "smol.toml").write_text(
+        f"""
+[models.smol]
+family = "smollm2"
+role = "target"
+params_b = 0.135
+tokenizer = {{ family = "smollm2" }}
+[models.smol.arch]
+n_layer = 30
+n_embd = 576
+n_head = 9
+n_head_kv = 3
+head_dim = 64
+n_vocab = 49152
+n_ctx_train = 8192
+tied_embeddings = true
+[models.smol.quants.Q4_1]
+repo = "{SMOL_REPO}"
+files = [{{ filename = "{filename}" }}]
+
+[pairs."smol+ngram"]
+target = "smol"
+"""
+    )
+
+
+def test_up_plans_pulls_from_the_locked_mirror_and_serves(
+    env: dict[str, str], smollm_fim_q4: Path
+) -> None:
+    """`up` without --target: probe → plan → pull (from the IT-locked hub) → serve."""
+    from tests.hubserver import LocalHub
+
+    _smol_catalog(Path(env["XDG_CONFIG_HOME"]) / "localspec" / "models", smollm_fim_q4.name)
+    port = _free_port()
+    with LocalHub() as hub:
+        hub.add_file(SMOL_REPO, smollm_fim_q4.name, smollm_fim_q4)
+        (_system(env) / "10-it.toml").write_text(
+            f'locked = ["hub.endpoint", "models.allowed"]\n'
+            f'[hub]\nendpoint = "{hub.url}"\n[models]\nallowed = ["smol*"]\n'
+        )
+        env = {**env, "HF_ENDPOINT": "http://127.0.0.1:9", "LOCALSPEC_MODELS_PAIR": "smol+ngram"}
+        up = localspec(env, "up", "--detach", "--port", str(port), "--ctx-size", "512")
+        try:
+            assert up.returncode == 0, up.stderr + up.stdout
+            assert "env HF_ENDPOINT tried to set http://127.0.0.1:9" in up.stderr
+            status = json.loads(localspec(env, "status", "--port", str(port), "--json").stdout)
+            served = Path(status["props"]["model_path"])
+            assert served.name == smollm_fim_q4.name
+            assert served.read_bytes() == smollm_fim_q4.read_bytes()
+            assert any(r.method == "GET" for r in hub.requests)
+            log = localspec(env, "logs", "-n", "200").stdout
+            assert "pair:     smol+ngram" in log  # the plan is shown before loading
+            answer = httpx.post(f"http://127.0.0.1:{port}/infill", json=INFILL, timeout=60)
+            assert answer.status_code == 200, answer.text
+        finally:
+            assert localspec(env, "down", "--port", str(port)).returncode == 0
+        hub.reset_counts()
+        models = localspec(env, "models")
+        assert models.returncode == 0
+        assert any(
+            ln.split()[:2] == ["smol", "Q4_1"] and ln.endswith("verified")
+            for ln in models.stdout.splitlines()
+        )
+        again = localspec(env, "pull", "smol")
+        assert again.returncode == 0, again.stderr
+        assert again.stdout.strip() == str(served)
+        assert hub.requests == []  # verified files cost no network request
+        refused = localspec(env, "pull", "qwen2.5-coder-0.5b")
+        assert refused.returncode == 2 and "not in models.allowed" in refused.stderr

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import shutil
+import subprocess
 import sys
 import time
 from typing import Any
@@ -134,6 +136,30 @@ def metric_totals(text: str) -> dict[str, float]:
     return totals
 
 
+def gpu_memory(pid: int) -> list[dict[str, Any]]:
+    """GPU memory the daemon holds per device, from nvidia-smi (empty without NVIDIA, or where
+    a container hides host pids)."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return []
+    query = "--query-compute-apps=pid,used_memory,gpu_name,gpu_bus_id"
+    try:
+        out = subprocess.run(
+            [exe, query, "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    devices = []
+    for line in out.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) >= 3 and parts[0] == str(pid) and parts[1].isdigit():
+            devices.append({"name": parts[2], "used_bytes": int(parts[1]) * 1024 * 1024})
+    return devices
+
+
 def gather_status(host: str, port: int, api_key: str | None) -> dict[str, Any]:
     import httpx
 
@@ -168,6 +194,7 @@ def gather_status(host: str, port: int, api_key: str | None) -> dict[str, Any]:
             report["rss_bytes"] = proc.memory_info().rss
         except psutil.Error:
             pass
+        report["gpu_memory"] = gpu_memory(pid)
     return report
 
 
@@ -235,7 +262,7 @@ def render_status(report: dict[str, Any]) -> str:
     if "slots" in report:
         slots = report["slots"]
         lines.append(f"  slots        {slots['busy']} busy of {slots['total']}")
-    for device in props.get("devices") or props.get("memory") or []:
+    for device in report.get("gpu_memory") or props.get("devices") or []:
         if isinstance(device, dict):
             name = device.get("name", "device")
             used = device.get("used_bytes") or device.get("used")

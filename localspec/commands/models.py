@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -102,11 +101,10 @@ def load_catalog() -> Any:
 def hub_options(settings: st.Settings) -> dict[str, Any]:
     """The hub settings as fetch's keyword arguments; proxy and CA bundle go through the
     environment, which huggingface_hub's HTTP client reads."""
+    from localspec.fetch import apply_network_settings
+
     hub = settings.hub
-    if hub.proxy:
-        os.environ["HTTPS_PROXY"] = os.environ["HTTP_PROXY"] = hub.proxy
-    if hub.ca_bundle:
-        os.environ["SSL_CERT_FILE"] = os.environ["REQUESTS_CA_BUNDLE"] = str(hub.ca_bundle)
+    apply_network_settings(proxy=hub.proxy, ca_bundle=hub.ca_bundle)
     token = None
     if hub.token_file is not None:
         token = st.read_secret_file(hub.token_file.expanduser(), "hub.token_file")

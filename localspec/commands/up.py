@@ -202,7 +202,7 @@ def _local_models(args: argparse.Namespace, settings: st.Settings) -> Served:
 def _planned_models(settings: st.Settings) -> Served:
     """Probe → plan → pull: the catalog pair that fits this machine, downloaded and verified."""
     from localspec import fetch, hardware, plan
-    from localspec.commands.models import hub_options, load_catalog
+    from localspec.commands.models import load_catalog
 
     try:
         with c.Progress("probing hardware") as progress:
@@ -213,16 +213,11 @@ def _planned_models(settings: st.Settings) -> Served:
     except ValueError as exc:  # CatalogError, HardwareError, PlanError
         raise UpError(str(exc)) from None
     print(plan.render_plan(chosen), file=sys.stderr)
-    options = hub_options(settings)
-    paths: list[Path] = []
-    for model_id, quant in [chosen.target, *([chosen.draft] if chosen.draft else [])]:
-        entry = catalog.model(model_id).quants[quant]
-        try:
-            paths.append(fetch.pull([entry], **options)[0])  # the first shard is what loads
-        except fetch.FetchError as exc:
-            raise UpError(str(exc)) from None
-    draft_path = paths[1] if len(paths) > 1 else None
-    return Served(chosen.engine_settings(paths[0], draft_path), chosen.pair_id)
+    try:
+        target_path, draft_path = fetch.pull_plan(chosen, settings=settings, catalog=catalog)
+    except fetch.FetchError as exc:
+        raise UpError(str(exc)) from None
+    return Served(chosen.engine_settings(target_path, draft_path), chosen.pair_id)
 
 
 def _server_settings(settings: st.Settings, api_key: str | None, served: Served) -> Any:
