@@ -11,7 +11,7 @@ from localspec.commands import bench, common, lifecycle, models, profile, servic
 
 EPILOG = f"""\
 examples:
-  localspec up                      plan, fetch and serve at http://127.0.0.1:8012
+  localspec up                      plan, fetch and serve at http://localhost:8012
   localspec up --detach             the same in the background; `localspec down` stops it
   localspec up --target 7b.gguf --draft 0.5b.gguf   serve local files
   localspec status                  what is loaded, requests, acceptance, cache reuse

@@ -83,7 +83,10 @@ class HubSettings(_Section):
 
 
 class ServerSection(_Section):
-    host: str = Field("127.0.0.1", description="address to bind; loopback unless a key is set")
+    host: str = Field(
+        "localhost",
+        description="address to bind (localhost: 127.0.0.1 and ::1); loopback unless a key is set",
+    )
     port: int = Field(8012, ge=1, le=65535, description="TCP port (llama-vscode expects 8012)")
     api_key: SecretStr | None = Field(None, description="Bearer key clients must send")
     api_key_file: Path | None = Field(None, description="file holding the API key (mode 600)")
@@ -648,7 +651,7 @@ def check_security(settings: Settings) -> str | None:
         raise SettingsError(
             [
                 f"server.host = {host} is reachable from other machines and no API key is set; "
-                "set server.api_key_file, or bind 127.0.0.1"
+                "set server.api_key_file, or bind localhost"
             ]
         )
     if settings.hub.token_file is not None:

@@ -112,7 +112,7 @@ def test_up_serves_infill_reports_already_running_and_stops_on_sigterm(
 
         again = localspec(env, "up", "--port", str(port), "--target", str(smollm_fim_q4))
         assert again.returncode == 0, again.stderr
-        assert f"already running at http://127.0.0.1:{port} (pid {proc.pid})" in again.stdout
+        assert f"already running at http://localhost:{port} (pid {proc.pid})" in again.stdout
 
         status = localspec(env, "status", "--port", str(port))
         assert status.returncode == 0, status.stderr
@@ -128,7 +128,7 @@ def test_up_serves_infill_reports_already_running_and_stops_on_sigterm(
     out.seek(0)
     log = out.read()
     assert code == 0, log
-    assert f"serving at http://127.0.0.1:{port}" in log
+    assert f"serving at http://localhost:{port}" in log
     assert not pid_file.exists()
 
 
@@ -152,7 +152,7 @@ def test_detach_status_logs_down_with_a_locked_port(
     try:
         assert up.returncode == 0, up.stderr
         assert f"flag --port tried to set {attempted}, but system profile {profile}" in up.stderr
-        assert f"localspec is running at http://127.0.0.1:{port}" in up.stdout
+        assert f"localspec is running at http://localhost:{port}" in up.stdout
         assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
 
         status = localspec(env, "status", "--json")
@@ -244,7 +244,7 @@ def test_profile_explain_names_every_origin_and_hides_the_key(env: dict[str, str
     assert rows["log.level"].endswith(f"user config {user}")
     assert rows["speculative.n_max"].endswith("env LOCALSPEC_SPECULATIVE_N_MAX")
     assert rows["server.port"].endswith("flag --port")
-    assert "127.0.0.1" in rows["server.host"] and rows["server.host"].endswith("[locked]")
+    assert "localhost" in rows["server.host"] and rows["server.host"].endswith("[locked]")
     assert f"set (from user config {user})" in rows["server.api_key"]
     assert "tried to set 0.0.0.0" in result.stdout
     shown = (

@@ -66,7 +66,7 @@ def test_locks_hold_against_user_env_and_flags(dirs) -> None:
     flags = {"server.host": ("192.168.1.5", "--host"), "server.port": (9000, "--port")}
     resolved = _load(dirs, env, flags)
     s = resolved.settings
-    assert s.server.host == "127.0.0.1"
+    assert s.server.host == "localhost"
     assert s.hub.endpoint == "https://mirror.corp.example/hf"
     assert s.hub.offline is False  # "hub" locks every key of the section
     assert s.server.port == 9000  # not locked: the flag wins

@@ -20,7 +20,7 @@ log = logging.getLogger("localspec.up")
 
 EPILOG = """\
 examples:
-  localspec up                                  plan, download and serve on 127.0.0.1:8012
+  localspec up                                  plan, download and serve on localhost:8012
   localspec up --detach                         the same in the background; returns when ready
   localspec up --target 7b.gguf --draft 0.5b.gguf   serve local GGUF files, no catalog
   localspec up --pair qwen2.5-coder-7b+0.5b --ctx-size 8192
@@ -107,19 +107,30 @@ def _detach(args: argparse.Namespace, host: str, port: int) -> int:
     proc = daemon.spawn_detached(child_argv, log_path)
     url = daemon.base_url(host, port)
     states = {"down": "starting", "loading": "loading models"}
-    with c.Progress(f"starting localspec in the background (pid {proc.pid})") as progress:
-        outcome = daemon.wait_until_ready(
-            url,
-            proc,
-            args.wait_timeout,
-            lambda state: progress.update(f"{states.get(state, state)} (pid {proc.pid})"),
+    try:
+        with c.Progress(f"starting localspec in the background (pid {proc.pid})") as progress:
+            outcome = daemon.wait_until_ready(
+                url,
+                proc,
+                args.wait_timeout,
+                lambda state: progress.update(f"{states.get(state, state)} (pid {proc.pid})"),
+            )
+            if outcome == "ready":
+                progress.finish(f"ready at {url}")
+            else:
+                progress.finish("not ready", ok=False)
+    except KeyboardInterrupt:
+        c.warn(
+            f"stopped waiting; the daemon keeps starting in the background (pid {proc.pid}): "
+            "`localspec status` shows it, `localspec down` stops it"
         )
-        if outcome == "ready":
-            progress.finish(f"ready at {url}")
-        else:
-            progress.finish("not ready", ok=False)
+        return c.EXIT_OK
+    if outcome == 0 and daemon.probe_port(host, port).kind == "localspec":
+        outcome = "ready"  # another `up` won the race; the child saw it and left
     if outcome == "ready":
-        print(f"localspec is running at {url} (pid {proc.pid})")
+        owner = daemon.probe_port(host, port)
+        pid = owner.pid if owner.kind == "localspec" and owner.pid else proc.pid
+        print(f"localspec is running at {url} (pid {pid})")
         print(f"logs: {log_path}  ·  stop: localspec down")
         return c.EXIT_OK
     if isinstance(outcome, int):
