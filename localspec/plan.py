@@ -857,15 +857,21 @@ def _fastest_gpu_order(devices: Sequence[Device]) -> list[int]:
 
 
 def _split_for(c: _Ctx, cand: Candidate, layout: Layout) -> tuple[float, ...]:
-    """GPU proportions: each GPU's budget left after the draft and a compute buffer."""
+    """GPU proportions: each GPU's budget left after the draft and a compute buffer; a GPU
+    that cannot hold one layer gets none (it would only carry a compute buffer)."""
     if c.n_gpus == 0:
         return ()
     if c.n_gpus == 1:
         return (1.0,)
+    m = cand.target
+    cells = padded_ctx(layout.n_ctx) * layout.n_slots
+    one_layer = max(m.layer_bytes) + cells * m.kv_bytes_per_token_layer(
+        layout.type_kv, layout.type_kv
+    )
     free = []
     for i in range(c.n_gpus):
         room = c.devices[i].budget - compute_bytes(
-            cand.target, layout.n_ubatch, layers=True, output=i == c.n_gpus - 1
+            m, layout.n_ubatch, layers=True, output=i == c.n_gpus - 1
         )
         if cand.draft is not None and layout.draft_device == i:
             room -= memory_table(
@@ -874,11 +880,30 @@ def _split_for(c: _Ctx, cand: Candidate, layout: Layout) -> tuple[float, ...]:
                 replace(layout, target_ngl=cand.draft.n_layer + 1, split=one_hot(c.n_gpus, i)),
                 c.devices,
             )[i].used
-        free.append(max(room, 0))
+        free.append(room if room >= one_layer else 0)
     total = sum(free)
     if total <= 0:
         return tuple(1.0 / c.n_gpus for _ in range(c.n_gpus))
-    return tuple(round(f / total, 4) for f in free)
+    return tuple(f / total for f in free)
+
+
+def _rebalance(
+    split: tuple[float, ...], rows: Sequence[DeviceMemory], n_gpus: int
+) -> tuple[float, ...] | None:
+    """Move share away from overflowing GPUs (layers are whole, so proportions round);
+    None when no GPU has room to take it."""
+    over = [i for i in range(n_gpus) if not rows[i].fits]
+    spare = [i for i in range(n_gpus) if rows[i].fits and split[i] > 0]
+    if not over or not spare:
+        return None
+    new = list(split)
+    for i in over:
+        r = rows[i]
+        layer_part = max(r.weights + r.kv, 1)
+        excess = r.used - r.budget
+        new[i] = split[i] * max(0.0, 1 - 1.1 * excess / layer_part)
+    total = sum(new)
+    return tuple(s / total for s in new) if total > 0 else None
 
 
 def _draft_placements(c: _Ctx, cand: Candidate) -> list[int | None]:
@@ -889,8 +914,18 @@ def _draft_placements(c: _Ctx, cand: Candidate) -> list[int | None]:
 
 
 def _rows(c: _Ctx, cand: Candidate, layout: Layout) -> tuple[Layout, list[DeviceMemory]]:
-    layout = replace(layout, split=_split_for(c, cand, layout))
-    return layout, memory_table(cand.target, cand.draft, layout, c.devices)
+    """The layout with its tensor split chosen, and its memory table."""
+    split: tuple[float, ...] | None = _split_for(c, cand, layout)
+    for _ in range(6):
+        assert split is not None
+        layout = replace(layout, split=tuple(round(s, 4) for s in split))
+        rows = memory_table(cand.target, cand.draft, layout, c.devices)
+        if c.n_gpus < 2 or fits(rows):
+            break
+        split = _rebalance(layout.split, rows, c.n_gpus)
+        if split is None:
+            break
+    return layout, rows
 
 
 def _full_ngl(m: ModelFacts, c: _Ctx) -> int:

@@ -14,6 +14,8 @@ import gguf
 import llama_cpp
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from llama_cpp import _logger
 
 from localspec.catalog import Catalog, load_catalog
@@ -22,9 +24,11 @@ from localspec.hardware import (
     BuildFacts,
     CpuFacts,
     GiB,
+    GpuDevice,
     HardwareFacts,
     MiB,
     load_hardware_profile,
+    lookup_device,
     with_gpu_free,
 )
 from localspec.plan import (
@@ -161,12 +165,12 @@ def recompute(catalog: Catalog, plan: Plan, facts: HardwareFacts) -> dict[str, t
     unified_used = 0
     for i, g in enumerate(gpus):
         if g.unified:
-            budget = min(g.free_bytes, facts.cpu.ram_available_bytes) - 2 * GiB
+            budget = max(0, min(g.free_bytes, facts.cpu.ram_available_bytes) - 2 * GiB)
             unified_used += used[i]
         else:
-            budget = g.free_bytes - 1 * GiB
+            budget = max(0, g.free_bytes - 1 * GiB)
         out[f"{g.backend}:{g.index} {g.name}"] = (used[i], budget)
-    host_budget = facts.cpu.ram_available_bytes - 2 * GiB - unified_used
+    host_budget = max(0, facts.cpu.ram_available_bytes - 2 * GiB - unified_used)
     out[f"cpu ({facts.cpu.model})"] = (used[-1], host_budget)
     return out
 
@@ -616,3 +620,41 @@ def test_measured_models_reads_local_files(catalog: Catalog, qwen_target: Path) 
     facts = measured[("qwen2.5-coder-0.5b", "Q8_0")]
     assert facts.params_b == catalog.models["qwen2.5-coder-0.5b"].params_b
     assert facts.n_layer == 2 and facts.source.startswith("GGUF")
+
+
+# ----------------------------------------------------------------- random machines
+
+_GPU_NAMES = ("NVIDIA GeForce RTX 3060", "NVIDIA GeForce RTX 4090", "NVIDIA H100 80GB HBM3",
+              "NVIDIA A100-SXM4-40GB", "Tesla T4")  # fmt: skip
+
+
+@st.composite
+def _machines(draw: st.DrawFn) -> HardwareFacts:
+    ram = draw(st.floats(2, 512))
+    cpu = _cpu(ram, draw(st.floats(0.3, 0.95)) * ram, cores=draw(st.integers(1, 64)),
+               bw=draw(st.sampled_from([25.0, 51.0, 90.0, 300.0])))  # fmt: skip
+    gpus = []
+    for i in range(draw(st.integers(0, 3))):
+        name = draw(st.sampled_from(_GPU_NAMES))
+        spec = lookup_device(name)
+        assert spec is not None
+        total = int(draw(st.floats(2, 96)) * GiB)
+        free = int(total * draw(st.floats(0.05, 1.0)))
+        gpus.append(GpuDevice(i, name, "cuda", total, free, spec.bandwidth_gbps, spec.tflops))
+    kind = draw(st.sampled_from(["personal", "datacenter"]))
+    return HardwareFacts("random", "random machine", kind, cpu, tuple(gpus),  # type: ignore[arg-type]
+                         BuildFacts(installed=True, gpu_offload=bool(gpus)))  # fmt: skip
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(facts=_machines())
+def test_random_machines_get_a_plan_that_fits_or_a_clear_error(facts: HardwareFacts) -> None:
+    catalog = load_catalog()
+    try:
+        plan = make_plan(catalog, facts)
+    except PlanError as exc:
+        assert "no catalog model fits" in str(exc)
+        return
+    for device, (used, budget) in recompute(catalog, plan, facts).items():
+        assert used <= budget, device
+    assert plan.n_ctx >= 4096
