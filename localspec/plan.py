@@ -148,9 +148,10 @@ class PlanSettings:
     """(model id, quant) -> facts read from a GGUF on disk; replaces the catalog estimate."""
 
 
-def plan_settings_from(settings: Any) -> PlanSettings:
+def plan_settings_from(settings: Any, **overrides: Any) -> PlanSettings:
     """PlanSettings from localspec's layered Settings (models.*, limits.*, server.slots,
-    speculative.*, cache.reuse_chunk). A pinned models.pair is the only pair considered."""
+    speculative.*, cache.reuse_chunk). A pinned models.pair is the only pair considered.
+    ``overrides`` set PlanSettings fields no settings key holds (concurrent_sessions=500)."""
     models, limits, spec = settings.models, settings.limits, settings.speculative
     allowed = tuple(models.allowed)
     if models.pair:
@@ -172,6 +173,7 @@ def plan_settings_from(settings: Any) -> PlanSettings:
             mode=spec.mode, n_max=spec.n_max, n_min=spec.n_min, p_min=spec.p_min
         ),
         cache_reuse=settings.cache.reuse_chunk,
+        **overrides,
     )
 
 

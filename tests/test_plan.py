@@ -45,6 +45,7 @@ from localspec.plan import (
     measured_models,
     memory_table,
     model_facts_from_gguf,
+    plan_settings_from,
     poisson_quantile,
     read_gguf_header,
     smaller,
@@ -595,6 +596,10 @@ def test_plan_from_localspec_settings(catalog: Catalog) -> None:
     )
     with pytest.raises(PlanError, match=r"models.pair .* is not in models.allowed"):
         make_plan(catalog, facts, pinned_elsewhere)
+    asked = plan_settings_from(_settings(), concurrent_sessions=500)
+    plan = make_plan(catalog, load_hardware_profile("a100-40gb"), asked)
+    assert plan.capacity is not None and plan.capacity.sessions_requested == 500
+    assert plan.concurrent_sessions >= 500
 
 
 def test_smaller_plans_for_a_failed_load(plans: dict[str, Plan]) -> None:
