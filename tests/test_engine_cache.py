@@ -176,14 +176,14 @@ def test_rejected_draft_positions_leave_kv_consistent(
     k = 4
     bad_at = {"first": 0, "middle": 2, "last": k - 1}[reject_at]
 
-    def propose(self: engine_mod._Run, room: int) -> tuple[str, list[int]]:
+    def propose(self: engine_mod._Run, room: int) -> tuple[str, str, list[int]]:
         n = len(self.out)
         draft = ref[n : n + k]
         if len(draft) < k:
-            return "", []
+            return "", "", []
         draft = list(draft)
         draft[bad_at] = (draft[bad_at] + 1) % 1000  # certainly not the target's choice
-        return "draft", draft
+        return "draft", "draft", draft
 
     monkeypatch.setattr(engine_mod._Run, "_propose", propose)
     res = engine.generate(

@@ -154,11 +154,24 @@ def test_ngram_no_match() -> None:
 
 
 # --- policy ------------------------------------------------------------------------------
+def cpu_like_policy(n_max: int = 16) -> SpecPolicy:
+    """Verify costs as measured on a 2-core CPU: a batch of 5 costs 2x a single token."""
+    pol = SpecPolicy(n_max=n_max)
+    for n, ms in {1: 55.0, 2: 84.0, 3: 98.0, 5: 107.0, 9: 131.0, 17: 200.0}.items():
+        pol.observe_target(n, ms)
+    return pol
+
+
+def test_verify_cost_interpolates_and_extrapolates() -> None:
+    pol = cpu_like_policy()
+    assert pol.verify.cost(5) == 107.0
+    assert 107.0 < pol.verify.cost(7) < 131.0
+    assert pol.verify.cost(20) > 200.0
+
+
 def test_policy_switches_a_failing_source_off_and_probes_later() -> None:
-    pol = SpecPolicy(n_max=8)
-    pol.observe_target(1, 10.0)
-    pol.observe_target(5, 14.0)
-    pol.observe_draft_cost("draft", 5.0)
+    pol = cpu_like_policy(8)
+    pol.observe_draft_cost("draft", 24.0)
     for _ in range(6):
         pol.observe_result("draft", pol.plan("draft") or 2, 0)
         pol.tick()
@@ -168,14 +181,36 @@ def test_policy_switches_a_failing_source_off_and_probes_later() -> None:
     assert 0 < pol.plan("draft") <= pol.probe_len
 
 
-def test_policy_drafts_long_when_acceptance_is_high() -> None:
-    pol = SpecPolicy(n_max=16)
-    pol.observe_target(1, 10.0)
-    pol.observe_target(9, 12.0)
+def test_policy_drafts_long_when_runs_are_long() -> None:
+    pol = cpu_like_policy()
     for _ in range(10):
-        pol.observe_result("ngram", 8, 8)
+        pol.observe_result("ngram8", 16, 16)
+    assert pol.plan("ngram8") >= 12
+    assert pol.gain("ngram8", 16) > 3.0
+
+
+def test_policy_sees_long_runs_behind_short_misses() -> None:
+    """n-gram runs are bimodal: often 0-2 tokens, sometimes the whole draft."""
+    pol = cpu_like_policy()
+    for a in (1, 16, 0, 16, 2, 13, 16, 0):
+        pol.observe_result("ngram", 16, a)
     assert pol.plan("ngram") >= 8
-    assert pol.gain("ngram", 8) > 2.0
+
+
+def test_policy_weighs_draft_cost() -> None:
+    pol = cpu_like_policy()
+    pol.observe_draft_cost("draft", 24.0)
+    for _ in range(10):
+        pol.observe_result("draft", 8, 8)
+    cheap = pol.gain("draft", 8)
+    pol.observe_draft_cost("draft", 500.0)
+    for _ in range(30):
+        pol.observe_draft_cost("draft", 500.0)
+    assert pol.gain("draft", 8) < 1.0 < cheap
+
+
+def test_policy_first_step_is_plain() -> None:
+    assert SpecPolicy().plan("ngram") == 0
 
 
 # --- misc --------------------------------------------------------------------------------

@@ -2,8 +2,26 @@
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import platform
+import sys
 import sysconfig
+import time
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+
+from localspec.engine import (
+    Engine,
+    EngineSettings,
+    GenerationRequest,
+    GenerationResult,
+    ModelSettings,
+    SamplingParams,
+    SpecSettings,
+)
+from localspec.engine.llama import physical_cores
 
 # well-known, stable modules: plain Python code of the kind an editor completes
 MODULES = (
@@ -42,3 +60,219 @@ def code_prompts(n: int, *, lines: int = 40, skip: int = 60) -> list[str]:
                     break
         round_ += 1
     return out
+
+
+# --- the benchmark ---------------------------------------------------------------------------
+
+MODES: dict[str, dict[str, object]] = {
+    # name: SpecSettings overrides (mode "off" = target-only)
+    "target-only": {"mode": "off"},
+    "draft": {"mode": "draft"},
+    "ngram": {"mode": "ngram"},
+    "hybrid": {"mode": "hybrid"},
+    "auto": {"mode": "auto"},
+}
+
+
+@dataclass
+class ModeTotals:
+    tokens: int = 0
+    predicted_ms: float = 0.0
+    draft_prompt_ms: float = 0.0
+    wall_ms: float = 0.0
+    outside_ms: float = 0.0
+    drafted: int = 0
+    accepted: int = 0
+    by_source: dict[str, list[int]] = field(default_factory=dict)
+    mismatches: int = 0  # prompts whose output differs from target-only (should be 0)
+
+    def add(self, res: GenerationResult, wall_ms: float) -> None:
+        self.tokens += len(res.tokens)
+        self.predicted_ms += res.predicted_ms
+        self.draft_prompt_ms += res.draft_prompt_ms
+        self.wall_ms += wall_ms
+        self.outside_ms += res.t_outside_ms
+        self.drafted += res.draft_n
+        self.accepted += res.draft_n_accepted
+        for src, st in res.drafted.items():
+            acc = self.by_source.setdefault(src, [0, 0])
+            acc[0] += st.drafted
+            acc[1] += st.accepted
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.predicted_ms * 1000.0 if self.predicted_ms else 0.0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+def run(
+    *,
+    target: str,
+    draft: str | None,
+    n_prompts: int = 16,
+    n_predict: int = 128,
+    repeats: int = 2,
+    lines: int = 40,
+    threads: int | None = None,
+    modes: tuple[str, ...] = tuple(MODES),
+    draft_window: int = 512,
+    spec: SpecSettings | None = None,
+    progress: bool = True,
+) -> dict:
+    """Run every mode on every prompt, interleaved (machines are noisy: compare in one run)."""
+    if draft is None:
+        modes = tuple(m for m in modes if m in ("target-only", "ngram", "auto"))
+    base_spec = spec or SpecSettings(draft_window=draft_window)
+    settings = EngineSettings(
+        target=ModelSettings(target, n_ctx=2048, n_threads=threads),
+        draft=ModelSettings(draft, n_ctx=2048, n_threads=threads) if draft else None,
+        spec=base_spec,
+    )
+    prompts = code_prompts(n_prompts, lines=lines)
+    totals = {m: ModeTotals() for m in modes}
+    greedy = SamplingParams(top_k=1, temperature=0.0)
+    t_start = time.perf_counter()
+    with Engine.load(settings) as engine:
+        toks = [engine.vocab.tokenize(p) for p in prompts]
+        n_runs = repeats * len(toks) * len(modes)
+        done = 0
+        for rep in range(repeats):
+            for i, prompt in enumerate(toks):
+                engine.generate(GenerationRequest(slot=0, prompt=prompt, n_predict=0))
+                reference: list[int] | None = None
+                order = list(modes[(i + rep) % len(modes) :] + modes[: (i + rep) % len(modes)])
+                outputs: dict[str, list[int]] = {}
+                for mode in order:
+                    engine.settings = replace(settings, spec=replace(base_spec, **MODES[mode]))
+                    t0 = time.perf_counter()
+                    res = engine.generate(
+                        GenerationRequest(
+                            slot=0, prompt=prompt, n_predict=n_predict, sampling=greedy
+                        )
+                    )
+                    totals[mode].add(res, (time.perf_counter() - t0) * 1000.0)
+                    outputs[mode] = res.tokens
+                    done += 1
+                    if progress:
+                        elapsed = time.perf_counter() - t_start
+                        eta = elapsed / done * (n_runs - done)
+                        print(
+                            f"\r[{done}/{n_runs}] prompt {i + 1} {mode:<12} "
+                            f"{len(res.tokens) / max(res.predicted_ms, 1e-9) * 1000:6.1f} tok/s"
+                            f"  elapsed {elapsed:5.0f}s eta {eta:5.0f}s",
+                            end="",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+                reference = outputs.get("target-only")
+                if reference is not None:
+                    for mode, out in outputs.items():
+                        if out != reference:
+                            totals[mode].mismatches += 1
+    if progress:
+        print(file=sys.stderr)
+    base = totals.get("target-only")
+    rows = []
+    for mode, t in totals.items():
+        rows.append({
+            "mode": mode,
+            "tokens": t.tokens,
+            "tok_s": round(t.tok_s, 3),
+            # tokens/s counting the draft model's (lazy) prompt-window evaluation too
+            "tok_s_with_draft_prompt": round(
+                t.tokens / (t.predicted_ms + t.draft_prompt_ms) * 1000.0, 3
+            ) if t.predicted_ms else 0.0,
+            "draft_prompt_ms": round(t.draft_prompt_ms, 1),
+            "ratio": round(t.tok_s / base.tok_s, 3) if base and base.tok_s else None,
+            "drafted": t.drafted,
+            "accepted": t.accepted,
+            "acceptance": round(t.acceptance, 3),
+            "by_source": {s: {"drafted": d, "accepted": a} for s, (d, a) in t.by_source.items()},
+            "outside_share": round(t.outside_ms / t.wall_ms, 4) if t.wall_ms else 0.0,
+            "mismatching_prompts": t.mismatches,
+        })  # fmt: skip
+    return {
+        "target": target,
+        "draft": draft,
+        "prompts": len(prompts),
+        "lines": lines,
+        "n_predict": n_predict,
+        "repeats": repeats,
+        "threads": threads or physical_cores(),
+        "spec": asdict(base_spec),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "wall_s": round(time.perf_counter() - t_start, 1),
+        "rows": rows,
+    }
+
+
+def format_table(result: dict) -> str:
+    head = (
+        f"{'mode':<12} {'tok/s':>7} {'ratio':>6} {'accept':>7} {'drafted':>8} "
+        f"{'outside':>8} {'diff':>5}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in result["rows"]:
+        ratio = f"{r['ratio']:.2f}x" if r["ratio"] is not None else "-"
+        acc = f"{r['acceptance'] * 100:.0f}%" if r["drafted"] else "-"
+        lines.append(
+            f"{r['mode']:<12} {r['tok_s']:>7.2f} {ratio:>6} {acc:>7} {r['drafted']:>8} "
+            f"{r['outside_share'] * 100:>7.1f}% {r['mismatching_prompts']:>5}"
+        )
+    lines.append(
+        f"({result['prompts']} prompts x {result['repeats']} repeats, {result['n_predict']} "
+        f"tokens, greedy, {result['threads']} threads; diff = prompts whose output differs "
+        "from target-only)"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m localspec.bench.speculative",
+        description="Speculative decoding: tokens/s of target-only vs draft-model, n-gram, "
+        "hybrid and auto, on code prompts cut from the Python standard library.",
+        epilog="example: python -m localspec.bench.speculative --target smollm-f32.gguf "
+        "--draft smollm-q4_1.gguf --json spec.json",
+    )
+    ap.add_argument("--target", required=True, help="target GGUF")
+    ap.add_argument("--draft", help="draft GGUF (omit: n-gram modes only)")
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--n-predict", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--lines", type=int, default=40, help="lines per prompt")
+    ap.add_argument("--threads", type=int, default=None, help="default: physical cores")
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset")
+    ap.add_argument("--draft-window", type=int, default=512)
+    args = ap.parse_args(argv)
+    for path in (args.target, args.draft):
+        if path and not Path(path).is_file():
+            ap.error(f"model file not found: {path}")
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        ap.error(f"unknown mode(s) {', '.join(unknown)}; known: {', '.join(MODES)}")
+    result = run(
+        target=args.target,
+        draft=args.draft,
+        n_prompts=args.prompts,
+        n_predict=args.n_predict,
+        repeats=args.repeats,
+        lines=args.lines,
+        threads=args.threads,
+        modes=modes,
+        draft_window=args.draft_window,
+    )
+    print(format_table(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -20,7 +19,7 @@ from localspec.engine.cache import SlotCaches
 from localspec.engine.errors import EngineError, PromptTooLongError
 from localspec.engine.llama import Clock, Context, Model
 from localspec.engine.ngram import NgramIndex
-from localspec.engine.policy import SpecPolicy
+from localspec.engine.policy import SpecPolicy, ngram_source
 from localspec.engine.sampling import Sampler
 from localspec.engine.stops import StopRules
 from localspec.engine.types import (
@@ -32,15 +31,6 @@ from localspec.engine.types import (
     TokenEvent,
 )
 from localspec.engine.vocab import Vocab, check_pair
-
-
-@dataclass
-class _Timing:
-    """Machine-level speeds carried from request to request (they do not depend on text)."""
-
-    t1_ms: float = 0.0
-    slope: float = 0.05
-    draft_cost_ms: float = -1.0
 
 
 def draft_window_start(n_prompt: int, window: int) -> int:
@@ -100,7 +90,9 @@ class Engine:
         self.draft_n_ctx = settings.draft.n_ctx if settings.draft is not None else 0
         self._tcache = SlotCaches(self._tctx, self.n_slots)
         self._dcache = SlotCaches(self._dctx, self.n_slots) if self._dctx is not None else None
-        self._timing = _Timing()
+        # speeds and acceptance carry over from request to request (same machine, same code
+        # base); the recent-window estimates adapt when either changes
+        self._policy = SpecPolicy()
 
     @classmethod
     def load(cls, settings: EngineSettings) -> Engine:
@@ -194,10 +186,8 @@ class _Run:
         self.ngram: NgramIndex | None = None
         self.dbase: list[int] | None = None  # the draft's window of the prompt, once synced
         self.draft_ok = engine._dcache is not None and self.mode in ("draft", "hybrid", "auto")
-        self.policy = SpecPolicy(n_max=max(self.n_max, 1))
-        t = engine._timing
-        self.policy.t1_ms, self.policy.slope = t.t1_ms, t.slope
-        self.policy.sources["draft"].cost_ms = t.draft_cost_ms
+        self.policy = engine._policy
+        self.policy.n_max = max(self.n_max, 1)
 
     def close(self) -> None:
         self.sampler.close()
@@ -229,12 +219,11 @@ class _Run:
         else:
             self._decode_loop()
         t2 = time.perf_counter()
-        res.predicted_ms = (t2 - t1) * 1000.0
+        res.predicted_ms = (t2 - t1) * 1000.0 - res.draft_prompt_ms
+        res.prompt_ms += res.draft_prompt_ms
+        res.t_draft_ms = max(0.0, res.t_draft_ms - res.draft_prompt_ms)
         res.tokens = list(self.out)
         res.t_outside_ms = max(0.0, (t2 - t0) * 1000.0 - (clock.inside_ms - inside0))
-        tm = e._timing
-        tm.t1_ms, tm.slope = self.policy.t1_ms, self.policy.slope
-        tm.draft_cost_ms = self.policy.sources["draft"].cost_ms
         return res
 
     def _decode_loop(self) -> None:
@@ -264,7 +253,7 @@ class _Run:
             room = e.n_ctx - n_before - 2  # keep one cell free after the batch (llama-server)
             if req.n_predict >= 0:
                 room = min(room, req.n_predict - len(self.out) - 1)
-            source, draft = self._propose(room)
+            source, key, draft = self._propose(room)
             batch = [last, *draft]
             tv = time.perf_counter()
             tcache.append(slot, batch, logits="all" if draft else "last")
@@ -286,7 +275,7 @@ class _Run:
                 st = res.drafted.setdefault(source, DraftStats())
                 st.drafted += len(draft)
                 st.accepted += accepted
-                self.policy.observe_result(source, len(draft), accepted)
+                self.policy.observe_result(key, len(draft), accepted)
                 res.spec_steps.append((source, len(draft), accepted))
             self.policy.tick()
             events = []
@@ -332,30 +321,35 @@ class _Run:
                 self.on_token(ev)
 
     # --- drafting ------------------------------------------------------------------------
-    def _propose(self, room: int) -> tuple[str, list[int]]:
-        """Pick a draft source and length for this step; ("", []) means a plain step."""
+    def _propose(self, room: int) -> tuple[str, str, list[int]]:
+        """Pick a draft for this step: (source for stats, key for the policy, tokens);
+        no tokens means a plain step."""
         res = self.result
         if self.mode == "off" or room < 1 or self.ngram is None:
-            return "", []
+            return "", "", []
+        auto = self.mode == "auto"
         n_max = min(self.n_max, room)
+        n_min = max(self.n_min, 1)
         td = time.perf_counter()
-        source, draft = "", []
+        source, key, draft = "", "", []
         if self.mode in ("ngram", "hybrid", "auto"):
-            k = n_max if self.mode != "auto" else min(n_max, self.policy.plan("ngram"))
-            if k > 0:
-                draft = self.ngram.draft(k)[0]
-                source = "ngram"
-        if len(draft) < max(self.n_min, 1):
-            draft, source = [], ""
+            draft, match = self.ngram.draft(n_max)
+            source, key = "ngram", ngram_source(match)
+            if auto and draft:
+                draft = draft[: self.policy.plan(key)]
+        if len(draft) < n_min:
+            source, key, draft = "", "", []
             if self.draft_ok and self.mode in ("draft", "hybrid", "auto"):
-                k = n_max if self.mode != "auto" else min(n_max, self.policy.plan("draft"))
-                if k > 0:
+                k = n_max if not auto else min(n_max, self.policy.plan("draft"))
+                if k >= n_min:
                     draft = self._draft_model(k)
-                    source = "draft"
-        if len(draft) < max(self.n_min, 1):
-            draft, source = [], ""
+                    source = key = "draft"
+                    if not draft:  # the draft model paid a decode and was unsure: a miss
+                        self.policy.observe_result("draft", 1, 0)
+        if len(draft) < n_min:
+            source, key, draft = "", "", []
         res.t_draft_ms += (time.perf_counter() - td) * 1000.0
-        return source, draft
+        return source, key, draft
 
     def _draft_target_seq(self) -> list[int]:
         assert self.dbase is not None
@@ -374,6 +368,7 @@ class _Run:
             base = list(prompt[start:])
             if len(base) + len(self.out) + self.n_max + 2 > e.draft_n_ctx:
                 base = base[-max(1, e.draft_n_ctx - len(self.out) - self.n_max - 2) :]
+            tp = time.perf_counter()
             pre = dcache.prefill(
                 self.slot,
                 base,
@@ -381,6 +376,7 @@ class _Run:
                 tail_min=e.settings.tail_reuse,
                 cancel=self.cancel,
             )
+            res.draft_prompt_ms += (time.perf_counter() - tp) * 1000.0
             res.draft_n_cached += pre.n_cached
             res.draft_n_evaluated += pre.n_evaluated
             res.draft_n_shifted += pre.n_moved
@@ -404,14 +400,11 @@ class _Run:
                 self.draft_ok = False
                 return []
         pending = seq[len(have) :]
-        t0 = time.perf_counter()
-        n_calls = 0
-        if pending:
-            for i in range(0, len(pending), dctx.n_batch):
-                part = pending[i : i + dctx.n_batch]
-                dcache.append(self.slot, part, logits="last")
-                n_calls += 1
+        # catch up on the tokens emitted since the draft last ran (one batch, usually 1-2)
+        for i in range(0, len(pending), dctx.n_batch):
+            dcache.append(self.slot, pending[i : i + dctx.n_batch], logits="last")
         proposals: list[int] = []
+        t0 = time.perf_counter()
         while True:
             row = dctx.logits(-1)
             tok = int(row.argmax())
@@ -422,9 +415,9 @@ class _Run:
             if len(proposals) >= k:
                 break
             dcache.append(self.slot, [tok], logits="last")
-            n_calls += 1
-        if n_calls:
-            self.policy.observe_draft_cost("draft", (time.perf_counter() - t0) * 1000.0 / n_calls)
+        if len(proposals) > 1:
+            per_token = (time.perf_counter() - t0) * 1000.0 / (len(proposals) - 1)
+            self.policy.observe_draft_cost("draft", per_token)
         return proposals
 
     def _sync_draft_after_step(self) -> None:

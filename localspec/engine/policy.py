@@ -1,35 +1,87 @@
 """When speculation pays, and how long a draft should be: a small cost model per request.
 
-Pure logic fed with measured times. Per draft source it keeps a decayed estimate of the
-per-token acceptance ``a`` (the geometric model: a draft of k tokens is accepted up to the
-first miss) and the cost of one draft token; for the target it keeps the time of a plain
-1-token step and how a verify batch grows with its size. The expected speed-up of a draft
-of length k is
+Pure logic fed with measured times. For the target it keeps the measured time of a verify
+batch of each size (on a CPU a batch of 5 costs about twice a single token, a batch of 17
+about 3.5 times: far from linear, so a table, not a slope). Per draft source (the draft model;
+the n-gram drafter split by how long its match was) it keeps the recent accepted-run lengths
+and the cost of one draft token. The expected speed-up of a draft of length k is
 
-    E(k) * t1 / (k * c + v(k + 1)),   E(k) = (1 - a^(k + 1)) / (1 - a)
+    (E[min(R, k)] + 1) * t(1) / (k * c + t(k + 1))
 
-so the chosen length maximises it and a source whose best value falls below ``min_gain`` is
-switched off for the request; it is re-tried with a short probe after a back-off that
-doubles every time the probe fails, so a source whose acceptance collapsed costs a bounded,
-shrinking share (the plain steps in between run at full speed).
+with R the accepted run length (a run that consumed the whole draft counts as its length:
+a lower bound). The chosen k maximises it; a source whose best value stays below
+``min_gain`` is switched off for the request and re-tried with a short probe after a
+back-off that doubles each time the probe fails, so a source whose acceptance collapsed
+costs a small, shrinking share.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
+
+WINDOW = 24  # recent drafts per source that shape its estimate
 
 
 @dataclass
 class SourceStats:
-    accepted: float  # decayed sum of accepted tokens
-    missed: float  # decayed count of drafts that ended in a rejection
-    cost_ms: float  # one draft token (the n-gram drafter: ~0)
+    prior: float  # per-token acceptance assumed before any draft is seen
+    cost_ms: float  # one draft token; < 0: not measured yet
+    # recent drafts: (accepted, drafted); a fully accepted draft is censored (the run might
+    # have gone on), so the run-length distribution is estimated with Kaplan-Meier
+    runs: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=WINDOW))
     off_until: int = 0  # step number before which the source is skipped
-    backoff: int = 8
+    backoff: int = 4
+
+    def survival(self, k: int) -> list[float]:
+        """S(j) = P(run >= j) for j = 1..k (Kaplan-Meier over the recent drafts; past the
+        observed lengths, the last estimated per-token acceptance carries on)."""
+        out: list[float] = []
+        s = 1.0
+        cont = self.prior
+        for j in range(1, k + 1):
+            at_risk = sum(1 for a, d in self.runs if d >= j and a >= j - 1)
+            if at_risk:
+                failed = sum(1 for a, d in self.runs if a == j - 1 and d >= j)
+                # half a pseudo-observation of the prior: a lone sample does not decide alone
+                cont = (at_risk - failed + 0.5 * self.prior) / (at_risk + 0.5)
+            s *= cont
+            out.append(s)
+        return out
+
+    def expected_accepted(self, k: int) -> float:
+        return sum(self.survival(k))
+
+
+@dataclass
+class VerifyCost:
+    """Measured ms of a target decode by batch size (EMA), interpolated between sizes."""
+
+    ms: dict[int, float] = field(default_factory=dict)
+    prior_slope: float = 0.15  # before measurements: optimistic, so drafting gets tried
+
+    def observe(self, n: int, ms: float) -> None:
+        old = self.ms.get(n)
+        self.ms[n] = ms if old is None else 0.8 * old + 0.2 * ms
 
     @property
-    def acceptance(self) -> float:
-        return self.accepted / (self.accepted + self.missed)
+    def t1(self) -> float:
+        return self.ms.get(1, 0.0)
+
+    def cost(self, n: int) -> float:
+        t1 = self.t1
+        if n in self.ms:
+            return max(self.ms[n], t1)
+        pts = sorted(self.ms.items())
+        lo = max(((k, v) for k, v in pts if k < n), default=(1, t1))
+        hi = min(((k, v) for k, v in pts if k > n), default=None)
+        if hi is None:
+            below = [(k, v) for k, v in pts if k < lo[0]]
+            slope = (lo[1] - below[-1][1]) / (lo[0] - below[-1][0]) if below else 0.0
+            slope = max(slope, t1 * self.prior_slope)
+            return lo[1] + slope * (n - lo[0])
+        frac = (n - lo[0]) / (hi[0] - lo[0])
+        return lo[1] + frac * (hi[1] - lo[1])
 
 
 @dataclass
@@ -38,37 +90,34 @@ class SpecPolicy:
 
     n_max: int = 16
     min_gain: float = 1.05
-    decay: float = 0.8
     probe_len: int = 2
-    t1_ms: float = 0.0  # plain 1-token target step (0: not measured yet)
-    slope: float = 0.05  # extra verify cost per extra token, as a fraction of t1
+    verify: VerifyCost = field(default_factory=VerifyCost)
     step: int = 0
     sources: dict[str, SourceStats] = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        self.sources.setdefault("ngram", SourceStats(accepted=2.0, missed=1.0, cost_ms=0.0))
-        self.sources.setdefault("draft", SourceStats(accepted=3.0, missed=1.0, cost_ms=-1.0))
+    def source(self, name: str) -> SourceStats:
+        s = self.sources.get(name)
+        if s is None:
+            is_model = name == "draft"
+            s = SourceStats(prior=0.8, cost_ms=-1.0 if is_model else 0.0)
+            self.sources[name] = s
+        return s
 
     # --- measurements -------------------------------------------------------------------
     def observe_target(self, n_tokens: int, ms: float) -> None:
-        if n_tokens <= 1:
-            self.t1_ms = ms if self.t1_ms <= 0 else 0.7 * self.t1_ms + 0.3 * ms
-        elif self.t1_ms > 0:
-            slope = max(0.0, (ms / self.t1_ms - 1.0) / (n_tokens - 1))
-            self.slope = 0.7 * self.slope + 0.3 * slope
+        self.verify.observe(n_tokens, ms)
 
     def observe_draft_cost(self, source: str, ms_per_token: float) -> None:
-        s = self.sources[source]
-        s.cost_ms = ms_per_token if s.cost_ms < 0 else 0.7 * s.cost_ms + 0.3 * ms_per_token
+        s = self.source(source)
+        s.cost_ms = ms_per_token if s.cost_ms < 0 else 0.8 * s.cost_ms + 0.2 * ms_per_token
 
     def observe_result(self, source: str, drafted: int, accepted: int) -> None:
         if drafted <= 0:
             return
-        s = self.sources[source]
-        s.accepted = self.decay * s.accepted + accepted
-        s.missed = self.decay * s.missed + (1.0 if accepted < drafted else 0.0)
+        s = self.source(source)
+        s.runs.append((accepted, drafted))
         if self.best(source)[1] >= self.min_gain:
-            s.backoff = 8
+            s.backoff = 4
         elif s.off_until <= self.step:
             s.off_until = self.step + s.backoff
             s.backoff = min(s.backoff * 2, 256)
@@ -76,27 +125,34 @@ class SpecPolicy:
     # --- decisions ----------------------------------------------------------------------
     def gain(self, source: str, k: int) -> float:
         """Expected speed-up of drafting k tokens from ``source`` over a plain step."""
-        s = self.sources[source]
-        if k <= 0 or self.t1_ms <= 0:
+        s = self.source(source)
+        t1 = self.verify.t1
+        if k <= 0 or t1 <= 0:
             return 1.0
-        a = min(s.acceptance, 0.999)
-        expected = (1.0 - a ** (k + 1)) / (1.0 - a)
-        verify = self.t1_ms * (1.0 + self.slope * k)
-        return expected * self.t1_ms / (k * max(s.cost_ms, 0.0) + verify)
+        produced = s.expected_accepted(k) + 1.0
+        return produced * t1 / (k * max(s.cost_ms, 0.0) + self.verify.cost(k + 1))
 
     def best(self, source: str) -> tuple[int, float]:
+        s = self.source(source)
+        t1 = self.verify.t1
+        if t1 <= 0:
+            return 0, 1.0
         best_k, best_g = 0, 1.0
-        for k in range(1, self.n_max + 1):
-            g = self.gain(source, k)
+        produced = 1.0
+        for k, surv in enumerate(s.survival(self.n_max), start=1):
+            produced += surv
+            g = produced * t1 / (k * max(s.cost_ms, 0.0) + self.verify.cost(k + 1))
             if g > best_g:
                 best_k, best_g = k, g
         return best_k, best_g
 
     def plan(self, source: str) -> int:
         """Draft length to use now for ``source`` (0: do not draft from it this step)."""
-        s = self.sources[source]
-        if self.t1_ms <= 0 or s.cost_ms < 0:
-            return min(self.probe_len * 2, self.n_max)  # measure first
+        s = self.source(source)
+        if self.verify.t1 <= 0:
+            return 0  # a plain step first: every estimate is relative to it
+        if s.cost_ms < 0:
+            return min(self.probe_len * 2, self.n_max)  # measure the draft model
         if self.step < s.off_until:
             return 0
         k, g = self.best(source)
@@ -107,3 +163,9 @@ class SpecPolicy:
 
     def tick(self) -> None:
         self.step += 1
+
+
+def ngram_source(match_len: int) -> str:
+    """The n-gram drafter's estimates are kept apart by match length: a long match (code
+    being copied) is far more reliable than a two-token one."""
+    return "ngram" if match_len < 4 else "ngram4" if match_len < 8 else "ngram8"

@@ -112,6 +112,9 @@ class GenerationResult:
     draft_n_evaluated: int = 0
     n_shifted: int = 0  # of n_cached, tokens moved by a KV shift (chunk/tail reuse)
     draft_n_shifted: int = 0
+    # the draft model's prompt window is evaluated lazily, at its first draft; that time is
+    # prompt work, so it counts in prompt_ms (and not in predicted_ms or t_draft_ms)
+    draft_prompt_ms: float = 0.0
     prompt_ms: float = 0.0
     predicted_ms: float = 0.0
     drafted: dict[str, DraftStats] = field(default_factory=dict)  # by source: draft, ngram
