@@ -319,7 +319,17 @@ def test_response_fields_are_flat_paths(qc: httpx.Client) -> None:
 def test_server_timing_splits_engine_from_overhead(qc: httpx.Client) -> None:
     r = qc.post("/infill", json={"input_prefix": "a", "input_suffix": "b", "n_predict": 2})
     parts = dict(p.strip().split(";dur=") for p in r.headers["server-timing"].split(","))
-    assert set(parts) == {"queue", "prep", "engine", "app", "total"}
+    assert set(parts) == {
+        "parse",
+        "queue",
+        "prep",
+        "engine",
+        "post",
+        "wake",
+        "render",
+        "app",
+        "total",
+    }
     assert float(parts["engine"]) > 0 and float(parts["total"]) >= float(parts["engine"])
 
 

@@ -32,22 +32,32 @@ def request_t0(request: Request) -> float:
     return request.scope.get(T0_KEY) or time.perf_counter()
 
 
-def server_timing(request: Request, result: JobResult | None) -> dict[str, str]:
-    """A ``Server-Timing`` header: queue wait, prompt assembly, engine, and everything else.
+def server_timing(
+    request: Request, job: Job, result: JobResult | None, t_resumed: float = 0.0
+) -> dict[str, str]:
+    """A ``Server-Timing`` header splitting the request's wall time inside the process.
 
-    ``app`` is the wall time spent in localspec outside the engine (parsing, queueing, prompt
-    assembly, JSON), the server's own overhead as measured from inside the process.
+    ``parse`` (first byte to queued: body, validation, parameters), ``queue``, ``prep`` (prompt
+    assembly), ``engine``, ``post`` (slot bookkeeping, prompt text), ``wake`` (worker to event
+    loop), ``render`` (JSON), and ``app``: everything but the engine, the server's overhead.
     """
-    total_ms = (time.perf_counter() - request_t0(request)) * 1e3
+    t0 = request_t0(request)
+    now = time.perf_counter()
+    total_ms = (now - t0) * 1e3
     if result is None:
         return {"Server-Timing": f"total;dur={total_ms:.3f}"}
-    app_ms = total_ms - result.t_engine_ms
-    return {
-        "Server-Timing": (
-            f"queue;dur={result.t_queue_ms:.3f}, prep;dur={result.t_prep_ms:.3f}, "
-            f"engine;dur={result.t_engine_ms:.3f}, app;dur={app_ms:.3f}, total;dur={total_ms:.3f}"
-        )
+    parts = {
+        "parse": (job.t_submit - t0) * 1e3,
+        "queue": result.t_queue_ms,
+        "prep": result.t_prep_ms,
+        "engine": result.t_engine_ms,
+        "post": result.t_post_ms,
+        "wake": max(0.0, (t_resumed - result.t_done) * 1e3) if t_resumed else 0.0,
+        "render": (now - t_resumed) * 1e3 if t_resumed else 0.0,
+        "app": total_ms - result.t_engine_ms,
+        "total": total_ms,
     }
+    return {"Server-Timing": ", ".join(f"{k};dur={v:.3f}" for k, v in parts.items())}
 
 
 def as_api_error(exc: BaseException) -> ApiError:
@@ -162,6 +172,7 @@ async def respond(
     try:
         pending.submit()
         result = await pending.result()
+        t_resumed = time.perf_counter()
         if result is None:
             return Response(status_code=499)  # nobody is listening any more
         if on_result is not None:
@@ -172,7 +183,9 @@ async def respond(
     finally:
         pending.close()
     return Response(
-        body, media_type=CompactJSONResponse.media_type, headers=server_timing(request, result)
+        body,
+        media_type=CompactJSONResponse.media_type,
+        headers=server_timing(request, job, result, t_resumed),
     )
 
 

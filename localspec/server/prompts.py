@@ -8,6 +8,7 @@ from typing import Any
 
 from localspec.server.errors import InvalidRequest, NotSupported
 from localspec.server.fim import Extra, FimIds, infill_prompt, tokenize_mixed
+from localspec.server.tokcache import TokenCache
 
 Prepare = Callable[[Any], list[int]]  # engine -> prompt tokens
 
@@ -34,9 +35,10 @@ def _bos(vocab: Any) -> int | None:
 
 
 def check_ids(tokens: Sequence[int], n_vocab: int) -> None:
-    bad = next((t for t in tokens if not 0 <= t < n_vocab), None)
-    if bad is not None:
-        raise InvalidRequest(f"token id {bad} is out of range: the vocabulary has {n_vocab}")
+    if not tokens or (min(tokens) >= 0 and max(tokens) < n_vocab):  # C loops: fast on 5k ids
+        return
+    bad = next(t for t in tokens if not 0 <= t < n_vocab)
+    raise InvalidRequest(f"token id {bad} is out of range: the vocabulary has {n_vocab}")
 
 
 def infill(
@@ -47,13 +49,19 @@ def infill(
     prompt: str,
     spm: bool,
     room: int = 0,
+    cache: TokenCache | None = None,
 ) -> Prepare:
+    cache = cache or TokenCache()
+
+    user_ids = _user_ids(input_prefix, input_suffix)
+
     def prepare(engine: Any) -> list[int]:
         vocab = engine.vocab
         fim = fim_ids(vocab)
+        check_ids(user_ids, vocab.n_vocab)
 
         def plain(text: str) -> list[int]:
-            return vocab.tokenize(text, special=False)
+            return cache.tokenize(vocab, text, special=False)
 
         tokens = infill_prompt(
             tokenize=plain,
@@ -61,29 +69,34 @@ def infill(
             input_prefix=input_prefix,
             input_suffix=input_suffix,
             input_extra=input_extra,
-            prompt_tokens=vocab.tokenize(prompt, special=True) if prompt else [],
+            prompt_tokens=cache.tokenize(vocab, prompt, special=True) if prompt else [],
             n_batch=engine.n_batch,
             n_ctx=engine.n_ctx,
             bos=_bos(vocab),
             spm=spm,
             room=min(room, engine.n_ctx // 4),
         )
-        check_ids(tokens, vocab.n_vocab)
         return tokens
 
     return prepare
 
 
-def completion(prompt: str | Sequence[int | str]) -> Prepare:
+def _user_ids(*values: str | Sequence[int | str]) -> list[int]:
+    """Token ids the client wrote itself (the only ones that can be out of range)."""
+    return [p for v in values if not isinstance(v, str) for p in v if not isinstance(p, str)]
+
+
+def completion(prompt: str | Sequence[int | str], cache: TokenCache | None = None) -> Prepare:
     """llama-server's /completion: special tokens parsed, BOS added before leading text."""
+    cache = cache or TokenCache()
 
     def prepare(engine: Any) -> list[int]:
         vocab = engine.vocab
 
         def special(text: str) -> list[int]:
-            return vocab.tokenize(text, special=True)
+            return cache.tokenize(vocab, text, special=True)
 
-        tokens = tokenize_mixed(special, prompt)
+        tokens = list(tokenize_mixed(special, prompt))  # never mutate a cached list
         starts_with_text = isinstance(prompt, str) or (bool(prompt) and isinstance(prompt[0], str))
         bos = _bos(vocab)
         if bos is not None and starts_with_text:

@@ -20,6 +20,7 @@ from localspec.server.params import TaskParams, task_params
 from localspec.server.prompts import Prepare
 from localspec.server.schemas import GenerationFields
 from localspec.server.settings import ServerSettings
+from localspec.server.tokcache import TokenCache
 from localspec.server.worker import Job, JobResult, Worker
 
 
@@ -31,6 +32,7 @@ class Service:
     metrics: Metrics | None
     model_name: str
     started: float
+    token_cache: TokenCache
 
     @classmethod
     def create(
@@ -55,7 +57,7 @@ class Service:
             else None
         )
         name = settings.model_alias or Path(engine_settings.target.path).name
-        return cls(settings, engine_settings, worker, metrics, name, time.time())
+        return cls(settings, engine_settings, worker, metrics, name, time.time(), TokenCache())
 
     # ------------------------------------------------------------------ state
 
@@ -93,8 +95,8 @@ class Service:
         wants_prompt = not params.response_fields or any(
             f == "prompt" or f.startswith("prompt/") for f in params.response_fields
         )
-        vocab = self.engine.vocab
-        detok = (lambda tokens: vocab.detokenize(tokens, special=True)) if wants_prompt else None
+        vocab, cache = self.engine.vocab, self.token_cache
+        detok = (lambda tokens: cache.detokenize(vocab, tokens)) if wants_prompt else None
         return Job(params, prepare, detokenize=detok)
 
     def _recorder(self, endpoint: str, request: Request) -> Callable[[JobResult], None]:

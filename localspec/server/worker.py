@@ -71,6 +71,8 @@ class JobResult:
     t_queue_ms: float = 0.0
     t_prep_ms: float = 0.0
     t_engine_ms: float = 0.0
+    t_post_ms: float = 0.0  # after the engine: slot bookkeeping, the prompt's text
+    t_done: float = 0.0  # perf_counter when the worker handed the result over
 
 
 State = Literal["loading", "ready", "failed", "stopping", "stopped"]
@@ -285,7 +287,6 @@ class Worker:
         job.slot, job.n_prompt = slot_id, len(prompt)
         slot = self.slots[slot_id]
         slot.is_processing = True
-        prompt_text = job.detokenize(prompt) if job.detokenize is not None else ""
         seeds = params.seeds()
         try:
             for index in range(params.n_cmpl):
@@ -307,9 +308,7 @@ class Worker:
                         out.t_engine_ms += (time.perf_counter() - t0) * 1e3
                 slot.tokens = list(engine.slot_tokens(slot_id))
                 slot.last_prompt_n, slot.last_cache_n = result.n_evaluated, result.n_cached
-                out.completions.append(
-                    Completion(result, index, slot_id, len(slot.tokens), prompt_text)
-                )
+                out.completions.append(Completion(result, index, slot_id, len(slot.tokens)))
                 if result.cancelled:
                     out.cancelled = "client left"
                     break
@@ -319,6 +318,12 @@ class Worker:
             slot.is_processing = False
             slot.last_used = time.monotonic()
             slot.n_requests += 1
+        t_post = time.perf_counter()
+        if job.detokenize is not None and out.completions:
+            text = job.detokenize(prompt)
+            for done in out.completions:
+                done.prompt_text = text
+        out.t_post_ms = (time.perf_counter() - t_post) * 1e3
         return out
 
     def _reset_slot(self, slot: SlotInfo) -> None:
@@ -351,4 +356,5 @@ def _bind(sink: TokenSink | None, index: int) -> Callable[[TokenEvent], None] | 
 
 def _finish(job: Job, result: JobResult) -> None:
     if not job.future.done():
+        result.t_done = time.perf_counter()
         job.future.set_result(result)
