@@ -271,3 +271,32 @@ def test_stream_equals_text_and_stop_string_trims(engine: Engine, prompt_text: s
     assert res.stop_type == "word" and res.stopping_word == word
     assert res.text == base.text[: base.text.index(word)]
     assert "".join(pieces) == res.text
+
+
+def test_tail_drift_is_bounded(qwen_target: Path, prompt_text: str) -> None:
+    """Typing in front of a short tail block: shifted while little changed, then recomputed."""
+    s = EngineSettings(
+        target=ms(qwen_target),
+        cache_reuse=256,
+        tail_reuse=8,
+        tail_max_drift=3,
+        spec=SpecSettings(mode="off"),
+    )
+    with Engine.load(s) as eng:
+        v = eng.vocab
+        f = v.fim
+        toks = v.tokenize(prompt_text)
+        prefix, suffix = toks[:100], toks[100:160]
+        evaluated = []
+        for word in ["alpha", " beta", " gamma", " delta", " epsilon", " zeta", " eta"]:
+            prefix = prefix + v.tokenize(word)
+            prompt = [f.pre, *prefix, f.suf, *suffix, f.mid]
+            res = eng.generate(GenerationRequest(slot=0, prompt=prompt, n_predict=0))
+            evaluated.append(res.n_evaluated)
+            assert eng.slot_tokens(0) == prompt
+        # first request cold; then each word costs its own tokens + FIM_MID, until the drift
+        # budget (3 tokens) is spent and the suffix block is recomputed once
+        recomputed = [n for n in evaluated[1:] if n > len(suffix)]
+        shifted = [n for n in evaluated[1:] if n <= 4]
+        assert recomputed and shifted
+        assert len(recomputed) < len(shifted)

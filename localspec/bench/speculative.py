@@ -71,7 +71,10 @@ MODES: dict[str, dict[str, object]] = {
     "ngram": {"mode": "ngram"},
     "hybrid": {"mode": "hybrid"},
     "auto": {"mode": "auto"},
+    # the draft model fed the whole prompt instead of its window (not run by default)
+    "draft-full": {"mode": "draft", "draft_window": 0},
 }
+DEFAULT_MODES = ("target-only", "draft", "ngram", "hybrid", "auto")
 
 
 @dataclass
@@ -117,14 +120,14 @@ def run(
     repeats: int = 2,
     lines: int = 40,
     threads: int | None = None,
-    modes: tuple[str, ...] = tuple(MODES),
+    modes: tuple[str, ...] = DEFAULT_MODES,
     draft_window: int = 512,
     spec: SpecSettings | None = None,
     progress: bool = True,
 ) -> dict:
     """Run every mode on every prompt, interleaved (machines are noisy: compare in one run)."""
     if draft is None:
-        modes = tuple(m for m in modes if m in ("target-only", "ngram", "auto"))
+        modes = tuple(m for m in modes if MODES[m]["mode"] in ("off", "ngram", "auto"))
     base_spec = spec or SpecSettings(draft_window=draft_window)
     settings = EngineSettings(
         target=ModelSettings(target, n_ctx=2048, n_threads=threads),
@@ -209,6 +212,112 @@ def run(
     }
 
 
+def run_cache_quality(
+    *,
+    model: str,
+    keystrokes: int = 40,
+    n_predict: int = 16,
+    prefix_lines: int = 30,
+    suffix_lines: int = 10,
+    threads: int | None = None,
+    tail_reuse: int = 32,
+    drifts: tuple[int, ...] = (4, 8, 1 << 20),
+    progress: bool = True,
+) -> dict:
+    """Replay typing inside a FIM prompt and compare tail reuse with a cold evaluation.
+
+    Each keystroke extends the cursor line (the FIM ``prompt``) in the middle of
+    ``FIM_PRE prefix prompt FIM_SUF suffix FIM_MID``. Slots answer every keystroke side by
+    side: localspec's reuse (the suffix block shifted into place, recomputed once ``drift``
+    tokens changed in front of it; one slot per drift cap), llama-server's rule (runs shorter
+    than 256 are recomputed: the whole suffix block) and a cold cache. Greedy answers are
+    compared token for token with the cold one.
+    """
+    configs = [("cold", None), ("server", None)] + [(f"drift{d}", d) for d in drifts]
+    settings = EngineSettings(
+        target=ModelSettings(model, n_ctx=2048, n_threads=threads),
+        n_slots=len(configs),
+        cache_reuse=256,
+        tail_reuse=tail_reuse,
+        spec=SpecSettings(mode="off"),
+    )
+    greedy = SamplingParams(top_k=1, temperature=0.0)
+    t_start = time.perf_counter()
+    stats = {name: {"evaluated": 0, "prompt_ms": 0.0, "identical": 0} for name, _ in configs}
+    total = 0
+    with Engine.load(settings) as engine:
+        v = engine.vocab
+        f = v.fim
+        if not f.supported:
+            raise SystemExit(f"{model} has no FIM tokens")
+        for path in stdlib_files():
+            lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+            for row in range(prefix_lines + 40, len(lines) - suffix_lines, 97):
+                line = lines[row]
+                body = line.lstrip()
+                if len(body) < 12:
+                    continue
+                indent = line[: len(line) - len(body)]
+                prefix = "\n".join(lines[row - prefix_lines : row]) + "\n"
+                suffix = "\n" + "\n".join(lines[row + 1 : row + 1 + suffix_lines]) + "\n"
+                pre, suf = v.tokenize(prefix), v.tokenize(suffix)
+                for cut in range(4, min(len(body), 20)):
+                    prompt = [f.pre, *pre, *v.tokenize(indent + body[:cut]), f.suf, *suf, f.mid]
+                    outs = {}
+                    for slot, (name, drift) in enumerate(configs):
+                        engine.settings = replace(
+                            settings,
+                            tail_reuse=256 if name == "server" else tail_reuse,
+                            tail_max_drift=drift if drift is not None else 0,
+                        )
+                        res = engine.generate(
+                            GenerationRequest(
+                                slot=slot,
+                                prompt=prompt,
+                                n_predict=n_predict,
+                                sampling=greedy,
+                                cache_prompt=name != "cold",
+                            )
+                        )
+                        outs[name] = res.tokens
+                        stats[name]["evaluated"] += res.n_evaluated
+                        stats[name]["prompt_ms"] += res.prompt_ms
+                        stats[name]["identical"] += res.tokens == outs["cold"]
+                    total += 1
+                    if progress:
+                        same = " ".join(f"{n}={s['identical']}" for n, s in stats.items())
+                        print(
+                            f"\r[{total}/{keystrokes}] identical: {same}",
+                            end="",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+                    if total >= keystrokes:
+                        break
+                if total >= keystrokes:
+                    break
+            if total >= keystrokes:
+                break
+    if progress:
+        print(file=sys.stderr)
+    n = max(total, 1)
+    return {
+        "model": model,
+        "keystrokes": total,
+        "n_predict": n_predict,
+        "tail_reuse": tail_reuse,
+        "configs": {
+            name: {
+                "identical_share": round(s["identical"] / n, 4),
+                "mean_evaluated": round(s["evaluated"] / n, 1),
+                "mean_prompt_ms": round(s["prompt_ms"] / n, 1),
+            }
+            for name, s in stats.items()
+        },
+        "wall_s": round(time.perf_counter() - t_start, 1),
+    }
+
+
 def format_table(result: dict) -> str:
     head = (
         f"{'mode':<12} {'tok/s':>7} {'ratio':>6} {'accept':>7} {'drafted':>8} "
@@ -246,12 +355,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--lines", type=int, default=40, help="lines per prompt")
     ap.add_argument("--threads", type=int, default=None, help="default: physical cores")
-    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset")
+    ap.add_argument(
+        "--modes",
+        default=",".join(DEFAULT_MODES),
+        help=f"comma-separated, from: {', '.join(MODES)}",
+    )
     ap.add_argument("--draft-window", type=int, default=512)
+    ap.add_argument(
+        "--cache-quality",
+        type=int,
+        metavar="N",
+        help="instead: replay N keystrokes inside a FIM prompt on --target (needs FIM "
+        "tokens) and compare the suffix-block reuse with a cold cache",
+    )
     args = ap.parse_args(argv)
     for path in (args.target, args.draft):
         if path and not Path(path).is_file():
             ap.error(f"model file not found: {path}")
+    if args.cache_quality:
+        quality = run_cache_quality(
+            model=args.target, keystrokes=args.cache_quality, threads=args.threads
+        )
+        print(json.dumps(quality, indent=2))
+        if args.json:
+            Path(args.json).write_text(json.dumps(quality, indent=2) + "\n")
+        return 0
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     unknown = [m for m in modes if m not in MODES]
     if unknown:

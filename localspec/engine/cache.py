@@ -31,6 +31,9 @@ class SlotCaches:
         self.n_slots = n_slots
         self.scratch = n_slots
         self.tokens: list[list[int]] = [[] for _ in range(n_slots)]
+        # tokens changed in front of each slot's tail block since it was last computed
+        self.drift: list[int] = [0] * n_slots
+        self.tail_start: list[int] = [-1] * n_slots  # where that block begins (-1: none)
 
     def plan(self, slot: int, prompt: Sequence[int], *, min_chunk: int, tail_min: int) -> ReusePlan:
         return plan_reuse(
@@ -48,12 +51,26 @@ class SlotCaches:
         *,
         min_chunk: int = 0,
         tail_min: int = 0,
+        max_drift: int = 1 << 30,
         cancel: threading.Event | None = None,
         chunk: int | None = None,
     ) -> PrefillResult:
         """Make the slot hold ``prompt`` (logits of its last token ready); reuse what it can."""
         ctx, seq = self.ctx, slot
         plan = self.plan(slot, prompt, min_chunk=min_chunk, tail_min=tail_min)
+        tail = plan.runs[-1] if plan.runs else None
+        if tail is not None and tail.n < min_chunk and tail.dst + tail.n == len(prompt) - 1:
+            # a short run ending the prompt, moved under the tail rule: bounded drift
+            changed = plan.n_evaluated - 1
+            if self.drift[slot] + changed > max_drift:
+                plan = self.plan(slot, prompt, min_chunk=min_chunk, tail_min=len(prompt) + 1)
+                self.drift[slot], self.tail_start[slot] = 0, -1
+            else:
+                self.drift[slot] += changed
+                self.tail_start[slot] = tail.dst
+        elif not 0 <= self.tail_start[slot] < plan.n_prefix:
+            # any moved tail block was dropped or recomputed: nothing stale remains
+            self.drift[slot], self.tail_start[slot] = 0, -1
         cached = self.tokens[slot]
         n_moved = sum(r.n for r in plan.runs)
         if plan.runs:
@@ -119,3 +136,4 @@ class SlotCaches:
     def clear(self, slot: int) -> None:
         self.ctx.seq_rm(slot, -1, -1)
         self.tokens[slot] = []
+        self.drift[slot], self.tail_start[slot] = 0, -1

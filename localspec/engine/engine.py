@@ -207,6 +207,7 @@ class _Run:
             req.prompt,
             min_chunk=min_chunk,
             tail_min=settings.tail_reuse,
+            max_drift=settings.tail_max_drift,
             cancel=self.cancel,
         )
         res.n_cached, res.n_evaluated, res.n_shifted = pre.n_cached, pre.n_evaluated, pre.n_moved
@@ -374,6 +375,7 @@ class _Run:
                 base,
                 min_chunk=e.settings.cache_reuse if self.req.cache_prompt else 0,
                 tail_min=e.settings.tail_reuse,
+                max_drift=e.settings.tail_max_drift,
                 cancel=self.cancel,
             )
             res.draft_prompt_ms += (time.perf_counter() - tp) * 1000.0

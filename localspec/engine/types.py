@@ -52,6 +52,9 @@ class EngineSettings:
     # min length of a moved run that ENDS the prompt (the FIM suffix block behind the cursor);
     # only used when cache_reuse > 0
     tail_reuse: int = 32
+    # a moved tail block drifts from what a cold evaluation would compute as the tokens before
+    # it change; once this many tokens changed since it was last computed, recompute it
+    tail_max_drift: int = 8
 
 
 @dataclass(frozen=True)
