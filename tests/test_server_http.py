@@ -13,7 +13,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -530,3 +530,28 @@ def test_streaming_matches_the_plain_answer(smollm: Live) -> None:
     assert all(not e["stop"] for e in events[:-1]) and events[-1]["stop"] is True
     assert "".join(e["content"] for e in events[:-1]) == plain["content"]
     assert events[-1]["content"] == "" and events[-1]["timings"]["predicted_n"] == 12
+
+
+def test_request_timeout_cancels_and_answers_503(qwen: Live, qc: httpx.Client) -> None:
+    svc = qwen.service
+    original = svc.settings
+    svc.settings = replace(original, request_timeout_s=0.3)
+    try:
+        r = qc.post("/completion", json={"prompt": "go", "n_predict": 3000, "top_k": 1})
+    finally:
+        svc.settings = original
+    assert r.status_code == 503 and "timed out" in r.json()["error"]["message"]
+    wait_until(lambda: not svc.worker.busy)  # the engine was told to stop, and did
+    assert qc.post("/completion", json={"prompt": "go", "n_predict": 2}).status_code == 200
+
+
+def test_streaming_several_completions_tags_each_with_its_index(qc: httpx.Client) -> None:
+    body = {"input_prefix": "a", "input_suffix": "b", "n_predict": 3, "n_cmpl": 2,
+            "stream": True, "input_extra": []}  # fmt: skip
+    with qc.stream("POST", "/infill", json=body) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    finals = [e for e in events if e["stop"]]
+    assert sorted(e["index"] for e in finals) == [0, 1]
+    for index in (0, 1):
+        parts = [e for e in events if not e["stop"] and e["index"] == index]
+        assert len(parts) == next(f for f in finals if f["index"] == index)["tokens_predicted"]

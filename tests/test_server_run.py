@@ -120,3 +120,15 @@ def test_localhost_binds_ipv4_and_ipv6_on_one_port() -> None:
     finally:
         for s in socks:
             s.close()
+
+
+def test_listeners_are_tcp_so_answers_go_out_without_nagle_delay() -> None:
+    """asyncio sets TCP_NODELAY only on sockets whose proto is TCP; with proto 0 every answer
+    written in two parts (headers, body) waited ~40 ms for a delayed ACK."""
+    import socket
+
+    for sock in bind_sockets("localhost", 0):
+        try:
+            assert sock.proto == socket.IPPROTO_TCP
+        finally:
+            sock.close()

@@ -158,3 +158,42 @@ def test_non_loopback_bind_needs_a_key() -> None:
         ServerSettings(host="0.0.0.0").check()
     ServerSettings(host="0.0.0.0", api_key="k").check()
     ServerSettings().check()
+
+
+class CountingVocab:
+    """A vocabulary stand-in that counts tokenizer calls (the cache's only collaborator)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def tokenize(self, text: str, *, special: bool = False) -> list[int]:
+        self.calls += 1
+        return [ord(c) + (1000 if special else 0) for c in text]
+
+    def piece(self, token: int, *, special: bool = False) -> bytes:
+        return chr(token % 1000).encode()
+
+
+def test_token_cache_is_exact_and_bounded() -> None:
+    from localspec.server.tokcache import TokenCache
+
+    vocab = CountingVocab()
+    cache = TokenCache(max_tokens=10, max_texts=3)
+    assert cache.tokenize(vocab, "abc", special=False) == [97, 98, 99]
+    assert cache.tokenize(vocab, "abc", special=False) == [97, 98, 99]
+    assert vocab.calls == 1  # the second one came from the cache
+    assert cache.tokenize(vocab, "abc", special=True) == [1097, 1098, 1099]  # its own key
+    cache.tokenize(vocab, "defgh", special=False)  # 3 + 3 + 5 > 10: the oldest goes
+    cache.tokenize(vocab, "abc", special=False)
+    assert vocab.calls == 4
+
+
+def test_token_cache_detokenizes_blocks_like_the_vocab() -> None:
+    from localspec.server.tokcache import BLOCK, TokenCache
+
+    vocab = CountingVocab()
+    cache = TokenCache()
+    tokens = [ord("a") + i % 26 for i in range(BLOCK * 2 + 7)]
+    want = "".join(chr(t) for t in tokens)
+    assert cache.detokenize(vocab, tokens) == want
+    assert cache.detokenize(vocab, tokens[:-1]) == want[:-1]  # cached blocks, new tail
