@@ -66,6 +66,24 @@ def test_pair_check_accepts_151936_with_152064(qwen_target: Path, qwen_target_15
     with Engine.load(settings(qwen_target_152064, qwen_target)) as eng:
         assert eng.vocab.n_vocab == 152064
         assert eng.draft_path == str(qwen_target)
+        prompt = eng.vocab.tokenize("def add(a, b):\n    return a + b\n")
+        res = eng.generate(
+            GenerationRequest(
+                slot=0, prompt=prompt, n_predict=8, sampling=SamplingParams(top_k=1), spec_p_min=0.0
+            )
+        )
+        assert len(res.tokens) == 8 and res.drafted["draft"].drafted > 0
+        # a target-only padding id in the prompt turns the draft model off, not the request
+        res = eng.generate(
+            GenerationRequest(
+                slot=0,
+                prompt=[*prompt, 152000],
+                n_predict=4,
+                sampling=SamplingParams(top_k=1),
+                spec_p_min=0.0,
+            )
+        )
+        assert len(res.tokens) == 4 and "draft" not in res.drafted
 
 
 def test_pair_check_rejects_a_changed_token(qwen_target: Path, qwen_changed_vocab: Path) -> None:

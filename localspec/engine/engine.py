@@ -367,6 +367,9 @@ class _Run:
             window = e.settings.spec.draft_window
             start = draft_window_start(len(prompt), window)
             base = list(prompt[start:])
+            if any(t >= e._dctx.n_vocab for t in base):  # a target-only (padding) id
+                self.draft_ok = False
+                return False
             if len(base) + len(self.out) + self.n_max + 2 > e.draft_n_ctx:
                 base = base[-max(1, e.draft_n_ctx - len(self.out) - self.n_max - 2) :]
             tp = time.perf_counter()
@@ -402,16 +405,20 @@ class _Run:
                 self.draft_ok = False
                 return []
         pending = seq[len(have) :]
+        if any(t >= dctx.n_vocab for t in pending):
+            self.draft_ok = False
+            return []
         # catch up on the tokens emitted since the draft last ran (one batch, usually 1-2)
         for i in range(0, len(pending), dctx.n_batch):
             dcache.append(self.slot, pending[i : i + dctx.n_batch], logits="last")
         proposals: list[int] = []
+        n_target_vocab = e.vocab.n_vocab
         t0 = time.perf_counter()
         while True:
             row = dctx.logits(-1)
             tok = int(row.argmax())
             p = 1.0 / float(np.exp(row - row[tok]).sum())
-            if p < self.p_min:
+            if p < self.p_min or tok >= n_target_vocab:
                 break
             proposals.append(tok)
             if len(proposals) >= k:
