@@ -116,3 +116,21 @@ def test_bad_requests_are_value_errors(qwen_pair: Engine) -> None:
         qwen_pair.generate(GenerationRequest(slot=5, prompt=[1]))
     with pytest.raises(ValueError, match="empty prompt"):
         qwen_pair.generate(GenerationRequest(slot=0, prompt=[]))
+
+
+def test_generation_stops_when_the_slot_context_is_full(qwen_pair: Engine) -> None:
+    prompt = qwen_pair.vocab.tokenize("x = 1\n" * 200)[:490]
+    res = qwen_pair.generate(
+        GenerationRequest(slot=1, prompt=prompt, n_predict=-1, sampling=SamplingParams(top_k=1))
+    )
+    assert res.stop_type in ("limit", "eos")
+    assert len(qwen_pair.slot_tokens(1)) < qwen_pair.n_ctx
+    if res.stop_type == "limit":
+        assert len(prompt) + len(res.tokens) >= qwen_pair.n_ctx - 1
+
+
+def test_n_predict_zero_fills_the_cache_only(qwen_pair: Engine) -> None:
+    prompt = qwen_pair.vocab.tokenize("def f():\n    pass\n")
+    res = qwen_pair.generate(GenerationRequest(slot=0, prompt=prompt, n_predict=0))
+    assert res.tokens == [] and res.text == "" and res.n_evaluated == len(prompt)
+    assert qwen_pair.slot_tokens(0) == prompt
