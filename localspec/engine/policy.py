@@ -36,15 +36,24 @@ class SourceStats:
     def survival(self, k: int) -> list[float]:
         """S(j) = P(run >= j) for j = 1..k (Kaplan-Meier over the recent drafts; past the
         observed lengths, the last estimated per-token acceptance carries on)."""
+        at_risk = [0] * (k + 2)
+        failed = [0] * (k + 2)
+        for a, d in self.runs:
+            # at risk at positions 1..min(d, a + 1); the run failed at a + 1 if a < d
+            last = min(d, a + 1, k)
+            at_risk[1] += 1
+            at_risk[last + 1] -= 1
+            if a < d and a + 1 <= k:
+                failed[a + 1] += 1
         out: list[float] = []
         s = 1.0
         cont = self.prior
+        risk = 0
         for j in range(1, k + 1):
-            at_risk = sum(1 for a, d in self.runs if d >= j and a >= j - 1)
-            if at_risk:
-                failed = sum(1 for a, d in self.runs if a == j - 1 and d >= j)
+            risk += at_risk[j]
+            if risk > 0:
                 # half a pseudo-observation of the prior: a lone sample does not decide alone
-                cont = (at_risk - failed + 0.5 * self.prior) / (at_risk + 0.5)
+                cont = (risk - failed[j] + 0.5 * self.prior) / (risk + 0.5)
             s *= cont
             out.append(s)
         return out
@@ -94,6 +103,9 @@ class SpecPolicy:
     verify: VerifyCost = field(default_factory=VerifyCost)
     step: int = 0
     sources: dict[str, SourceStats] = field(default_factory=dict)
+    _best: dict[tuple[str, int], tuple[object, int, tuple[int, float]]] = field(
+        default_factory=dict, repr=False
+    )
 
     def source(self, name: str) -> SourceStats:
         s = self.sources.get(name)
@@ -116,6 +128,7 @@ class SpecPolicy:
             return
         s = self.source(source)
         s.runs.append((accepted, drafted))
+        self._best.pop((source, self.n_max), None)
         if self.best(source)[1] >= self.min_gain:
             s.backoff = 4
         elif s.off_until <= self.step:
@@ -133,6 +146,18 @@ class SpecPolicy:
         return produced * t1 / (k * max(s.cost_ms, 0.0) + self.verify.cost(k + 1))
 
     def best(self, source: str) -> tuple[int, float]:
+        """The best draft length and its expected gain (recomputed every few steps: the
+        estimates move slowly and this runs on every decoding step)."""
+        key = (source, self.n_max)
+        hit = self._best.get(key)
+        version = (len(self.sources[source].runs), self.sources[source].cost_ms)
+        if hit is not None and hit[0] == version and self.step - hit[1] < 4:
+            return hit[2]
+        result = self._best_now(source)
+        self._best[key] = (version, self.step, result)
+        return result
+
+    def _best_now(self, source: str) -> tuple[int, float]:
         s = self.source(source)
         t1 = self.verify.t1
         if t1 <= 0:
