@@ -127,6 +127,17 @@ def test_plan_inserted_middle_keeps_the_tail_block() -> None:
     assert plan_reuse(cached, prompt, min_chunk=256, tail_min=256).n_evaluated == 102
 
 
+def test_plan_tail_refresh_recomputes_the_start_of_the_tail_block() -> None:
+    head, tail = list(range(1000, 1300)), list(range(2000, 2100))
+    cached = [*head, 7, *tail]
+    prompt = [*head, 8, 9, *tail]
+    plan = plan_reuse(cached, prompt, min_chunk=256, tail_min=32, tail_refresh=16)
+    assert plan.runs == (Run(src=317, dst=318, n=83),)
+    assert plan.n_evaluated == 2 + 16 + 1
+    # a tail too short to keep after the refresh is recomputed whole
+    assert plan_reuse(cached, prompt, min_chunk=256, tail_min=90, tail_refresh=16).runs == ()
+
+
 def test_plan_without_shift_support_keeps_only_the_prefix() -> None:
     cached = list(range(300))
     prompt = cached[:100] + cached[150:]

@@ -221,7 +221,7 @@ def run_cache_quality(
     suffix_lines: int = 10,
     threads: int | None = None,
     tail_reuse: int = 32,
-    drifts: tuple[int, ...] = (4, 8, 1 << 20),
+    variants: tuple[tuple[int, int], ...] = ((4, 0), (8, 0), (8, 16), (1 << 20, 0)),
     progress: bool = True,
 ) -> dict:
     """Replay typing inside a FIM prompt and compare tail reuse with a cold evaluation.
@@ -233,7 +233,10 @@ def run_cache_quality(
     than 256 are recomputed: the whole suffix block) and a cold cache. Greedy answers are
     compared token for token with the cold one.
     """
-    configs = [("cold", None), ("server", None)] + [(f"drift{d}", d) for d in drifts]
+    configs: list[tuple[str, int, int]] = [("cold", 0, 0), ("server", 0, 0)]
+    for drift, refresh in variants:
+        name = f"drift{drift if drift < 1 << 20 else 'inf'}" + (f"+r{refresh}" if refresh else "")
+        configs.append((name, drift, refresh))
     settings = EngineSettings(
         target=ModelSettings(model, n_ctx=2048, n_threads=threads),
         n_slots=len(configs),
@@ -243,7 +246,7 @@ def run_cache_quality(
     )
     greedy = SamplingParams(top_k=1, temperature=0.0)
     t_start = time.perf_counter()
-    stats = {name: {"evaluated": 0, "prompt_ms": 0.0, "identical": 0} for name, _ in configs}
+    stats = {name: {"evaluated": 0, "prompt_ms": 0.0, "identical": 0} for name, _, _ in configs}
     total = 0
     with Engine.load(settings) as engine:
         v = engine.vocab
@@ -264,11 +267,12 @@ def run_cache_quality(
                 for cut in range(4, min(len(body), 20)):
                     prompt = [f.pre, *pre, *v.tokenize(indent + body[:cut]), f.suf, *suf, f.mid]
                     outs = {}
-                    for slot, (name, drift) in enumerate(configs):
+                    for slot, (name, drift, refresh) in enumerate(configs):
                         engine.settings = replace(
                             settings,
                             tail_reuse=256 if name == "server" else tail_reuse,
-                            tail_max_drift=drift if drift is not None else 0,
+                            tail_max_drift=drift,
+                            tail_refresh=refresh,
                         )
                         res = engine.generate(
                             GenerationRequest(

@@ -52,16 +52,20 @@ class SlotCaches:
         min_chunk: int = 0,
         tail_min: int = 0,
         max_drift: int = 1 << 30,
+        tail_refresh: int = 0,
         cancel: threading.Event | None = None,
         chunk: int | None = None,
     ) -> PrefillResult:
         """Make the slot hold ``prompt`` (logits of its last token ready); reuse what it can."""
         ctx, seq = self.ctx, slot
-        plan = self.plan(slot, prompt, min_chunk=min_chunk, tail_min=tail_min)
+        plan = self.plan(
+            slot, prompt, min_chunk=min_chunk, tail_min=tail_min, tail_refresh=tail_refresh
+        )
         tail = plan.runs[-1] if plan.runs else None
         if tail is not None and tail.n < min_chunk and tail.dst + tail.n == len(prompt) - 1:
             # a short run ending the prompt, moved under the tail rule: bounded drift
-            changed = plan.n_evaluated - 1
+            fresh_before = sum(e - s for s, e in plan.fresh if e <= tail.dst)
+            changed = max(0, fresh_before - tail_refresh)
             if self.drift[slot] + changed > max_drift:
                 plan = self.plan(slot, prompt, min_chunk=min_chunk, tail_min=len(prompt) + 1)
                 self.drift[slot], self.tail_start[slot] = 0, -1

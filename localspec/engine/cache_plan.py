@@ -78,6 +78,7 @@ def plan_reuse(
     *,
     min_chunk: int = 256,
     tail_min: int = 32,
+    tail_refresh: int = 0,
     can_shift: bool = True,
 ) -> ReusePlan:
     """Plan the reuse of ``cached`` KV for ``prompt`` (see the module docstring)."""
@@ -88,6 +89,14 @@ def plan_reuse(
     runs: list[Run] = []
     if min_chunk > 0 and can_shift and n_prompt - n_prefix > ANCHOR:
         runs = _find_runs(cached, prompt, n_prefix, min_chunk, max(ANCHOR, tail_min))
+        last = runs[-1] if runs else None
+        if tail_refresh > 0 and last is not None and last.n < min_chunk:
+            # re-evaluate the first tokens of a short tail run (nearest the edit) fresh
+            runs.pop()
+            if last.n - tail_refresh >= max(ANCHOR, tail_min):
+                runs.append(
+                    Run(last.src + tail_refresh, last.dst + tail_refresh, last.n - tail_refresh)
+                )
     return ReusePlan(n_prefix, tuple(runs), n_prompt, _fresh_spans(n_prefix, runs, n_prompt))
 
 

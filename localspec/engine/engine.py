@@ -208,6 +208,7 @@ class _Run:
             min_chunk=min_chunk,
             tail_min=settings.tail_reuse,
             max_drift=settings.tail_max_drift,
+            tail_refresh=settings.tail_refresh,
             cancel=self.cancel,
         )
         res.n_cached, res.n_evaluated, res.n_shifted = pre.n_cached, pre.n_evaluated, pre.n_moved
@@ -379,6 +380,7 @@ class _Run:
                 min_chunk=e.settings.cache_reuse if self.req.cache_prompt else 0,
                 tail_min=e.settings.tail_reuse,
                 max_drift=e.settings.tail_max_drift,
+                tail_refresh=e.settings.tail_refresh,
                 cancel=self.cancel,
             )
             res.draft_prompt_ms += (time.perf_counter() - tp) * 1000.0

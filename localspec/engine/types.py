@@ -55,6 +55,8 @@ class EngineSettings:
     # a moved tail block drifts from what a cold evaluation would compute as the tokens before
     # it change; once this many tokens changed since it was last computed, recompute it
     tail_max_drift: int = 8
+    # re-evaluate this many tokens at the start of a moved tail block (nearest the edit)
+    tail_refresh: int = 0
 
 
 @dataclass(frozen=True)
