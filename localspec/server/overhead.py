@@ -18,7 +18,6 @@ both alike: the full llama-server answer (llama-vscode) and ``response_fields`` 
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import socket
 import statistics
@@ -42,9 +41,6 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "response_fields": ["content", "timings/prompt_n", "timings/predicted_n", "tokens_cached"]
     },
 }
-
-
-JSON = {"Content-Type": "application/json"}
 
 
 def stdlib_file(name: str) -> Path:
@@ -97,6 +93,48 @@ def editor_requests(source: Path, n: int, n_predict: int) -> list[dict[str, Any]
     return out
 
 
+class RawClient:
+    """A minimal keep-alive HTTP/1.1 client on one TCP_NODELAY socket.
+
+    The cheapest client there is, so the figure is the server's overhead rather than the
+    client library's (http.client parses headers with the email package: ~1 ms a response;
+    editors use undici or curl, whose parsers are C).
+    """
+
+    def __init__(self, host: str, port: int) -> None:
+        self.sock = socket.create_connection((host, port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buf = b""
+
+    def request(
+        self, method: str, path: str, body: bytes = b""
+    ) -> tuple[int, dict[str, str], bytes]:
+        head = (
+            f"{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        self.sock.sendall(head + body)
+        while b"\r\n\r\n" not in self.buf:
+            self.buf += self._recv()
+        raw_head, _, self.buf = self.buf.partition(b"\r\n\r\n")
+        lines = raw_head.decode("latin-1").split("\r\n")
+        headers = {k.lower(): v for k, _, v in (line.partition(": ") for line in lines[1:])}
+        n = int(headers.get("content-length", "0"))
+        while len(self.buf) < n:
+            self.buf += self._recv()
+        data, self.buf = self.buf[:n], self.buf[n:]
+        return int(lines[0].split()[1]), headers, data
+
+    def _recv(self) -> bytes:
+        chunk = self.sock.recv(1 << 16)
+        if not chunk:
+            raise ConnectionError("the server closed the connection")
+        return chunk
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 def server_timing(header: str) -> dict[str, float]:
     parts = (p.strip().split(";dur=") for p in header.split(","))
     return {name: float(value) for name, value in parts}
@@ -132,6 +170,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "post",
         "wake",
         "render",
+        "other",
     )
     samples: dict[str, dict[str, list[float]]] = {
         name: {k: [] for k in parts} for name in [*CONFIGS, "GET /health (HTTP floor)"]
@@ -142,20 +181,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             time.sleep(0.1)
         if app.state.service.worker.state != "ready":
             raise SystemExit(f"the server did not start: {app.state.service.worker.error}")
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-        conn.connect()
-        # TCP_NODELAY as editors' HTTP stacks (undici, curl) set it
-        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        client = RawClient("127.0.0.1", port)
 
         def post(raw: bytes) -> tuple[float, dict[str, float]]:
             t0 = time.perf_counter()
-            conn.request("POST", "/infill", body=raw, headers=JSON)
-            resp = conn.getresponse()
-            resp.read()
+            status, headers, _ = client.request("POST", "/infill", raw)
             wall = (time.perf_counter() - t0) * 1e3
-            if resp.status != 200:
-                raise SystemExit(f"/infill answered {resp.status}")
-            return wall, server_timing(resp.getheader("Server-Timing", ""))
+            if status != 200:
+                raise SystemExit(f"/infill answered {status}")
+            return wall, server_timing(headers["server-timing"])
 
         requests = editor_requests(Path(args.source), args.requests, args.n_predict)
         post(json.dumps({**requests[0], "n_predict": 0}).encode())  # warm-up
@@ -166,17 +200,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 s = samples[name]
                 s["wall"].append(wall)
                 s["overhead"].append(wall - timing["engine"])
+                named = sum(timing[k] for k in ("parse", "queue", "prep", "post", "wake", "render"))
+                timing["other"] = timing["app"] - named
                 for key in (*parts[3:], "engine"):
                     s[key].append(timing[key])
             t0 = time.perf_counter()
-            conn.request("GET", "/health")
-            conn.getresponse().read()
+            client.request("GET", "/health")
             floor = (time.perf_counter() - t0) * 1e3
             for key in ("wall", "overhead"):
                 samples["GET /health (HTTP floor)"][key].append(floor)
             if (i + 1) % 10 == 0:
                 print(f"  {i + 1}/{len(requests)} requests", file=sys.stderr)
-        conn.close()
+        client.close()
     finally:
         server.should_exit = True
         thread.join(60)
@@ -204,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     result = run(args)
-    cols = ("wall", "engine", "overhead", "app", "parse", "prep", "post", "wake", "render")
+    cols = ("wall", "engine", "overhead", "app", "parse", "queue", "prep", "post", "wake",
+            "render", "other")  # fmt: skip
     print(f"{'p50 ms':30} {'n':>4} " + " ".join(f"{c:>8}" for c in cols) + f" {'ovh p95':>8}")
     for name, s in result["configs"].items():
         cells = " ".join(
