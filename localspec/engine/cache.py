@@ -35,12 +35,21 @@ class SlotCaches:
         self.drift: list[int] = [0] * n_slots
         self.tail_start: list[int] = [-1] * n_slots  # where that block begins (-1: none)
 
-    def plan(self, slot: int, prompt: Sequence[int], *, min_chunk: int, tail_min: int) -> ReusePlan:
+    def plan(
+        self,
+        slot: int,
+        prompt: Sequence[int],
+        *,
+        min_chunk: int,
+        tail_min: int,
+        tail_refresh: int = 0,
+    ) -> ReusePlan:
         return plan_reuse(
             self.tokens[slot],
             prompt,
             min_chunk=min_chunk,
             tail_min=tail_min,
+            tail_refresh=tail_refresh,
             can_shift=self.ctx.can_shift,
         )
 

@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 from localspec.engine.cache import SlotCaches
-from localspec.engine.errors import EngineError, PromptTooLongError
+from localspec.engine.errors import DecodeError, EngineError, PromptTooLongError
 from localspec.engine.llama import Clock, Context, Model
 from localspec.engine.ngram import NgramIndex
 from localspec.engine.policy import SpecPolicy, ngram_source
@@ -155,6 +155,10 @@ class Engine:
         run = _Run(self, req, cancel, on_token)
         try:
             return run.execute()
+        except DecodeError:
+            # llama.cpp may keep part of a failed batch: start the slot over next time
+            self.clear_slot(req.slot)
+            raise
         finally:
             run.close()
 
@@ -185,6 +189,7 @@ class _Run:
         self.out: list[int] = []
         self.ngram: NgramIndex | None = None
         self.dbase: list[int] | None = None  # the draft's window of the prompt, once synced
+        self._dgood = 0  # draft KV entries known to match dbase + out
         self.draft_ok = engine._dcache is not None and self.mode in ("draft", "hybrid", "auto")
         self.policy = engine._policy
         self.policy.n_max = max(self.n_max, 1)
@@ -344,7 +349,7 @@ class _Run:
             if self.draft_ok and self.mode in ("draft", "hybrid", "auto"):
                 k = n_max if not auto else min(n_max, self.policy.plan("draft"))
                 if k >= n_min:
-                    draft = self._draft_model(k)
+                    draft = self._draft_with_fallback(k)
                     source = key = "draft"
                     if not draft:  # the draft model paid a decode and was unsure: a miss
                         self.policy.observe_result("draft", 1, 0)
@@ -392,6 +397,17 @@ class _Run:
             self.dbase = base
         return True
 
+    def _draft_with_fallback(self, k: int) -> list[int]:
+        """A failing draft model (no KV cells left, ...) ends drafting, not the request."""
+        try:
+            return self._draft_model(k)
+        except DecodeError:
+            assert self.e._dcache is not None
+            self.e._dcache.clear(self.slot)
+            self.draft_ok = False
+            self.dbase = None
+            return []
+
     def _draft_model(self, k: int) -> list[int]:
         e = self.e
         dcache = e._dcache
@@ -438,8 +454,9 @@ class _Run:
             return
         have = dcache.tokens[self.slot]
         seq = self._draft_target_seq()
-        n = len(self.dbase)
+        n = max(len(self.dbase), min(self._dgood, len(have)))  # before _dgood: checked already
         limit = min(len(have), len(seq) - 1)
         while n < limit and have[n] == seq[n]:
             n += 1
         dcache.truncate(self.slot, n)
+        self._dgood = n
