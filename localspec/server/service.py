@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ from localspec.server.schemas import GenerationFields
 from localspec.server.settings import ServerSettings
 from localspec.server.tokcache import TokenCache
 from localspec.server.worker import Job, JobResult, Worker
+
+log = logging.getLogger("localspec.server")
 
 
 @dataclass
@@ -101,6 +104,16 @@ class Service:
 
     def _recorder(self, endpoint: str, request: Request) -> Callable[[JobResult], None]:
         def record(result: JobResult) -> None:
+            if log.isEnabledFor(logging.DEBUG):
+                for done in result.completions:
+                    r = done.result
+                    log.debug(
+                        "%s slot=%d prompt=%d cached=%d evaluated=%d predicted=%d stop=%s "
+                        "drafted=%d accepted=%d engine=%.1fms queue=%.1fms prep=%.1fms",
+                        endpoint, done.id_slot, r.n_prompt, r.n_cached, r.n_evaluated,
+                        len(r.tokens), r.stop_type, r.draft_n, r.draft_n_accepted,
+                        result.t_engine_ms, result.t_queue_ms, result.t_prep_ms,
+                    )  # fmt: skip
             if self.metrics is None:
                 return
             outcome = "cancelled" if result.cancelled else "ok"
