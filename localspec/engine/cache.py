@@ -73,8 +73,12 @@ class SlotCaches:
         tail = plan.runs[-1] if plan.runs else None
         if tail is not None and tail.n < min_chunk and tail.dst + tail.n == len(prompt) - 1:
             # a short run ending the prompt, moved under the tail rule: bounded drift
-            fresh_before = sum(e - s for s, e in plan.fresh if e <= tail.dst)
-            changed = max(0, fresh_before - tail_refresh)
+            # tokens inserted and deleted in front of the block since its KV was computed
+            # (the refreshed tokens at the block's start are recomputed, not changes)
+            moved_before = sum(r.n for r in plan.runs[:-1]) + tail_refresh
+            inserted = tail.dst - plan.n_prefix - moved_before
+            deleted = tail.src - plan.n_prefix - moved_before
+            changed = max(0, inserted) + max(0, deleted)
             if self.drift[slot] + changed > max_drift:
                 plan = self.plan(slot, prompt, min_chunk=min_chunk, tail_min=len(prompt) + 1)
                 self.drift[slot], self.tail_start[slot] = 0, -1
