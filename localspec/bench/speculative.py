@@ -71,10 +71,15 @@ MODES: dict[str, dict[str, object]] = {
     "ngram": {"mode": "ngram"},
     "hybrid": {"mode": "hybrid"},
     "auto": {"mode": "auto"},
+    # the same sources with the cost-model lengths of "auto"
+    "draft-adaptive": {"mode": "draft", "adaptive": True},
+    "ngram-adaptive": {"mode": "ngram", "adaptive": True},
     # the draft model fed the whole prompt instead of its window (not run by default)
     "draft-full": {"mode": "draft", "draft_window": 0},
 }
-DEFAULT_MODES = ("target-only", "draft", "ngram", "hybrid", "auto")
+DEFAULT_MODES = (
+    "target-only", "draft", "draft-adaptive", "ngram", "ngram-adaptive", "hybrid", "auto",
+)  # fmt: skip
 
 
 @dataclass
@@ -163,7 +168,7 @@ def run(
                         elapsed = time.perf_counter() - t_start
                         eta = elapsed / done * (n_runs - done)
                         print(
-                            f"\r[{done}/{n_runs}] prompt {i + 1} {mode:<12} "
+                            f"\r[{done}/{n_runs}] prompt {i + 1} {mode:<15} "
                             f"{len(res.tokens) / max(res.predicted_ms, 1e-9) * 1000:6.1f} tok/s"
                             f"  elapsed {elapsed:5.0f}s eta {eta:5.0f}s",
                             end="",
@@ -324,7 +329,7 @@ def run_cache_quality(
 
 def format_table(result: dict) -> str:
     head = (
-        f"{'mode':<12} {'tok/s':>7} {'ratio':>6} {'accept':>7} {'drafted':>8} "
+        f"{'mode':<15} {'tok/s':>7} {'ratio':>6} {'accept':>7} {'drafted':>8} "
         f"{'outside':>8} {'diff':>5}"
     )
     lines = [head, "-" * len(head)]
@@ -332,7 +337,7 @@ def format_table(result: dict) -> str:
         ratio = f"{r['ratio']:.2f}x" if r["ratio"] is not None else "-"
         acc = f"{r['acceptance'] * 100:.0f}%" if r["drafted"] else "-"
         lines.append(
-            f"{r['mode']:<12} {r['tok_s']:>7.2f} {ratio:>6} {acc:>7} {r['drafted']:>8} "
+            f"{r['mode']:<15} {r['tok_s']:>7.2f} {ratio:>6} {acc:>7} {r['drafted']:>8} "
             f"{r['outside_share'] * 100:>7.1f}% {r['mismatching_prompts']:>5}"
         )
     lines.append(

@@ -334,7 +334,7 @@ class _Run:
         res = self.result
         if self.mode == "off" or room < 1 or self.ngram is None:
             return "", "", []
-        auto = self.mode == "auto"
+        auto = self.mode == "auto" or self.e.settings.spec.adaptive
         n_max = min(self.n_max, room)
         n_min = max(self.n_min, 1)
         td = time.perf_counter()

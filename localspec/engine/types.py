@@ -40,6 +40,9 @@ class SpecSettings:
     p_min: float = 0.75
     ngram_min: int = 2  # shortest suffix match the n-gram drafter accepts
     draft_window: int = 512  # the draft model sees only the last N prompt tokens
+    # cost-model draft lengths (and switching a source off) in every mode, not only "auto";
+    # False keeps "draft"/"ngram"/"hybrid" at fixed n_max/p_min like llama-server
+    adaptive: bool = False
 
 
 @dataclass(frozen=True)
