@@ -7,6 +7,9 @@ test_server_http.py (the slot's evaluated tokens).
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from localspec.server.fim import (
     SNIPPET_SEPARATOR,
     Extra,
@@ -172,3 +175,45 @@ def test_room_then_trims_the_start_of_the_prefix() -> None:
         prompt_tokens=[], n_batch=40, n_ctx=12, room=4,
     )  # fmt: skip
     assert got == [PRE, *chars("fghij"), SUF, MID]  # 12 - 4 = 8 tokens, the prefix keeps its end
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    n_pre=st.integers(0, 120),
+    n_suf=st.integers(0, 120),
+    n_prompt=st.integers(0, 12),
+    chunk_sizes=st.lists(st.integers(0, 80), max_size=4),
+    n_batch=st.integers(4, 160),
+    n_ctx=st.integers(16, 400),
+    room=st.integers(0, 64),
+    bos=st.booleans(),
+    spm=st.booleans(),
+)
+def test_layout_invariants(
+    n_pre: int, n_suf: int, n_prompt: int, chunk_sizes: list[int], n_batch: int, n_ctx: int,
+    room: int, bos: bool, spm: bool,
+) -> None:  # fmt: skip
+    prefix, suffix = "p" * n_pre, "s" * n_suf
+    prompt = list(range(1000, 1000 + n_prompt))
+    extra = [Extra("e" * n, f"f{i}") for i, n in enumerate(chunk_sizes)]
+    kw = dict(
+        tokenize=chars, fim=QWEN_LIKE, input_prefix=prefix, input_suffix=suffix,
+        input_extra=extra, prompt_tokens=prompt, n_batch=n_batch, n_ctx=n_ctx,
+        bos=BOS if bos else None, spm=spm,
+    )  # fmt: skip
+    exact = infill_prompt(**kw)  # type: ignore[arg-type]
+    got = infill_prompt(room=room, **kw)  # type: ignore[arg-type]
+    assert got[-1] == MID and got.count(PRE) == got.count(SUF) == 1
+    full_extra = extra_context(chars, QWEN_LIKE, extra)
+    head = got[: got.index(BOS if bos else (SUF if spm else PRE))]
+    assert head == full_extra[len(full_extra) - len(head) :]  # extra keeps its end
+    kept_prefix = [t for t in got[len(head) :] if t == ord("p")]
+    kept_suffix = [t for t in got[len(head) :] if t == ord("s")]
+    assert len(kept_suffix) == min(n_suf, max(0, n_batch // 4 - 2 - n_prompt))
+    if room == 0:
+        assert got == exact
+    else:
+        floor = 3 + bos + n_prompt + len(kept_suffix)  # what room may not cut
+        assert len(got) <= max(n_ctx - room, floor)
+        assert len(got) == len(exact) or len(got) == max(n_ctx - room, floor)
+        assert len(kept_prefix) <= min(n_pre, 3 * (n_batch // 4))
