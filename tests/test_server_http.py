@@ -447,6 +447,10 @@ def test_tokenize_detokenize(qc: httpx.Client) -> None:
     assert "".join(p["piece"] for p in pieces["tokens"]) == "def f"
     text = qc.post("/detokenize", json={"tokens": toks[1:]}).json()["content"]
     assert text == "def"
+    # a JSON body whatever the Content-Type says, as llama-server (curl -d sends a form type)
+    for ctype in ("application/x-www-form-urlencoded", "text/plain"):
+        r = qc.post("/tokenize", content=b'{"content":"def"}', headers={"Content-Type": ctype})
+        assert r.status_code == 200 and r.json()["tokens"] == toks[1:]
 
 
 def test_openai_completions_with_suffix_is_fim(qwen: Live, qc: httpx.Client) -> None:

@@ -41,6 +41,8 @@ class Gate:
                 body = error_body("Invalid API Key", "authentication_error")
                 await _send_json(send, 401, body, {"WWW-Authenticate": "Bearer"})
                 return
+        if scope["method"] == "POST":
+            scope["headers"] = _as_json(scope["headers"])
         await self.app(scope, receive, send)
 
     def _authorized(self, scope: Scope) -> bool:
@@ -49,6 +51,13 @@ class Gate:
         x_key = headers.get(b"x-api-key", b"").decode("latin-1") or None
         assert self.api_key is not None
         return key_matches(presented_key(auth, x_key), self.api_key)
+
+
+def _as_json(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """Every POST body is JSON, whatever its Content-Type says (as in llama-server):
+    ``curl -d '{...}'`` sends ``application/x-www-form-urlencoded``."""
+    kept = [(k, v) for k, v in headers if k.lower() != b"content-type"]
+    return [*kept, (b"content-type", b"application/json")]
 
 
 async def _send_json(send: Send, status: int, obj: object, headers: dict[str, str]) -> None:
