@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any
 
@@ -223,7 +224,13 @@ def create_app(
     on_ready: Callable[[], None] | None = None,
     on_failure: Callable[[BaseException], None] | None = None,
 ) -> FastAPI:
-    """The ASGI app; the engine loads in a background thread at startup (/health: 503 till then)."""
+    """The ASGI app; the engine loads in a background thread at startup (/health: 503 till then).
+
+    ``server_settings.n_parallel`` is the slot count (llama-server's ``-np``): it replaces
+    ``engine_settings.n_slots``.
+    """
+    if engine_settings.n_slots != server_settings.n_parallel:
+        engine_settings = dataclasses.replace(engine_settings, n_slots=server_settings.n_parallel)
     svc = Service.create(
         server_settings,
         engine_settings,

@@ -12,7 +12,7 @@ class ServerSettings:
     host: str = "localhost"  # "localhost" binds both 127.0.0.1 and ::1
     port: int = 8012
     api_key: str | None = None  # required for any non-loopback host
-    n_parallel: int = 1  # slots: separate KV caches, served one request at a time
+    n_parallel: int = 1  # slots, i.e. EngineSettings.n_slots: separate KV caches
     queue_limit: int = 16  # waiting requests past this answer 503 + Retry-After
     request_timeout_s: float = 600  # queued + running; past it the request is cancelled
     metrics: bool = True  # expose /metrics (Prometheus text)
