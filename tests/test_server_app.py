@@ -31,6 +31,7 @@ def test_every_route_answers_503_while_loading_and_cors_still_works(tmp_path: Pa
         assert r.json() == {"error": {"code": 503, "message": "Loading model",
                                       "type": "unavailable_error"}}  # fmt: skip
         assert r.headers["access-control-allow-origin"] == "http://localhost:3000"
+        assert r.headers["server"].startswith("localspec/")  # a loading localspec is ours
     preflight = _get(
         app, "OPTIONS", "/infill",
         headers={"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"},

@@ -1,4 +1,6 @@
-"""The ASGI layer in front of every route: start the clock, refuse while loading, check the key.
+"""The ASGI layer in front of every route: start the clock, refuse while loading, check the key,
+name the server (``Server: localspec/<version>``, even on a 503 while loading, so a client
+or ``localspec up`` can tell a loading localspec from another program on the port).
 
 A plain ASGI middleware rather than Starlette's BaseHTTPMiddleware: it adds no task or
 stream wrapping (which would hide the client's disconnect from the routes) and costs
@@ -10,8 +12,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from localspec import __version__
 from localspec.server.auth import PUBLIC_PATHS, key_matches, presented_key
 from localspec.server.dispatch import T0_KEY
 from localspec.server.errors import ApiError, error_body
@@ -20,6 +23,8 @@ from localspec.server.results import dumps
 # What the gate needs to know of the daemon's state: None when ready, else the error to answer.
 StateProbe = Callable[[], ApiError | None]
 
+SERVER_HEADER = (b"server", f"localspec/{__version__}".encode())
+
 
 class Gate:
     def __init__(self, app: ASGIApp, *, api_key: str | None, not_ready: StateProbe) -> None:
@@ -27,11 +32,17 @@ class Gate:
         self.api_key = api_key
         self.not_ready = not_ready
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, raw_send: Send) -> None:
         if scope["type"] != "http":
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, raw_send)
             return
         scope[T0_KEY] = time.perf_counter()
+
+        async def send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), SERVER_HEADER]
+            await raw_send(message)
+
         if scope["method"] != "OPTIONS":  # CORS preflights carry no credentials
             err = self.not_ready()
             if err is not None:

@@ -113,6 +113,7 @@ def serve(
         app,
         log_level=log_level,
         access_log=False,
+        server_header=False,  # the gate names the server: localspec/<version>
         timeout_graceful_shutdown=5,
         lifespan="on",
     )
