@@ -280,13 +280,14 @@ def stop(
 # --- logs ------------------------------------------------------------------------------------
 
 
-def tail(path: Path, lines: int) -> list[str]:
-    """The last ``lines`` lines of a file (reads from the end, fine for big logs)."""
+def tail(path: Path, lines: int, end: int | None = None) -> list[str]:
+    """The last ``lines`` lines of a file before offset ``end`` (reads backwards from there,
+    fine for big logs)."""
     if lines <= 0 or not path.exists():
         return []
     with open(path, "rb") as fh:
         fh.seek(0, os.SEEK_END)
-        end = fh.tell()
+        end = fh.tell() if end is None else min(end, fh.tell())
         block, data = 8192, b""
         while end > 0 and data.count(b"\n") <= lines:
             step = min(block, end)
@@ -296,11 +297,15 @@ def tail(path: Path, lines: int) -> list[str]:
     return data.decode("utf-8", "replace").splitlines()[-lines:]
 
 
-def follow(path: Path, interval: float = 0.5) -> Iterator[str]:
-    """Lines appended to ``path`` from now on (forever; the caller stops on Ctrl-C); follows
-    truncation and rotation by reopening. The end is found now, not at the first ``next``."""
+def follow(path: Path, interval: float = 0.5, start: int | None = None) -> Iterator[str]:
+    """Lines written to ``path`` after offset ``start`` (default: its end, found now rather
+    than at the first ``next``), forever; the caller stops on Ctrl-C. Follows truncation and
+    rotation by reopening."""
     fh = open(path, "rb")  # noqa: SIM115 - closed by the generator
-    fh.seek(0, os.SEEK_END)
+    if start is None:
+        fh.seek(0, os.SEEK_END)
+    else:
+        fh.seek(start)
     return _follow(path, fh, interval)
 
 

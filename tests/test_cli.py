@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -370,3 +371,45 @@ def test_up_plans_pulls_from_the_locked_mirror_and_serves(
         assert hub.requests == []  # verified files cost no network request
         refused = localspec(env, "pull", "qwen2.5-coder-0.5b")
         assert refused.returncode == 2 and "not in models.allowed" in refused.stderr
+
+
+@pytest.mark.skipif(os.name != "posix", reason="file modes and SIGINT are POSIX")
+def test_inline_key_in_a_readable_file_warns_and_missing_model_fails(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    user = _user_config(env)
+    user.write_text('[server]\napi_key = "sk-inline-999"\n')
+    user.chmod(0o644)
+    missing = tmp_path / "nope.gguf"
+    result = localspec(env, "up", "--target", str(missing), "--port", str(_free_port()))
+    assert result.returncode == 1
+    assert f"server.api_key is written in {user}, which other users can read" in result.stderr
+    assert f"model file not found: {missing}" in result.stderr
+    assert "sk-inline-999" not in result.stderr + result.stdout
+
+
+@pytest.mark.skipif(os.name != "posix", reason="SIGINT delivery")
+def test_logs_follow_prints_new_lines_and_stops_on_ctrl_c(env: dict[str, str]) -> None:
+    log = _state(env) / "localspec.log"
+    log.parent.mkdir(parents=True)
+    log.write_text("old 1\nold 2\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "localspec", "logs", "-f", "-n", "1"],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+    def line() -> str:
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        assert ready, "no output from `localspec logs -f`"
+        return proc.stdout.readline()
+
+    try:
+        assert line() == "old 2\n"
+        with log.open("a") as fh:
+            fh.write("new 1\n")
+        assert line() == "new 1\n"
+    finally:
+        proc.send_signal(signal.SIGINT)
+    assert proc.wait(30) == 0

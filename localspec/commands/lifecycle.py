@@ -310,12 +310,13 @@ def run_logs(args: argparse.Namespace) -> int:
     if not path.exists():
         print(f"no log yet at {path} (a foreground `localspec up` logs to the terminal)")
         return c.EXIT_OK if not args.follow else c.EXIT_FAILURE
-    for line in daemon.tail(path, args.lines):
+    end = path.stat().st_size  # one offset for both, so no line is shown twice or lost
+    for line in daemon.tail(path, args.lines, end):
         print(line)
     if args.follow:
         sys.stdout.flush()
         try:
-            for line in daemon.follow(path):
+            for line in daemon.follow(path, start=end):
                 print(line, flush=True)
         except KeyboardInterrupt:
             return c.EXIT_OK

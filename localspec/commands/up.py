@@ -72,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
         api_key = st.check_security(settings)
     except st.SettingsError as exc:
         return c.settings_error(exc)
+    _warn_readable_inline_key(resolved)
     if args.draft is not None and args.target is None:
         c.error("--draft needs --target (a catalog pair brings its own draft: use --pair)")
         return c.EXIT_USAGE
@@ -94,6 +95,21 @@ def run(args: argparse.Namespace) -> int:
     return _serve(args, settings, api_key)
 
 
+def _warn_readable_inline_key(resolved: st.ResolvedSettings) -> None:
+    origin = resolved.origins["server.api_key"]
+    if origin.kind not in ("system", "user") or os.name != "posix":
+        return
+    try:
+        readable = Path(origin.label).stat().st_mode & 0o044
+    except OSError:
+        return
+    if readable:
+        c.warn(
+            f"warning: server.api_key is written in {origin.label}, which other users can "
+            "read; prefer server.api_key_file (mode 600)"
+        )
+
+
 # --- background ------------------------------------------------------------------------------
 
 
@@ -106,15 +122,15 @@ def _detach(args: argparse.Namespace, host: str, port: int) -> int:
     log_path = daemon.log_file()
     proc = daemon.spawn_detached(child_argv, log_path)
     url = daemon.base_url(host, port)
-    states = {"down": "starting", "loading": "loading models"}
+    words = {"down": "starting", "loading": "loading models"}
     try:
         with c.Progress(f"starting localspec in the background (pid {proc.pid})") as progress:
-            outcome = daemon.wait_until_ready(
-                url,
-                proc,
-                args.wait_timeout,
-                lambda state: progress.update(f"{states.get(state, state)} (pid {proc.pid})"),
-            )
+
+            def show(state: daemon.HealthState) -> None:
+                if state in words:
+                    progress.update(f"{words[state]} (pid {proc.pid})")
+
+            outcome = daemon.wait_until_ready(url, proc, args.wait_timeout, show)
             if outcome == "ready":
                 progress.finish(f"ready at {url}")
             else:
@@ -131,7 +147,7 @@ def _detach(args: argparse.Namespace, host: str, port: int) -> int:
         owner = daemon.probe_port(host, port)
         pid = owner.pid if owner.kind == "localspec" and owner.pid else proc.pid
         print(f"localspec is running at {url} (pid {pid})")
-        print(f"logs: {log_path}  ·  stop: localspec down")
+        print(f"logs: {log_path}; stop: localspec down")
         return c.EXIT_OK
     if isinstance(outcome, int):
         c.error(f"the daemon exited with code {outcome} before it was ready; its log ends:")
