@@ -413,3 +413,30 @@ def test_logs_follow_prints_new_lines_and_stops_on_ctrl_c(env: dict[str, str]) -
     finally:
         proc.send_signal(signal.SIGINT)
     assert proc.wait(30) == 0
+
+
+def test_catalog_refresh_pins_sizes_and_sha256_from_the_hub(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    import hashlib
+
+    from tests.hubserver import LocalHub
+
+    data = b"GGUF" + bytes(range(256)) * 40
+    catalog_dir = tmp_path / "catalog"
+    _smol_catalog(catalog_dir, "smol.gguf")
+    with LocalHub() as hub:
+        hub.add_file(SMOL_REPO, "smol.gguf", data)
+        endpoint = ["--set", f"hub.endpoint={hub.url}"]
+        dry = localspec(env, "catalog", "refresh", str(catalog_dir), "--dry-run", *endpoint)
+        assert dry.returncode == 0, dry.stderr
+        assert "files.smol.gguf.sha256" in dry.stdout and "dry run" in dry.stdout
+        assert "sha256" not in (catalog_dir / "smol.toml").read_text()
+        done = localspec(env, "catalog", "refresh", str(catalog_dir), "--json", *endpoint)
+        assert done.returncode == 0, done.stderr
+    keys = {change["key"] for change in json.loads(done.stdout)}
+    assert {"files.smol.gguf.size", "files.smol.gguf.sha256"} <= keys
+    text = (catalog_dir / "smol.toml").read_text()
+    assert hashlib.sha256(data).hexdigest() in text and str(len(data)) in text
+    offline = localspec(env, "catalog", "refresh", str(catalog_dir), "--set", "hub.offline=true")
+    assert offline.returncode == 2 and "hub.offline" in offline.stderr

@@ -87,11 +87,13 @@ SERVE_FLAGS = (
 )
 
 
-def add_settings_flags(parser: argparse.ArgumentParser, *, serve: bool = False) -> None:
+def add_settings_flags(
+    parser: argparse.ArgumentParser, *, serve: bool = False, address: bool = True
+) -> None:
     group = parser.add_argument_group(
         "settings", "override config files and environment (see `localspec profile explain`)"
     )
-    for spec in ADDRESS_FLAGS + (SERVE_FLAGS if serve else ()):
+    for spec in (ADDRESS_FLAGS if address else ()) + (SERVE_FLAGS if serve else ()):
         if spec.type is bool:
             group.add_argument(
                 spec.flag, dest=spec.dest, action=argparse.BooleanOptionalAction, help=spec.help

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,8 @@ examples:
 """
 CATALOG_EPILOG = """\
 examples:
-  localspec catalog refresh      re-read sizes and sha256 from the hub for the pinned revisions
+  localspec catalog refresh --dry-run        what would change in the catalog files
+  localspec catalog refresh models/          pin sizes and sha256 of these files from the hub
 
 Extra catalog files: *.toml in <system config dir>/models and <user config dir>/models.
 """
@@ -47,7 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=c.Formatter,
     )
     p.add_argument("--json", action="store_true", help="print JSON")
-    c.add_settings_flags(p)
+    c.add_settings_flags(p, address=False)
     p.set_defaults(func=run_models)
 
     p = sub.add_parser(
@@ -60,7 +60,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quant", help="quantization (default Q8_0, or the only one)")
     p.add_argument("--pair", dest="pull_pair", metavar="PAIR", help="pull both models of a pair")
     p.add_argument("--force", action="store_true", help="download again even if verified")
-    c.add_settings_flags(p)
+    c.add_settings_flags(p, address=False)
     p.set_defaults(func=run_pull)
 
     p = sub.add_parser(
@@ -81,9 +81,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=c.Formatter,
     )
     actions = p.add_subparsers(dest="catalog_command", metavar="ACTION", required=True)
-    q = actions.add_parser("refresh", help="re-read sizes and sha256 from the hub")
+    q = actions.add_parser(
+        "refresh",
+        help="pin revisions, sizes and sha256 from the hub",
+        epilog=CATALOG_EPILOG,
+        formatter_class=c.Formatter,
+    )
+    q.add_argument("files", nargs="*", type=Path, metavar="FILE", help="catalog files or dirs")
+    q.add_argument("--dry-run", action="store_true", help="show the changes, write nothing")
+    q.add_argument("--update-revisions", action="store_true", help="move pins to current main")
     q.add_argument("--json", action="store_true", help="print JSON")
-    c.add_settings_flags(q)
+    c.add_settings_flags(q, address=False)
     q.set_defaults(func=run_catalog_refresh)
 
 
@@ -243,11 +251,9 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def run_catalog_refresh(args: argparse.Namespace) -> int:
-    try:
-        from localspec.fetch import refresh_catalog
-    except ImportError:
-        c.error("catalog refresh is not in this build")
-        return c.EXIT_FAILURE
+    from localspec.catalog import CatalogError
+    from localspec.fetch import refresh_catalog
+
     try:
         settings = c.load_settings(args).settings
         options = hub_options(settings)
@@ -256,12 +262,28 @@ def run_catalog_refresh(args: argparse.Namespace) -> int:
     if options["offline"]:
         c.error("hub.offline is set: refreshing the catalog needs the hub")
         return c.EXIT_USAGE
-    result = refresh_catalog(load_catalog(), endpoint=options["endpoint"], token=options["token"])
+    try:
+        target = list(args.files) if args.files else load_catalog()
+        with c.Progress("asking the hub for revisions, sizes and sha256") as progress:
+            changes = refresh_catalog(
+                target,
+                endpoint=options["endpoint"],
+                token=options["token"],
+                update_revisions=args.update_revisions,
+                dry_run=args.dry_run,
+            )
+            progress.finish(f"{len(changes)} change(s)")
+    except CatalogError as exc:
+        c.error(str(exc))
+        return c.EXIT_USAGE
+    except Exception as exc:  # the hub client raises httpx and huggingface_hub errors
+        c.error(f"catalog refresh failed: {exc}")
+        return c.EXIT_FAILURE
     if args.json:
-        c.print_json(result)
+        c.print_json([change.to_dict() for change in changes])
     else:
-        print(
-            result if isinstance(result, str) else "\n".join(map(str, result or [])),
-            file=sys.stdout,
-        )
+        for change in changes:
+            print(change)
+        if args.dry_run and changes:
+            print("(dry run: no file written)")
     return c.EXIT_OK
