@@ -97,6 +97,7 @@ def test_up_serves_infill_reports_already_running_and_stops_on_sigterm(
     out = (tmp_path / "up.out").open("w+")
     model = str(smollm_fim_q4)
     args = ["up", "--target", model, "--draft", model, "--port", str(port), "--ctx-size", "512"]
+    args.append("--log-requests")
     proc = subprocess.Popen(
         [sys.executable, "-m", "localspec", *args],
         env=env,
@@ -130,6 +131,8 @@ def test_up_serves_infill_reports_already_running_and_stops_on_sigterm(
     log = out.read()
     assert code == 0, log
     assert f"serving at http://localhost:{port}" in log
+    assert "POST /infill 200" in log  # log.requests: one line per request, no prompt text
+    assert "def add" not in log
     assert not pid_file.exists()
 
 

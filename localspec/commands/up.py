@@ -268,8 +268,18 @@ def _terminate(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt  # before the server owns the signals: stop a long step cleanly
 
 
+def _configure_logging(log_settings: st.LogSettings) -> None:
+    """The server's log setup (request lines per log.requests) when it has one."""
+    try:
+        from localspec.server.logs import configure
+    except ImportError:
+        c.configure_logging(log_settings)
+    else:
+        configure(log_settings.level, log_settings.format, log_settings.requests)
+
+
 def _serve(args: argparse.Namespace, settings: st.Settings, api_key: str | None) -> int:
-    c.configure_logging(settings.log)
+    _configure_logging(settings.log)
     if hasattr(signal, "SIGTERM"):
         signal.signal(signal.SIGTERM, _terminate)
     try:
