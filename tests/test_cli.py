@@ -443,3 +443,54 @@ def test_catalog_refresh_pins_sizes_and_sha256_from_the_hub(
     assert hashlib.sha256(data).hexdigest() in text and str(len(data)) in text
     offline = localspec(env, "catalog", "refresh", str(catalog_dir), "--set", "hub.offline=true")
     assert offline.returncode == 2 and "hub.offline" in offline.stderr
+
+
+def test_status_report_renders_pair_memory_requests_and_acceptance() -> None:
+    from localspec.commands.lifecycle import metric_totals, render_status, summarise
+
+    metrics = """\
+# TYPE localspec_requests counter
+localspec_requests_total{endpoint="infill",outcome="ok"} 7
+localspec_requests_total{endpoint="completion",outcome="ok"} 3
+# TYPE localspec_prompt_tokens_evaluated counter
+localspec_prompt_tokens_evaluated_total 250
+# TYPE localspec_prompt_tokens_cached counter
+localspec_prompt_tokens_cached_total 750
+# TYPE localspec_draft_tokens counter
+localspec_draft_tokens_total{source="draft"} 80
+localspec_draft_tokens_total{source="ngram"} 20
+# TYPE localspec_draft_tokens_accepted counter
+localspec_draft_tokens_accepted_total{source="draft"} 60
+localspec_draft_tokens_accepted_total{source="ngram"} 5
+"""
+    summary = summarise(metric_totals(metrics))
+    assert summary["requests"] == 10
+    assert summary["reuse_ratio"] == 0.75 and summary["acceptance_rate"] == 0.65
+    report = {
+        "url": "http://localhost:8012",
+        "health": "ready",
+        "pid": 42,
+        "uptime_s": 3725,
+        "rss_bytes": 512 * 1024 * 1024,
+        "gpu_memory": [{"name": "NVIDIA H200", "used_bytes": 9 * 1024**3}],
+        "props": {
+            "model_alias": "qwen2.5-coder-7b+0.5b",
+            "model_path": "/m/qwen2.5-coder-7b-q8_0.gguf",
+            "draft_model_path": "/m/qwen2.5-coder-0.5b-q8_0.gguf",
+            "n_ctx": 16384,
+        },
+        "slots": {"total": 2, "busy": 1},
+        "metrics": summary,
+    }
+    text = render_status(report)
+    for expected in (
+        "pid 42, up 1h 2m 5s, 512.0 MiB resident",
+        "pair         qwen2.5-coder-7b+0.5b",
+        "draft        /m/qwen2.5-coder-0.5b-q8_0.gguf",
+        "memory       NVIDIA H200: 9.0 GiB",
+        "10 served",
+        "750 tokens reused, 250 evaluated (75% reused)",
+        "65 of 100 drafted tokens (65%)",
+        "1 busy of 2",
+    ):
+        assert expected in text, (expected, text)

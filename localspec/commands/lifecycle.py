@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -182,7 +183,7 @@ def gather_status(host: str, port: int, api_key: str | None) -> dict[str, Any]:
     try:
         response = httpx.get(f"{url}/metrics", headers=headers, timeout=5.0)
         if response.status_code == 200:
-            report["metrics"] = _summarise(metric_totals(response.text))
+            report["metrics"] = summarise(metric_totals(response.text))
     except (httpx.HTTPError, ValueError):
         pass
     pid = _find_pid(host, port, api_key)
@@ -198,7 +199,7 @@ def gather_status(host: str, port: int, api_key: str | None) -> dict[str, Any]:
     return report
 
 
-def _summarise(totals: dict[str, float]) -> dict[str, Any]:
+def summarise(totals: dict[str, float]) -> dict[str, Any]:
     def total(name: str) -> float:
         return totals.get(f"localspec_{name}_total", totals.get(f"localspec_{name}", 0.0))
 
@@ -242,7 +243,10 @@ def render_status(report: dict[str, Any]) -> str:
         lines.append(f"  process      pid {report['pid']}{extra}{rss}")
     props = report.get("props") or {}
     settings = props.get("default_generation_settings") or {}
-    model = props.get("model_path") or props.get("model_alias") or props.get("model")
+    model = props.get("model_path") or props.get("model")
+    alias = props.get("model_alias")
+    if alias and (not model or Path(str(model)).name != alias):
+        lines.append(f"  pair         {alias}")
     if model:
         lines.append(f"  target       {model}")
     draft = props.get("draft_model_path")
