@@ -119,10 +119,15 @@ def test_n_cmpl_seeds_are_distinct() -> None:
 
 
 def test_sampler_names_and_chars() -> None:
-    assert sampler_chain(["top-k", "nucleus", "temp", "bogus", "infill"]) == (
+    assert sampler_chain(["top-k", "nucleus", "temp", "infill"]) == (
         "top_k", "top_p", "temperature", "infill",
     )  # fmt: skip
     assert sampler_chain("kpi") == ("top_k", "top_p", "infill")
+    # unlike llama-server (which skips them silently), an unknown sampler is a clear 400
+    with pytest.raises(InvalidRequest, match="bogus"):
+        sampler_chain(["top_k", "bogus"])
+    with pytest.raises(InvalidRequest, match="'z'"):
+        sampler_chain("kz")
 
 
 def test_common_prefix_across_chunk_boundaries() -> None:

@@ -81,12 +81,13 @@ async def completion(body: CompletionRequest, request: Request, svc: Svc) -> Res
     except ApiError as exc:
         return error_response(exc)
     prepare = prompts.completion(body.prompt, cache=svc.token_cache)
-    return await svc.native(request, "completion", svc.job(params, prepare))
+    return await svc.native(request, "completion", svc.job(params, prepare, truncate=True))
 
 
 @router.post("/v1/completions")
 async def openai_completions(body: OpenAICompletionRequest, request: Request, svc: Svc) -> Response:
     """OpenAI completions; a ``suffix`` makes it fill-in-the-middle (no extra context)."""
+    truncate = body.suffix is None  # a FIM layout is made to fit; a plain prompt is cut
     try:
         params = svc.params(body)
         if body.suffix is not None:
@@ -106,7 +107,7 @@ async def openai_completions(body: OpenAICompletionRequest, request: Request, sv
             prepare = prompts.completion(body.prompt, cache=svc.token_cache)
     except ApiError as exc:
         return error_response(exc)
-    return await svc.openai(request, svc.job(params, prepare))
+    return await svc.openai(request, svc.job(params, prepare, truncate=truncate))
 
 
 @router.get("/props")
@@ -180,9 +181,9 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "Invalid request: " + "; ".join(parts)
 
 
-async def _on_validation_error(_request: Request, exc: Exception) -> Response:
+async def _on_validation_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestValidationError)
-    return error_response(InvalidRequest(_validation_message(exc)))
+    return error_response(InvalidRequest(_validation_message(exc)), request)
 
 
 async def _on_http_error(_request: Request, exc: Exception) -> Response:
@@ -259,7 +260,17 @@ def create_app(
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
     app.add_exception_handler(Exception, _on_error)
-    app.add_middleware(Gate, api_key=server_settings.api_key, not_ready=svc.not_ready)
+    metrics = svc.metrics
+    app.add_middleware(
+        Gate,
+        api_key=server_settings.api_key,
+        not_ready=svc.not_ready,
+        max_body=server_settings.max_body_bytes,
+        routes=frozenset(getattr(r, "path", "") for r in app.routes),
+        observer=None
+        if metrics is None
+        else lambda e: metrics.observe_http(e.route, e.status, e.total_ms / 1e3),
+    )
     if server_settings.cors_origins:
         app.add_middleware(
             CORSMiddleware,

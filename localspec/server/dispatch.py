@@ -23,13 +23,22 @@ from localspec.server.worker import Job, JobResult, Worker
 
 log = logging.getLogger("localspec.server")
 
-T0_KEY = "localspec.t0"  # set in the ASGI scope by the timing middleware
+T0_KEY = "localspec.t0"  # set in the ASGI scope by the gate
+LOG_KEY = "localspec.log"  # the request's logs.RequestLog, set by the gate
 
 _DONE = object()
 
 
 def request_t0(request: Request) -> float:
     return request.scope.get(T0_KEY) or time.perf_counter()
+
+
+def note(request: Request, **fields: Any) -> None:
+    """Add to the request's log line (a no-op when the app runs without the gate)."""
+    entry = request.scope.get(LOG_KEY)
+    if entry is not None:
+        for key, value in fields.items():
+            setattr(entry, key, value)
 
 
 def server_timing(
@@ -70,8 +79,10 @@ def as_api_error(exc: BaseException) -> ApiError:
     return ApiError(f"{type(exc).__name__}: {exc}")
 
 
-def error_response(exc: BaseException) -> CompactJSONResponse:
+def error_response(exc: BaseException, request: Request | None = None) -> CompactJSONResponse:
     err = as_api_error(exc)
+    if request is not None:
+        note(request, error=err.message)
     return CompactJSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
@@ -179,7 +190,7 @@ async def respond(
             on_result(result)
         body = dumps(render(result))
     except Exception as exc:  # one request's failure never takes the daemon down
-        return error_response(exc)
+        return error_response(exc, request)
     finally:
         pending.close()
     return Response(
@@ -218,7 +229,7 @@ async def respond_stream(
             early_tail = finish()
     except Exception as exc:  # one request's failure never takes the daemon down
         pending.close()
-        return error_response(exc)
+        return error_response(exc, request)
     if first is None:
         pending.close()
         return Response(status_code=499)
@@ -228,19 +239,23 @@ async def respond_stream(
         try:
             while item is not _DONE:
                 if item is None:
+                    note(request, outcome="client left")
                     return
                 yield sse(partial(*item))
                 item = await pending.next_item()
             try:
                 tail = early_tail if first is _DONE else finish()
             except Exception as exc:  # the stream is open: report, do not crash
-                yield sse(as_api_error(exc).body())
+                err = as_api_error(exc)
+                note(request, outcome="error", error=err.message)
+                yield sse(err.body())
                 return
             for chunk in tail:
                 yield chunk
             if done_marker:
                 yield done_marker
         except ApiError as exc:  # timed out mid-stream
+            note(request, outcome="timed out", error=exc.message)
             yield sse(exc.body())
         finally:
             pending.close()

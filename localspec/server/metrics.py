@@ -1,54 +1,150 @@
-"""Prometheus metrics for the daemon, in a registry of its own (one per app, none global)."""
+"""Prometheus metrics for the daemon, in a registry of its own (one per app, none global).
+
+Counters and histograms are updated as requests finish; everything that is state (queue depth,
+slots, model memory, acceptance) is read at scrape time by collectors, so the worker thread
+never blocks on the metrics and a scrape always shows the present.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 from localspec.engine.types import GenerationResult
+from localspec.server.slots import SlotInfo
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 120)
 _OVERHEAD_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
+_RATE_BUCKETS = (1, 5, 10, 25, 50, 100, 200, 400, 800, 1600, 5000, 20000)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
-class _FunctionCounter(Collector):
-    """A counter whose value lives elsewhere (the worker counts; the thread never blocks)."""
+@dataclass(frozen=True)
+class Probes:
+    """What the metrics read from the daemon at scrape time (all cheap, none blocking)."""
 
-    def __init__(self, name: str, doc: str, value: Callable[[], int]) -> None:
-        self.name, self.doc, self.value = name, doc, value
+    queued: Callable[[], int]
+    busy: Callable[[], bool]
+    cancelled: Callable[[], int] = lambda: 0
+    slots: Callable[[], Sequence[SlotInfo]] = lambda: ()
+    model_files: Callable[[], dict[str, str]] = dict  # role ("target", "draft") -> GGUF path
 
-    def collect(self) -> list[CounterMetricFamily]:
-        return [CounterMetricFamily(self.name, self.doc, value=self.value())]
+
+class _StateCollector(Collector):
+    """Queue, engine, slots, model memory, cancellations and acceptance, read when scraped."""
+
+    def __init__(self, probes: Probes, metrics: Metrics) -> None:
+        self.probes = probes
+        self.metrics = metrics
+        self._sizes: dict[str, int] = {}
+
+    def _model_bytes(self) -> dict[str, int]:
+        files = self.probes.model_files()
+        for role, path in files.items():
+            if role not in self._sizes:
+                try:
+                    self._sizes[role] = os.path.getsize(path)
+                except OSError:
+                    continue
+        return {role: size for role, size in self._sizes.items() if role in files}
+
+    def collect(self) -> Iterable[Metric]:
+        p = self.probes
+        yield GaugeMetricFamily(
+            "localspec_queue_depth", "Requests waiting for the engine", value=p.queued()
+        )
+        yield GaugeMetricFamily(
+            "localspec_engine_busy", "1 while the engine runs a request", value=float(p.busy())
+        )
+        yield CounterMetricFamily(
+            "localspec_requests_cancelled",
+            "Requests dropped or stopped early (client left, superseded, timed out)",
+            value=p.cancelled(),
+        )
+        slots = list(p.slots())
+        states = GaugeMetricFamily("localspec_slots", "Slots by state", labels=["state"])
+        n_busy = sum(1 for s in slots if s.is_processing)
+        states.add_metric(["processing"], n_busy)
+        states.add_metric(["idle"], len(slots) - n_busy)
+        yield states
+        cached = GaugeMetricFamily(
+            "localspec_slot_cached_tokens", "Tokens held in each slot's KV cache", labels=["slot"]
+        )
+        for s in slots:
+            cached.add_metric([str(s.id)], len(s.tokens))
+        yield cached
+        memory = GaugeMetricFamily(
+            "localspec_model_bytes",
+            "Size of each loaded model's weights (its GGUF file)",
+            labels=["model"],
+        )
+        for role, size in self._model_bytes().items():
+            memory.add_metric([role], size)
+        yield memory
+        ratio = GaugeMetricFamily(
+            "localspec_draft_acceptance_ratio",
+            "Accepted / drafted tokens since start, by draft source",
+            labels=["source"],
+        )
+        for source, (drafted, accepted) in sorted(self.metrics.draft_totals.items()):
+            if drafted:
+                ratio.add_metric([source], accepted / drafted)
+        yield ratio
 
 
 class Metrics:
-    def __init__(
-        self,
-        *,
-        queued: Callable[[], int],
-        busy: Callable[[], bool],
-        cancelled: Callable[[], int] = lambda: 0,
-    ) -> None:
+    def __init__(self, probes: Probes, *, process: bool = True) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self.draft_totals: dict[str, tuple[int, int]] = {}
         r = self.registry
+        self.http_requests = Counter(
+            "localspec_http_requests",
+            "HTTP requests answered, by route and status (401, 413, 503 included)",
+            ["route", "status"],
+            registry=r,
+        )
+        self.http_latency = Histogram(
+            "localspec_http_request_seconds",
+            "Wall time of every HTTP request, first byte to last",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.requests = Counter(
             "localspec_requests",
             "Completion requests answered",
             ["endpoint", "outcome"],
             registry=r,
         )
-        self.latency = Histogram(
-            "localspec_request_seconds",
-            "Wall time of completion requests",
-            ["endpoint"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+
+        def hist(name: str, doc: str, buckets: Sequence[float] = _LATENCY_BUCKETS) -> Histogram:
+            return Histogram(name, doc, ["endpoint"], buckets=buckets, registry=r)
+
+        self.latency = hist("localspec_request_seconds", "Total wall time of completion requests")
+        self.queue_time = hist("localspec_queue_seconds", "Time a request waited for the engine")
+        self.prompt_time = hist(
+            "localspec_prompt_seconds", "Prompt processing time (cache reuse and evaluation)"
+        )
+        self.generation_time = hist(
+            "localspec_generation_seconds", "Token generation time (drafting and verifying)"
+        )
+        self.tokens_per_second = hist(
+            "localspec_generation_tokens_per_second",
+            "Generated tokens per second, per completion",
+            _RATE_BUCKETS,
+        )
+        self.prompt_per_second = hist(
+            "localspec_prompt_tokens_per_second",
+            "Prompt tokens evaluated per second, per completion",
+            _RATE_BUCKETS,
         )
         self.overhead = Histogram(
             "localspec_server_overhead_seconds",
@@ -60,7 +156,9 @@ class Metrics:
             "localspec_prompt_tokens_evaluated", "Prompt tokens the target evaluated", registry=r
         )
         self.prompt_cached = Counter(
-            "localspec_prompt_tokens_cached", "Prompt tokens reused from a slot's cache", registry=r
+            "localspec_prompt_tokens_cached",
+            "Prompt tokens reused from a slot's cache instead of evaluated",
+            registry=r,
         )
         self.predicted = Counter("localspec_tokens_predicted", "Tokens generated", registry=r)
         self.drafted = Counter(
@@ -72,23 +170,31 @@ class Metrics:
             ["source"],
             registry=r,
         )
-        queue_depth = Gauge("localspec_queue_depth", "Requests waiting for the engine", registry=r)
-        queue_depth.set_function(lambda: float(queued()))
-        busy_gauge = Gauge("localspec_engine_busy", "1 while the engine runs a request", registry=r)
-        busy_gauge.set_function(lambda: float(busy()))
-        r.register(_FunctionCounter(
-            "localspec_requests_cancelled",
-            "Requests dropped or stopped early (client left, superseded, timed out)",
-            cancelled,
-        ))  # fmt: skip
+        r.register(_StateCollector(probes, self))
+        if process:  # RSS, CPU time, open files of this process (Linux /proc only)
+            ProcessCollector(registry=r)
 
-    def record(self, result: GenerationResult) -> None:
+    def observe_http(self, route: str, status: int, seconds: float) -> None:
+        self.http_requests.labels(route, str(status)).inc()
+        self.http_latency.labels(route).observe(seconds)
+
+    def record(self, result: GenerationResult, endpoint: str = "completion") -> None:
         self.prompt_evaluated.inc(result.n_evaluated)
         self.prompt_cached.inc(result.n_cached)
-        self.predicted.inc(len(result.tokens))
+        n_predicted = len(result.tokens)
+        self.predicted.inc(n_predicted)
+        self.prompt_time.labels(endpoint).observe(result.prompt_ms / 1e3)
+        self.generation_time.labels(endpoint).observe(result.predicted_ms / 1e3)
+        if n_predicted and result.predicted_ms > 0:
+            self.tokens_per_second.labels(endpoint).observe(n_predicted / result.predicted_ms * 1e3)
+        if result.n_evaluated and result.prompt_ms > 0:
+            rate = result.n_evaluated / result.prompt_ms * 1e3
+            self.prompt_per_second.labels(endpoint).observe(rate)
         for source, stats in result.drafted.items():
             self.drafted.labels(source).inc(stats.drafted)
             self.accepted.labels(source).inc(stats.accepted)
+            drafted, accepted = self.draft_totals.get(source, (0, 0))
+            self.draft_totals[source] = (drafted + stats.drafted, accepted + stats.accepted)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

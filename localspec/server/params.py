@@ -56,10 +56,26 @@ _SAMPLER_CHARS: dict[str, str] = {
 
 
 def sampler_chain(samplers: list[str] | str) -> tuple[str, ...]:
-    """llama.cpp's names, or a string of one-letter codes; unknown names are skipped as there."""
+    """llama.cpp's names, or a string of one-letter codes.
+
+    llama-server skips unknown names with a warning in its own log; a client that misspells
+    a sampler would never learn its chain changed, so an unknown name is a 400 here.
+    """
     if isinstance(samplers, str):
-        return tuple(_SAMPLER_CHARS[c] for c in samplers if c in _SAMPLER_CHARS)
-    return tuple(_SAMPLER_NAMES[s] for s in samplers if s in _SAMPLER_NAMES)
+        unknown = sorted({c for c in samplers if c not in _SAMPLER_CHARS})
+        if unknown:
+            raise InvalidRequest(
+                f"Unknown sampler code(s) {', '.join(map(repr, unknown))} in 'samplers': "
+                f"use {''.join(_SAMPLER_CHARS)}"
+            )
+        return tuple(_SAMPLER_CHARS[c] for c in samplers)
+    unknown = sorted({s for s in samplers if s not in _SAMPLER_NAMES})
+    if unknown:
+        raise InvalidRequest(
+            f"Unknown sampler(s) {', '.join(map(repr, unknown))} in 'samplers': "
+            f"use {', '.join(sorted(set(_SAMPLER_NAMES.values())))}"
+        )
+    return tuple(_SAMPLER_NAMES[s] for s in samplers)
 
 
 def _clamp(value: float, low: float, high: float) -> float:
@@ -93,6 +109,7 @@ class TaskParams:
     request: GenerationRequest  # slot and prompt are filled in by the worker
     n_cmpl: int = 1
     id_slot: int = -1
+    n_keep: int = 0  # prompt tokens kept when a too-long prompt is truncated; -1: all
     stream: bool = False
     response_fields: tuple[str, ...] = ()
     settings_json: dict[str, Any] = field(default_factory=dict)
@@ -155,7 +172,7 @@ def task_params(
         "stop": list(stop),
         "max_tokens": n_predict,
         "n_predict": n_predict,
-        "n_keep": 0,
+        "n_keep": body.n_keep or 0,
         "n_indent": request.n_indent,
         "t_max_predict_ms": t_max_predict_ms,
         "cache_prompt": request.cache_prompt,
@@ -169,6 +186,7 @@ def task_params(
         request=request,
         n_cmpl=body.n_cmpl or 1,
         id_slot=-1 if body.id_slot is None else body.id_slot,
+        n_keep=body.n_keep or 0,
         stream=stream,
         response_fields=tuple(body.response_fields or ()),
         settings_json=settings_json,

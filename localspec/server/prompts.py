@@ -86,6 +86,20 @@ def _user_ids(*values: str | Sequence[int | str]) -> list[int]:
     return [p for v in values if not isinstance(v, str) for p in v if not isinstance(p, str)]
 
 
+def truncate(tokens: Sequence[int], n_ctx: int, n_keep: int = 0) -> list[int]:
+    """llama-server's rule for a prompt that does not fit (before it dropped truncation): keep
+    the first ``n_keep`` tokens (-1: as many as allowed, at most ``n_ctx - 4``), then drop
+    whole blocks of half the remaining context from the start of the rest, so the newest
+    text stays and the result is shorter than ``n_ctx``."""
+    if len(tokens) < n_ctx:
+        return list(tokens)
+    keep = len(tokens) if n_keep < 0 else n_keep
+    keep = max(0, min(n_ctx - 4, keep))
+    block = max(1, (n_ctx - keep) // 2)
+    erased = (len(tokens) - keep - block) // block
+    return [*tokens[:keep], *tokens[keep + erased * block :]]
+
+
 def completion(prompt: str | Sequence[int | str], cache: TokenCache | None = None) -> Prepare:
     """llama-server's /completion: special tokens parsed, BOS added before leading text."""
     cache = cache or TokenCache()

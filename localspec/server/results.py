@@ -59,6 +59,7 @@ class Completion:
     id_slot: int
     tokens_cached: int
     prompt_text: str = ""
+    truncated: bool = False  # the prompt was cut to fit, or generation hit the context end
 
 
 def _per(ms: float, n: int) -> float:
@@ -104,7 +105,7 @@ def final_object(
         "generation_settings": settings_json,
         "prompt": done.prompt_text,
         "has_new_line": "\n" in r.text,
-        "truncated": False,
+        "truncated": done.truncated,
         "stop_type": r.stop_type,
         "stopping_word": r.stopping_word,
         "tokens_cached": done.tokens_cached,

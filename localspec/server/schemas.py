@@ -7,23 +7,44 @@ explicit ``null`` means "the server default", as in llama-server.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
+INT32_MAX = 2**31 - 1
+MAX_EXTRA_CHUNKS = 1024  # llama-vscode's ring buffer holds 16 by default
+MAX_STOP_STRINGS = 256
+SPEC_N_MAX_LIMIT = 256  # drafts longer than this never pay; bounds the policy's work
+
+
+def _valid_unicode(text: str) -> str:
+    """JSON may escape lone surrogates (``"\\ud800"``); they are not text and cannot be
+    tokenized, so they are refused here with a clear 400 instead of failing in the engine."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"invalid Unicode: a lone surrogate at character {exc.start} (not UTF-8 text)"
+        ) from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+Int32 = Annotated[int, Field(ge=-(2**31), le=INT32_MAX)]
 # A prompt as llama-server takes it: text, or token ids mixed with text pieces.
-PromptPieces = list[int | str]
+PromptPieces = list[int | Text]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    # NaN/Infinity are not JSON, but Python's parser accepts them: refuse them in every number
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, allow_inf_nan=False)
 
 
 class ExtraChunk(_Body):
     """One piece of extra context (llama-vscode's ring buffer): a file or a snippet of one."""
 
-    text: str
-    filename: str = "tmp"
+    text: Text
+    filename: Text = "tmp"
 
 
 class GenerationFields(_Body):
@@ -32,35 +53,55 @@ class GenerationFields(_Body):
     n_predict: int | None = Field(
         None,
         ge=-1,
+        le=INT32_MAX,
         validation_alias=AliasChoices("n_predict", "max_completion_tokens", "max_tokens"),
         description="Tokens to generate; -1 until a stop rule; 0 only fills the cache.",
     )
     n_cmpl: int | None = Field(
         None,
         ge=1,
+        le=INT32_MAX,
         validation_alias=AliasChoices("n_cmpl", "n"),
         description="Number of completions of the same prompt; more than 1 answers an array.",
     )
-    id_slot: int | None = Field(None, ge=-1, description="Pin a slot; -1 picks the best one.")
+    id_slot: int | None = Field(
+        None, ge=-1, le=INT32_MAX, description="Pin a slot; -1 picks the best one."
+    )
     stream: bool | None = None
     cache_prompt: bool | None = None
-    n_indent: int | None = Field(None, ge=0, description="Minimum indentation of new lines.")
-    t_max_predict_ms: int | None = Field(
-        None, ge=-1, description="After a newline, stop once generation ran this long."
+    n_indent: int | None = Field(
+        None, ge=0, le=INT32_MAX, description="Minimum indentation of new lines."
     )
-    t_max_prompt_ms: int | None = Field(None, description="Accepted and ignored (as llama-server).")
-    stop: list[str] | str | None = None
+    t_max_predict_ms: int | None = Field(
+        None,
+        ge=-1,
+        le=INT32_MAX,
+        description="After a newline, stop once generation ran this long.",
+    )
+    t_max_prompt_ms: Int32 | None = Field(
+        None, description="Accepted and ignored (as llama-server)."
+    )
+    stop: list[Text] | Text | None = Field(None, max_length=MAX_STOP_STRINGS)
     response_fields: list[str] | None = Field(
         None, description="Only these paths, flattened (e.g. timings/prompt_n)."
     )
-    top_k: int | None = None
+    top_k: Int32 | None = None
     top_p: float | None = None
     min_p: float | None = None
     temperature: float | None = None
-    samplers: list[str] | str | None = None
-    seed: int | None = None
-    speculative_n_max: int | None = Field(None, ge=0, alias="speculative.n_max")
-    speculative_n_min: int | None = Field(None, ge=0, alias="speculative.n_min")
+    samplers: list[str] | str | None = Field(
+        None, description="Sampler names, or one letter each (k, p, m, t, ...); unknown: 400."
+    )
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1, description="-1: random.")
+    n_keep: int | None = Field(
+        None, ge=-1, le=INT32_MAX, description="Prompt tokens kept when truncating; -1: all."
+    )
+    speculative_n_max: int | None = Field(
+        None, ge=0, le=SPEC_N_MAX_LIMIT, alias="speculative.n_max"
+    )
+    speculative_n_min: int | None = Field(
+        None, ge=0, le=SPEC_N_MAX_LIMIT, alias="speculative.n_min"
+    )
     speculative_p_min: float | None = Field(None, ge=0.0, le=1.0, alias="speculative.p_min")
     model: Any = Field(None, description="Accepted and ignored: one model pair is served.")
     lora: Any = Field(None, description="Accepted and ignored.")
@@ -69,20 +110,22 @@ class GenerationFields(_Body):
 class InfillRequest(GenerationFields):
     """``POST /infill``: llama-vscode's and llama.vim's fill-in-the-middle request."""
 
-    input_prefix: str | PromptPieces
-    input_suffix: str | PromptPieces
-    input_extra: list[ExtraChunk] | None = None
-    prompt: str | None = Field(None, description="Text typed on the cursor line before the cursor.")
+    input_prefix: Text | PromptPieces
+    input_suffix: Text | PromptPieces
+    input_extra: list[ExtraChunk] | None = Field(None, max_length=MAX_EXTRA_CHUNKS)
+    prompt: Text | None = Field(
+        None, description="Text typed on the cursor line before the cursor."
+    )
 
 
 class CompletionRequest(GenerationFields):
     """``POST /completion``: llama-server's native API."""
 
-    prompt: str | PromptPieces
+    prompt: Text | PromptPieces
 
     @field_validator("prompt")
     @classmethod
-    def _non_empty(cls, value: str | PromptPieces) -> str | PromptPieces:
+    def _non_empty(cls, value: Text | PromptPieces) -> Text | PromptPieces:
         if isinstance(value, list) and not value:
             raise ValueError("prompt is an empty list")
         return value
@@ -91,14 +134,14 @@ class CompletionRequest(GenerationFields):
 class OpenAICompletionRequest(GenerationFields):
     """``POST /v1/completions``; a ``suffix`` turns it into fill-in-the-middle."""
 
-    prompt: str | PromptPieces
-    suffix: str | None = None
+    prompt: Text | PromptPieces
+    suffix: Text | None = None
     echo: bool | None = None
     logprobs: Any = None
 
 
 class TokenizeRequest(_Body):
-    content: str | PromptPieces = ""
+    content: Text | PromptPieces = ""
     add_special: bool = False
     parse_special: bool = True
     with_pieces: bool = False

@@ -16,7 +16,7 @@ from localspec import __version__
 from localspec.engine.types import EngineSettings, SamplingParams, TokenEvent
 from localspec.server import dispatch, results
 from localspec.server.errors import ApiError, Unavailable
-from localspec.server.metrics import Metrics
+from localspec.server.metrics import Metrics, Probes
 from localspec.server.params import TaskParams, task_params
 from localspec.server.prompts import Prepare
 from localspec.server.schemas import GenerationFields
@@ -25,6 +25,25 @@ from localspec.server.tokcache import TokenCache
 from localspec.server.worker import Job, JobResult, Worker
 
 log = logging.getLogger("localspec.server")
+
+
+def _probes(worker: Worker) -> Probes:
+    def model_files() -> dict[str, str]:
+        engine = worker.engine
+        if engine is None:
+            return {}
+        files = {"target": str(engine.model_path)}
+        if getattr(engine, "draft_path", None) is not None:
+            files["draft"] = str(engine.draft_path)
+        return files
+
+    return Probes(
+        queued=lambda: worker.queued,
+        busy=lambda: worker.busy,
+        cancelled=lambda: worker.n_cancelled,
+        slots=lambda: list(worker.slots),
+        model_files=model_files,
+    )
 
 
 @dataclass
@@ -50,15 +69,7 @@ class Service:
         worker = Worker(
             load, queue_limit=settings.queue_limit, on_ready=on_ready, on_failure=on_failure
         )
-        metrics = (
-            Metrics(
-                queued=lambda: worker.queued,
-                busy=lambda: worker.busy,
-                cancelled=lambda: worker.n_cancelled,
-            )
-            if settings.metrics
-            else None
-        )
+        metrics = Metrics(_probes(worker)) if settings.metrics else None
         name = settings.model_alias or Path(engine_settings.target.path).name
         return cls(settings, engine_settings, worker, metrics, name, time.time(), TokenCache())
 
@@ -94,16 +105,32 @@ class Service:
                 settings_json[f"speculative.{key}"] = default
         return params
 
-    def job(self, params: TaskParams, prepare: Prepare) -> Job:
+    def job(self, params: TaskParams, prepare: Prepare, *, truncate: bool = False) -> Job:
+        """A job for the worker; ``truncate``: cut a too-long prompt instead of a 400."""
         wants_prompt = not params.response_fields or any(
             f == "prompt" or f.startswith("prompt/") for f in params.response_fields
         )
         vocab, cache = self.engine.vocab, self.token_cache
         detok = (lambda tokens: cache.detokenize(vocab, tokens)) if wants_prompt else None
-        return Job(params, prepare, detokenize=detok)
+        return Job(params, prepare, detokenize=detok, truncate=truncate)
 
     def _recorder(self, endpoint: str, request: Request) -> Callable[[JobResult], None]:
         def record(result: JobResult) -> None:
+            runs = [done.result for done in result.completions]
+            dispatch.note(
+                request,
+                outcome="cancelled" if result.cancelled else "",
+                slot=result.completions[0].id_slot if result.completions else None,
+                n_prompt=result.n_prompt,
+                evaluated=sum(r.n_evaluated for r in runs),
+                reused=sum(r.n_cached for r in runs),
+                predicted=sum(len(r.tokens) for r in runs),
+                drafted=sum(r.draft_n for r in runs),
+                accepted=sum(r.draft_n_accepted for r in runs),
+                queue_ms=result.t_queue_ms,
+                prompt_ms=sum(r.prompt_ms for r in runs),
+                gen_ms=sum(r.predicted_ms for r in runs),
+            )
             if log.isEnabledFor(logging.DEBUG):
                 for done in result.completions:
                     r = done.result
@@ -116,13 +143,14 @@ class Service:
                     )  # fmt: skip
             if self.metrics is None:
                 return
-            outcome = "cancelled" if result.cancelled else "ok"
-            self.metrics.requests.labels(endpoint, outcome).inc()
+            m = self.metrics
+            m.requests.labels(endpoint, "cancelled" if result.cancelled else "ok").inc()
             wall = time.perf_counter() - dispatch.request_t0(request)
-            self.metrics.latency.labels(endpoint).observe(wall)
-            self.metrics.overhead.observe(max(0.0, wall - result.t_engine_ms / 1e3))
-            for done in result.completions:
-                self.metrics.record(done.result)
+            m.latency.labels(endpoint).observe(wall)
+            m.queue_time.labels(endpoint).observe(result.t_queue_ms / 1e3)
+            m.overhead.observe(max(0.0, wall - result.t_engine_ms / 1e3))
+            for r in runs:
+                m.record(r, endpoint)
 
         return record
 

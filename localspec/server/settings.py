@@ -21,6 +21,7 @@ class ServerSettings:
     spm_infill: bool = False  # llama-server's --spm-infill: suffix block before prefix
     n_cmpl_max: int = 16  # most completions one request may ask for
     infill_room: int = 256  # /infill prompts leave this many tokens (at most n_ctx/4) to generate
+    max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies answer 413
 
     def is_loopback(self) -> bool:
         return self.host in LOOPBACK_HOSTS
@@ -38,5 +39,7 @@ class ServerSettings:
             raise ValueError(f"n_parallel must be at least 1, got {self.n_parallel}")
         if self.queue_limit < 0:
             raise ValueError(f"queue_limit must be 0 or more, got {self.queue_limit}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
         if self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be positive, got {self.request_timeout_s}")

@@ -14,12 +14,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
 from localspec.engine.types import GenerationRequest, GenerationResult, TokenEvent
 from localspec.server.errors import ContextExceeded, Unavailable
 from localspec.server.params import TaskParams
+from localspec.server.prompts import truncate
 from localspec.server.results import Completion
 from localspec.server.slots import SlotInfo, choose_slot, pinned_slot
 
@@ -57,6 +58,7 @@ class Job:
     t_submit: float = field(default_factory=time.perf_counter)
     slot: int = -1  # set by the worker before the first token is streamed
     n_prompt: int = 0
+    truncate: bool = False  # a prompt longer than the context is cut (llama-server's rule)
 
     @property
     def cache_only(self) -> bool:
@@ -277,12 +279,18 @@ class Worker:
         engine = self.engine
         t_start = time.perf_counter()
         out = JobResult([], t_queue_ms=(t_start - job.t_submit) * 1e3)
+        params = job.params
         prompt = job.prepare(engine)
+        n_ctx = engine.n_ctx
+        truncated = len(prompt) >= n_ctx
+        if truncated:
+            if not job.truncate:
+                raise ContextExceeded(len(prompt), n_ctx)
+            n_before = len(prompt)
+            prompt = truncate(prompt, n_ctx, params.n_keep)
+            log.info("prompt of %d tokens truncated to %d (n_ctx %d)", n_before, len(prompt), n_ctx)
         out.n_prompt = len(prompt)
         out.t_prep_ms = (time.perf_counter() - t_start) * 1e3
-        if len(prompt) >= engine.n_ctx:
-            raise ContextExceeded(len(prompt), engine.n_ctx)
-        params = job.params
         slot_id = choose_slot(prompt, self.slots, params.id_slot)
         job.slot, job.n_prompt = slot_id, len(prompt)
         slot = self.slots[slot_id]
@@ -297,6 +305,9 @@ class Worker:
                     result = GenerationResult(tokens=[], text="", stop_type="none")
                 else:
                     req = params.request_for(index, seeds, slot_id, prompt)
+                    room = n_ctx - len(prompt)
+                    if req.n_predict > room:  # the context ends first: say so up front
+                        req = replace(req, n_predict=room)
                     on_token = _bind(job.on_token, index)
                     t0 = time.perf_counter()
                     try:
@@ -308,7 +319,18 @@ class Worker:
                         out.t_engine_ms += (time.perf_counter() - t0) * 1e3
                 slot.tokens = list(engine.slot_tokens(slot_id))
                 slot.last_prompt_n, slot.last_cache_n = result.n_evaluated, result.n_cached
-                out.completions.append(Completion(result, index, slot_id, len(slot.tokens)))
+                hit_end = (
+                    result.stop_type == "limit" and len(prompt) + len(result.tokens) >= n_ctx - 1
+                )
+                out.completions.append(
+                    Completion(
+                        result,
+                        index,
+                        slot_id,
+                        len(slot.tokens),
+                        truncated=truncated or hit_end,
+                    )
+                )
                 if result.cancelled:
                     out.cancelled = "client left"
                     break
