@@ -15,6 +15,7 @@ stops a developer's daemon from starting.
 from __future__ import annotations
 
 import difflib
+import fnmatch
 import ipaddress
 import os
 import sys
@@ -147,6 +148,11 @@ class Settings(_Section):
         if value:
             raise ValueError("localspec has no telemetry; only false is accepted")
         return value
+
+    def allows_model(self, *names: str) -> bool:
+        """models.allowed: fnmatch patterns over pair ids, model ids and GGUF file names."""
+        patterns = self.models.allowed
+        return not patterns or any(fnmatch.fnmatch(n, p) for n in names for p in patterns)
 
     def get(self, key: str) -> Any:
         """The value at a dotted key (``server.port``)."""

@@ -494,3 +494,26 @@ localspec_draft_tokens_accepted_total{source="ngram"} 5
         "1 busy of 2",
     ):
         assert expected in text, (expected, text)
+
+
+def test_pull_a_hub_file_reference_with_a_token_file(env: dict[str, str], tmp_path: Path) -> None:
+    from tests.hubserver import LocalHub
+
+    data = b"GGUF" + bytes(5000)
+    token = tmp_path / "hf-token"
+    token.write_text("hf_secret_token\n")
+    ref = "acme/Tiny-GGUF/tiny.gguf"
+    with LocalHub() as hub:
+        hub.add_file("acme/Tiny-GGUF", "tiny.gguf", data)
+        options = ["--set", f"hub.endpoint={hub.url}", "--set", f"hub.token_file={token}"]
+        if os.name == "posix":
+            token.chmod(0o644)
+            refused = localspec(env, "pull", ref, *options)
+            assert refused.returncode == 2 and f"chmod 600 {token}" in refused.stderr
+            assert hub.requests == []
+            token.chmod(0o600)
+        result = localspec(env, "pull", ref, *options)
+        assert result.returncode == 0, result.stderr
+        assert Path(result.stdout.strip()).read_bytes() == data
+        assert {r.authorization for r in hub.requests} == {"Bearer hf_secret_token"}
+        assert "hf_secret_token" not in result.stdout + result.stderr

@@ -21,6 +21,7 @@ examples:
   localspec pull qwen2.5-coder-7b --quant Q4_K_M
   localspec pull --pair qwen2.5-coder-7b+0.5b        both models of a pair
   HF_ENDPOINT=http://mirror.local localspec pull qwen2.5-coder-0.5b
+  localspec pull ggml-org/Qwen2.5-Coder-0.5B-Q8_0-GGUF/qwen2.5-coder-0.5b-q8_0.gguf
 Files already verified on disk cost no network request; hub.offline forbids the network.
 """
 PLAN_EPILOG = """\
@@ -56,7 +57,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog=PULL_EPILOG + "\n" + c.EXIT_CODES_HELP,
         formatter_class=c.Formatter,
     )
-    p.add_argument("model", nargs="?", help="catalog model id")
+    p.add_argument("model", nargs="?", help="catalog model id, or owner/repo[@rev]/file.gguf")
     p.add_argument("--quant", help="quantization (default Q8_0, or the only one)")
     p.add_argument("--pair", dest="pull_pair", metavar="PAIR", help="pull both models of a pair")
     p.add_argument("--force", action="store_true", help="download again even if verified")
@@ -182,33 +183,40 @@ def _pick_quant(model: Any, quant: str | None) -> str:
     )
 
 
+def _pull_specs(args: argparse.Namespace, settings: st.Settings, catalog: Any) -> list[Any]:
+    """What to pull: a pair's models, a catalog model, or an ``owner/repo/file.gguf`` ref."""
+    from localspec.fetch import FileSpec
+
+    if args.model and "/" in args.model:
+        spec = FileSpec.parse(args.model)
+        if not settings.allows_model(Path(spec.filename).name, Path(spec.filename).stem):
+            raise ValueError(f"{spec.filename} is not in models.allowed")
+        return [spec]
+    if args.pull_pair:
+        pair = catalog.pair(args.pull_pair)
+        ids = [pair.target, *([pair.draft] if pair.draft else [])]
+        names = [pair.id]
+    elif args.model:
+        ids, names = [args.model], []
+    else:
+        raise ValueError("name a model, an owner/repo/file.gguf, or --pair (`localspec models`)")
+    quants = []
+    for index, model_id in enumerate(ids):
+        model = catalog.model(model_id)
+        if not settings.allows_model(model_id, *names):
+            allowed = ", ".join(settings.models.allowed)
+            raise ValueError(f"{model_id} is not in models.allowed ({allowed})")
+        quants.append(model.quants[_pick_quant(model, args.quant if index == 0 else None)])
+    return quants
+
+
 def run_pull(args: argparse.Namespace) -> int:
     from localspec import fetch
     from localspec.catalog import CatalogError
 
     try:
         settings = c.load_settings(args).settings
-        catalog = load_catalog()
-        if args.pull_pair:
-            pair = catalog.pair(args.pull_pair)
-            ids = [pair.target] + ([pair.draft] if pair.draft else [])
-        elif args.model:
-            ids = [args.model]
-        else:
-            c.error("name a model or --pair (see `localspec models`)")
-            return c.EXIT_USAGE
-        quants = []
-        for model_id in ids:
-            model = catalog.model(model_id)
-            from localspec.commands.up import allowed
-
-            if not allowed(settings, model_id, *(args.pull_pair or "",)):
-                raise ValueError(
-                    f"{model_id} is not in models.allowed ({', '.join(settings.models.allowed)})"
-                )
-            quants.append(
-                model.quants[_pick_quant(model, args.quant if model_id == ids[0] else None)]
-            )
+        specs = _pull_specs(args, settings, load_catalog())
         options = hub_options(settings)
     except st.SettingsError as exc:
         return c.settings_error(exc)
@@ -216,7 +224,7 @@ def run_pull(args: argparse.Namespace) -> int:
         c.error(str(exc))
         return c.EXIT_USAGE
     try:
-        files = fetch.pull(quants, force=args.force, **options)
+        files = fetch.pull(specs, force=args.force, **options)
     except fetch.FetchError as exc:
         c.error(str(exc))
         return c.EXIT_FAILURE

@@ -127,7 +127,7 @@ def run_explain(args: argparse.Namespace) -> int:
 def run_validate(args: argparse.Namespace) -> int:
     if not args.files:
         try:
-            resolved = st.load(environ={})
+            resolved = st.load()
         except st.SettingsError as exc:
             return c.settings_error(exc)
         files = [

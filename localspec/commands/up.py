@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import fnmatch
 import logging
 import os
 import signal
@@ -182,11 +181,6 @@ class Served:
     alias: str
 
 
-def allowed(settings: st.Settings, *names: str) -> bool:
-    patterns = settings.models.allowed
-    return not patterns or any(fnmatch.fnmatch(n, p) for n in names for p in patterns)
-
-
 def _local_models(args: argparse.Namespace, settings: st.Settings) -> Served:
     from localspec.engine.types import EngineSettings, ModelSettings, SpecSettings
 
@@ -198,7 +192,7 @@ def _local_models(args: argparse.Namespace, settings: st.Settings) -> Served:
         path = path.expanduser().resolve()
         if not path.is_file():
             raise UpError(f"model file not found: {path}")
-        if not allowed(settings, path.name, path.stem):
+        if not settings.allows_model(path.name, path.stem):
             raise UpError(
                 f"{path.name} is not in models.allowed ({', '.join(settings.models.allowed)}), "
                 "set by your profile; ask your IT team or run `localspec profile explain`"
