@@ -3,6 +3,7 @@ a real llama.cpp model serving real HTTP over loopback."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import select
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import time
 import types
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -259,29 +261,32 @@ def test_profile_explain_names_every_origin_and_hides_the_key(env: dict[str, str
     assert 'api_key = "<secret>"' in shown
 
 
-@pytest.mark.parametrize(
-    "command",
-    [
-        ["up"],
-        ["down"],
-        ["status"],
-        ["logs"],
-        ["models"],
-        ["pull"],
-        ["plan"],
-        ["bench"],
-        ["profile"],
-        ["profile", "explain"],
-        ["service"],
-        ["service", "install"],
-        ["catalog"],
-    ],
-)
-def test_every_command_has_help_with_examples(command: list[str], capsys) -> None:
-    with pytest.raises(SystemExit) as info:
+def _parsers(
+    parser: argparse.ArgumentParser, path: tuple[str, ...] = ()
+) -> Iterator[tuple[tuple[str, ...], argparse.ArgumentParser]]:
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                yield from _parsers(child, (*path, name))
+
+
+def test_every_command_has_help_with_examples() -> None:
+    commands = list(_parsers(cli.build_parser()))
+    assert len(commands) >= 20  # every command and sub-action
+    for path, parser in commands:
+        assert "examples:" in (parser.epilog or ""), f"`localspec {' '.join(path)} --help`"
+    assert "examples:" in localspec_help(["up"])
+
+
+def localspec_help(command: list[str]) -> str:
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
         cli.main([*command, "--help"])
-    assert info.value.code == 0
-    assert "examples:" in capsys.readouterr().out
+    return out.getvalue()
 
 
 def test_top_level_help_documents_exit_codes(capsys) -> None:

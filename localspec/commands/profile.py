@@ -52,7 +52,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("files", nargs="*", type=Path, metavar="FILE", help="profile files to check")
     q.add_argument("--user", action="store_true", help="check FILEs as user config files")
     q.set_defaults(func=run_validate)
-    q = actions.add_parser("keys", help="list every settings key", formatter_class=c.Formatter)
+    q = actions.add_parser(
+        "keys", help="list every settings key", epilog=EPILOG, formatter_class=c.Formatter
+    )
     q.set_defaults(func=run_keys)
 
 
