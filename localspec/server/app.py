@@ -59,7 +59,7 @@ async def infill(body: InfillRequest, request: Request, svc: Svc) -> Response:
         prompts.fim_ids(svc.engine.vocab)  # 501 before queueing, as llama-server
         params = svc.params(body)
     except ApiError as exc:
-        return error_response(exc)
+        return error_response(exc, request)
     prepare = prompts.infill(
         input_prefix=body.input_prefix,
         input_suffix=body.input_suffix,
@@ -79,7 +79,7 @@ async def completion(body: CompletionRequest, request: Request, svc: Svc) -> Res
     try:
         params = svc.params(body)
     except ApiError as exc:
-        return error_response(exc)
+        return error_response(exc, request)
     prepare = prompts.completion(body.prompt, cache=svc.token_cache)
     return await svc.native(request, "completion", svc.job(params, prepare, truncate=True))
 
@@ -106,7 +106,7 @@ async def openai_completions(body: OpenAICompletionRequest, request: Request, sv
         else:
             prepare = prompts.completion(body.prompt, cache=svc.token_cache)
     except ApiError as exc:
-        return error_response(exc)
+        return error_response(exc, request)
     return await svc.openai(request, svc.job(params, prepare, truncate=truncate))
 
 
@@ -136,7 +136,7 @@ async def metrics(svc: Svc) -> Response:
 
 
 @router.post("/tokenize")
-async def tokenize(body: TokenizeRequest, svc: Svc) -> Response:
+async def tokenize(body: TokenizeRequest, request: Request, svc: Svc) -> Response:
     def run(engine: Any) -> dict[str, Any]:
         vocab = engine.vocab
         pieces = [body.content] if isinstance(body.content, str) else body.content
@@ -155,11 +155,11 @@ async def tokenize(body: TokenizeRequest, svc: Svc) -> Response:
     try:
         return CompactJSONResponse(await asyncio.wrap_future(svc.worker.call(run)))
     except Exception as exc:
-        return error_response(exc)
+        return error_response(exc, request)
 
 
 @router.post("/detokenize")
-async def detokenize(body: DetokenizeRequest, svc: Svc) -> Response:
+async def detokenize(body: DetokenizeRequest, request: Request, svc: Svc) -> Response:
     def run(engine: Any) -> dict[str, Any]:
         prompts.check_ids(body.tokens, engine.vocab.n_vocab)
         return {"content": engine.vocab.detokenize(body.tokens)}
@@ -167,7 +167,7 @@ async def detokenize(body: DetokenizeRequest, svc: Svc) -> Response:
     try:
         return CompactJSONResponse(await asyncio.wrap_future(svc.worker.call(run)))
     except Exception as exc:
-        return error_response(exc)
+        return error_response(exc, request)
 
 
 # ---------------------------------------------------------------------- errors
@@ -201,11 +201,23 @@ async def _on_http_error(_request: Request, exc: Exception) -> Response:
     return CompactJSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
 
-async def _on_error(_request: Request, exc: Exception) -> Response:
-    return error_response(exc)
+async def _on_error(request: Request, exc: Exception) -> Response:
+    return error_response(exc, request)
 
 
 # ---------------------------------------------------------------------- factory
+
+
+def route_paths(routes: Any) -> frozenset[str]:
+    """Every path the app serves (FastAPI nests an included router instead of copying it)."""
+    paths: set[str] = set()
+    for route in routes:
+        inner = getattr(route, "original_router", None)
+        if inner is not None:
+            paths |= route_paths(inner.routes)
+        elif isinstance(getattr(route, "path", None), str):
+            paths.add(route.path)
+    return frozenset(paths)
 
 
 def default_loader(engine_settings: EngineSettings) -> Callable[[], Any]:
@@ -266,7 +278,7 @@ def create_app(
         api_key=server_settings.api_key,
         not_ready=svc.not_ready,
         max_body=server_settings.max_body_bytes,
-        routes=frozenset(getattr(r, "path", "") for r in app.routes),
+        routes=route_paths(app.routes),
         observer=None
         if metrics is None
         else lambda e: metrics.observe_http(e.route, e.status, e.total_ms / 1e3),
