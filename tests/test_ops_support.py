@@ -3,6 +3,7 @@ own process, as ``localspec up`` runs it) and llama-vscode-like request bodies."
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
@@ -131,6 +132,7 @@ def launch(**args: Any) -> Daemon:
     return Daemon(proc)
 
 
+@contextlib.contextmanager
 def running_daemon(**args: Any) -> Iterator[Daemon]:
     """A started daemon that is ready; killed afterwards whatever happened."""
     daemon = launch(**args)
