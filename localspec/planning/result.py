@@ -1,0 +1,136 @@
+"""The Plan: the chosen configuration with its arithmetic, what the engine loads from it,
+and the more frugal plan to fall back to when loading still runs out of memory."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from os import PathLike
+from typing import Any
+
+from localspec.engine.types import EngineSettings, ModelSettings, SpecSettings
+from localspec.planning.memory import padded_ctx
+from localspec.planning.render import render_plan
+from localspec.planning.types import DeviceMemory, PlanError
+
+
+@dataclass(frozen=True)
+class Rejection:
+    candidate: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Datacenter arithmetic: how many developer sessions the slots hold at the latency bound."""
+
+    sessions_held: int
+    sessions_requested: int | None
+    slots_by_memory: int
+    slots_by_latency: int
+    step_ms_at_full_batch: float
+    request_busy_s: float
+    duty_cycle: float  # share of time one session has a request in flight
+    busy_slots_p95: int
+    explanation: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The chosen configuration, its memory per device and the reasons behind it."""
+
+    hardware: str
+    pair_id: str
+    target: tuple[str, str]  # (model id, quant)
+    draft: tuple[str, str] | None
+    target_ngl: int
+    draft_ngl: int
+    target_layers: int  # n_layer + 1 (the output layer): target_ngl == this is full offload
+    n_ctx: int
+    n_slots: int
+    type_k: str
+    type_v: str
+    n_batch: int
+    n_ubatch: int
+    flash_attn: bool
+    n_threads: int
+    n_threads_batch: int
+    tensor_split: tuple[float, ...] | None
+    draft_device: str | None
+    draft_gpu: int | None  # index among the GPUs (llama.cpp main_gpu for the draft); None: CPU
+    memory: tuple[DeviceMemory, ...]
+    rejected: tuple[Rejection, ...]
+    decode_ceiling_tps: tuple[float, float | None]  # (target, draft), bandwidth bound
+    expected_tps: float  # target alone, at llama.cpp's usual share of the bandwidth
+    expected_spec_speedup: float | None
+    best_draft_len: int | None
+    fits_wholly: bool
+    capacity: Capacity | None = None
+    notes: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+    target_source: str = "catalog estimate"
+    speculative: SpecSettings = field(default_factory=SpecSettings)
+    cache_reuse: int = 256
+
+    @property
+    def concurrent_sessions(self) -> int:
+        return self.capacity.sessions_held if self.capacity else self.n_slots
+
+    def engine_settings(
+        self, target_path: str | PathLike[str], draft_path: str | PathLike[str] | None = None
+    ) -> EngineSettings:
+        """What the engine loads. n_ctx is per slot (the engine multiplies by n_slots)."""
+
+        def model(path: str | PathLike[str], ngl: int) -> ModelSettings:
+            return ModelSettings(
+                path=str(path),
+                n_gpu_layers=ngl,
+                n_ctx=self.n_ctx,
+                n_batch=self.n_batch,
+                n_ubatch=self.n_ubatch,
+                flash_attn=self.flash_attn,
+                type_k=self.type_k,
+                type_v=self.type_v,
+                n_threads=self.n_threads,
+                n_threads_batch=self.n_threads_batch,
+            )
+
+        if self.draft is not None and draft_path is None:
+            raise PlanError(f"the plan uses the draft {self.draft[0]}; give its GGUF path")
+        draft = model(draft_path, self.draft_ngl) if self.draft and draft_path else None
+        spec = self.speculative
+        if draft is None and spec.mode in ("draft", "hybrid"):
+            spec = replace(spec, mode="ngram")  # no draft model fits: n-grams still help
+        return EngineSettings(
+            target=model(target_path, self.target_ngl),
+            draft=draft,
+            n_slots=self.n_slots,
+            spec=spec,
+            cache_reuse=self.cache_reuse,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["memory"] = [r.to_json() for r in self.memory]
+        data["concurrent_sessions"] = self.concurrent_sessions
+        return data
+
+    def explain(self) -> str:
+        return render_plan(self)
+
+
+def smaller(plan: Plan) -> Plan | None:
+    """The next, more frugal plan when llama.cpp still runs out of memory loading ``plan``
+    (a driver or another process took more than the probe saw): first halve the context
+    (not below 4096), then move a quarter of the GPU layers back to the CPU. None: nothing
+    left to give up. The memory table is the original estimate; the note says what changed.
+    """
+    if plan.n_ctx > 4096:
+        n_ctx = max(4096, padded_ctx(plan.n_ctx // 2))
+        note = f"loading ran out of memory: context {plan.n_ctx} -> {n_ctx} tokens"
+        return replace(plan, n_ctx=n_ctx, notes=(*plan.notes, note))
+    if plan.target_ngl > 0:
+        ngl = plan.target_ngl - max(1, plan.target_layers // 4)
+        ngl = max(0, ngl)
+        note = f"loading ran out of memory: GPU layers {plan.target_ngl} -> {ngl}"
+        return replace(plan, target_ngl=ngl, fits_wholly=False, notes=(*plan.notes, note))
+    return None

@@ -1,0 +1,128 @@
+"""The planner's shared data: model facts, candidates, devices, layouts and memory rows."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+KV_TYPE_BYTES: dict[str, float] = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+"""Bytes per cached K or V element (q8_0/q4_0 store 32 values plus an f16 scale)."""
+
+
+class PlanError(ValueError):
+    """No candidate can run on this machine (the message says why and what to change)."""
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the planner needs of one GGUF (one model at one quant), catalog- or file-derived."""
+
+    model_id: str
+    quant: str
+    params_b: float  # total parameters (billions): ranks targets by size
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_vocab: int
+    n_ctx_train: int
+    n_ff: int
+    layer_bytes: tuple[int, ...]  # weights of each repeating block, blk.0 .. blk.N-1
+    output_bytes: int  # output layer on its device (tied embeddings: token_embd's copy)
+    embd_bytes: int  # token_embd: always host memory
+    tied_embeddings: bool
+    active_fraction: float = 1.0  # MoE: share of layer weights read per token
+    source: str = "catalog estimate"  # or the GGUF path the tensor table came from
+    file_path: str | None = None
+
+    @property
+    def file_bytes(self) -> int:
+        untied_output = 0 if self.tied_embeddings else self.output_bytes
+        return sum(self.layer_bytes) + self.embd_bytes + untied_output
+
+    @property
+    def label(self) -> str:
+        return f"{self.model_id} {self.quant}"
+
+    def kv_bytes_per_token_layer(self, type_k: str, type_v: str) -> float:
+        kv = self.n_head_kv * self.head_dim
+        return kv * (KV_TYPE_BYTES[type_k] + KV_TYPE_BYTES[type_v])
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to serve: a target at one quant, with a draft model or n-gram drafting only."""
+
+    pair_id: str
+    target: ModelFacts
+    draft: ModelFacts | None
+
+    @property
+    def draft_label(self) -> str:
+        return f" + {self.draft.label}" if self.draft else " (n-gram drafting)"
+
+    @property
+    def label(self) -> str:
+        return self.target.label + self.draft_label
+
+
+@dataclass(frozen=True)
+class Device:
+    """A place weights can live: a GPU or host RAM (the last device is always the host)."""
+
+    name: str
+    kind: Literal["gpu", "unified", "host"]
+    available: int
+    margin: int
+    bandwidth_gbps: float
+    tflops: float
+
+    @property
+    def budget(self) -> int:
+        return max(0, self.available - self.margin)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Settings that decide memory: everything the check needs besides the models."""
+
+    n_ctx: int  # per slot
+    n_slots: int
+    type_kv: str
+    n_ubatch: int
+    target_ngl: int
+    split: tuple[float, ...]  # proportions over the GPUs (empty: no GPU)
+    draft_device: int | None  # index into the device list; None: no draft model
+    spec_n_max: int = 16
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """One row of the plan's memory table (bytes)."""
+
+    device: str
+    weights: int
+    kv: int
+    compute: int
+    draft: int
+    margin: int
+    available: int
+    shared_with: int = 0  # unified memory: bytes the GPU rows take from the same RAM
+
+    @property
+    def used(self) -> int:
+        return self.weights + self.kv + self.compute + self.draft
+
+    @property
+    def budget(self) -> int:
+        return max(0, self.available - self.margin - self.shared_with)
+
+    @property
+    def fits(self) -> bool:
+        return self.used <= self.budget
+
+    def to_json(self) -> dict[str, int]:
+        data = asdict(self)
+        data.update(used=self.used, budget=self.budget)
+        return data
