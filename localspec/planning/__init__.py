@@ -1,5 +1,6 @@
-"""The fit planner, one job per module; ``localspec.plan`` is its public face.
+"""The fit planner, one job per module; ``localspec.plan`` re-exports its public names.
 
-Imports point one way: types ← settings, gguf_header ← facts ← candidates; types ← memory ←
-speed ← layout ← capacity ← search; render ← result ← search.
+Imports point one way: types ← memory ← speed ← layout ← capacity ← search, with settings,
+facts (← gguf_header), candidates, result and render (← result) beside them; the module map
+is in docs/planning.md.
 """
