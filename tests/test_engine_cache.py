@@ -273,13 +273,15 @@ def test_stream_equals_text_and_stop_string_trims(engine: Engine, prompt_text: s
     assert "".join(pieces) == res.text
 
 
-def test_tail_drift_is_bounded(qwen_target: Path, prompt_text: str) -> None:
+@pytest.mark.parametrize("refresh", [0, 16])
+def test_tail_drift_is_bounded(qwen_target: Path, prompt_text: str, refresh: int) -> None:
     """Typing in front of a short tail block: shifted while little changed, then recomputed."""
     s = EngineSettings(
         target=ms(qwen_target),
         cache_reuse=256,
         tail_reuse=8,
         tail_max_drift=3,
+        tail_refresh=refresh,
         spec=SpecSettings(mode="off"),
     )
     with Engine.load(s) as eng:
@@ -297,6 +299,6 @@ def test_tail_drift_is_bounded(qwen_target: Path, prompt_text: str) -> None:
         # first request cold; then each word costs its own tokens + FIM_MID, until the drift
         # budget (3 tokens) is spent and the suffix block is recomputed once
         recomputed = [n for n in evaluated[1:] if n > len(suffix)]
-        shifted = [n for n in evaluated[1:] if n <= 4]
+        shifted = [n for n in evaluated[1:] if n <= 4 + refresh]
         assert recomputed and shifted
         assert len(recomputed) < len(shifted)

@@ -136,7 +136,7 @@ def test_seeded_sampling_is_the_same_with_and_without_speculation(
     sampling = SamplingParams(top_k=40, top_p=1.0, min_p=0.0, temperature=10.0, seed=1234)
     prompt = qwen_engine.vocab.tokenize(code_prompts(1, lines=8)[0])
     outs = {}
-    for mode in ("off", "hybrid", "draft"):
+    for mode in ("off", "hybrid", "draft", "auto"):
         qwen_engine.settings = replace(
             qwen_engine.settings, spec=replace(qwen_engine.settings.spec, mode=mode)
         )
@@ -152,6 +152,7 @@ def test_seeded_sampling_is_the_same_with_and_without_speculation(
     assert outs["off"][1] == 0 and outs["draft"][1] > 0
     assert outs["hybrid"][0] == outs["off"][0]
     assert outs["draft"][0] == outs["off"][0]
+    assert outs["auto"][0] == outs["off"][0]
     # a different seed gives a different text (the seed really drives the draw)
     other = qwen_engine.generate(
         GenerationRequest(
