@@ -358,7 +358,8 @@ def test_interleaved_replay_with_cold_checks() -> None:
 
 
 def test_percentile_matches_numpy_linear() -> None:
-    np = pytest.importorskip("numpy")
+    import numpy as np
+
     values = [5.0, 1.0, 9.0, 3.0, 7.0, 2.0]
     for q in (0, 10, 50, 95, 99, 100):
         assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
@@ -416,6 +417,14 @@ def test_summary_pairs_latency_and_ratios() -> None:
     assert "latency p50 ms" in text and "identical to cold cache" in text and "vs slow" in text
     anchor_like = replace(slow, server="llama-server/plain")
     assert report.best_anchor([fast, anchor_like]) is anchor_like
+
+
+def test_plot_draws_both_panels(tmp_path: Path) -> None:
+    outcomes = [_outcome("a", k, 10.0 * (k + 1), prompt_n=k) for k in range(5)]
+    outcomes += [_outcome("b", k, 30.0 * (k + 1), prompt_n=5 * k + 1) for k in range(5)]
+    path = tmp_path / "plot" / "replay.png"
+    report.plot(outcomes, ["a", "b"], path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 # --- the command ----------------------------------------------------------------------------
@@ -478,3 +487,30 @@ def test_vs_llama_server_needs_a_binary(
     ]
     assert replay_main(argv) == 2
     assert "LLAMA_SERVER_BIN" in capsys.readouterr().err
+
+
+# --- a real replay: localspec's daemon on a fixture model -------------------------------------
+
+
+def test_short_real_replay_against_localspec(
+    qwen_target: Path, code_dir: Path, tmp_path: Path
+) -> None:
+    """The whole path: start `localspec up` on a free port, type a few keys, check one answer
+    against a cold cache, write JSON."""
+    out = tmp_path / "real.json"
+    argv = ["--target", str(qwen_target), "--code", str(code_dir), "--ctx", "2048",
+            "--threads", "1", "--locations", "1", "--max-keys", "2", "--greedy",
+            "--json", str(out), "--log-dir", str(tmp_path / "logs"), "--quiet"]  # fmt: skip
+    assert replay_main(argv) == 0
+    doc = json.loads(out.read_text())
+    (summary,) = doc["summaries"]
+    assert summary["server"] == "localspec" and summary["errors"] == 0
+    assert summary["sent"] == 3 and summary["completed"] >= 1  # the last key waits its answer
+    assert summary["cold_checked"] == 1
+    (final,) = [r for r in doc["requests"] if r["kind"] == "final"]
+    assert final["status"] == "ok" and final["prompt_n"] > 0
+    # the ring warmed up by the setup request is reused, not evaluated again
+    assert final["cache_n"] > 0 and final["cold"]["prompt_n"] > final["prompt_n"]
+    setup = next(r for r in doc["requests"] if r["kind"] == "setup")
+    assert setup["status"] == "ok" and setup["prompt_n"] > 0
+    assert doc["servers"][0]["argv"][1:4] == ["-m", "localspec", "up"]

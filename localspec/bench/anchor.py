@@ -39,6 +39,7 @@ class ServeSettings:
     cache_reuse: int = 256
     draft_max: int = 16
     draft_p_min: float = 0.75
+    n_predict: int = 128  # llama-server's default n_predict (the client's value)
 
 
 @dataclass
@@ -90,6 +91,9 @@ def llama_server_spec(
         "-t", str(serve.threads),
         "-tb", str(serve.threads),
         "--cache-reuse", str(serve.cache_reuse),
+        # llama-server sizes the FIM ring budget with its own default n_predict (-1), which
+        # overflows n_ctx by 3 tokens once the ring is full; the client's 128 keeps it inside.
+        "-n", str(serve.n_predict),
         "--no-webui",
     ]  # fmt: skip
     if mode == "draft":
@@ -100,7 +104,6 @@ def llama_server_spec(
             "--spec-type", "draft-simple",
             "--spec-draft-n-max", str(serve.draft_max),
             "--spec-draft-p-min", str(serve.draft_p_min),
-            "-cd", str(serve.ctx),
             "-td", str(serve.threads),
             "-tbd", str(serve.threads),
         ]  # fmt: skip

@@ -178,9 +178,13 @@ class _Clock:
 
 
 async def _abort(task: asyncio.Task[Outcome]) -> None:
+    """Cancel a request (httpx closes its connection) and wait until it is gone.
+
+    ``asyncio.wait`` rather than ``await task``: a cancellation of the replay itself (Ctrl-C)
+    must propagate, not be swallowed with the request's own CancelledError.
+    """
     task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    await asyncio.wait({task})
 
 
 async def run_burst(target: Target, burst: Burst) -> list[Outcome]:

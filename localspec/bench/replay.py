@@ -16,7 +16,9 @@ import asyncio
 import json
 import os
 import platform
+import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -70,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MODES",
         help="start $LLAMA_SERVER_BIN with the same files in these comma-separated modes: "
         "plain, ngram, draft, or any llama-server --spec-type",
+    )
+    srv.add_argument(
+        "--no-localspec", action="store_true", help="do not start localspec (anchors only)"
     )
     srv.add_argument("--llama-server-bin", metavar="PATH", help="instead of $LLAMA_SERVER_BIN")
     srv.add_argument("--spec-mode", help="localspec's speculative mode (default: its settings)")
@@ -134,7 +139,7 @@ def _threads(explicit: int | None) -> int:
 def server_specs(args: argparse.Namespace) -> list[anchor.ServerSpec]:
     """What to start: localspec unless --url, then llama-server per requested mode."""
     specs: list[anchor.ServerSpec] = []
-    need_files = args.url is None or args.vs_llama_server
+    need_files = (args.url is None and not args.no_localspec) or args.vs_llama_server
     if need_files:
         if args.target is None:
             raise ValueError("give --target (and --draft) to start servers, or --url")
@@ -148,7 +153,7 @@ def server_specs(args: argparse.Namespace) -> list[anchor.ServerSpec]:
         threads=_threads(args.threads),
         cache_reuse=args.cache_reuse,
     )
-    if args.url is None:
+    if args.url is None and not args.no_localspec:
         specs.append(anchor.localspec_spec(serve, args.spec_mode))
     if args.vs_llama_server:
         binary = anchor.find_llama_server(args.llama_server_bin)
@@ -222,8 +227,25 @@ async def _run(
             await t.aclose()
 
 
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM (or SIGINT in a background job): stop the servers
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if threading.current_thread() is not threading.main_thread():
+        return _main(args)
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    for sig in saved:
+        signal.signal(sig, _interrupt)
+    try:
+        return _main(args)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def _main(args: argparse.Namespace) -> int:
     try:
         traffic = editor.TrafficSettings(
             locations=args.locations,
@@ -241,6 +263,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sources = editor.load_sources(code, pattern=args.pattern, skip_dirs=skip)
         schedule = editor.build_schedule(traffic, sources)
         specs = server_specs(args)
+        if not specs and not args.url and not args.vs:
+            raise ValueError("nothing to replay against: drop --no-localspec, or add --url/--vs")
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
