@@ -140,6 +140,9 @@ async def tokenize(body: TokenizeRequest, request: Request, svc: Svc) -> Respons
     def run(engine: Any) -> dict[str, Any]:
         vocab = engine.vocab
         pieces = [body.content] if isinstance(body.content, str) else body.content
+        # ids given by the client reach llama.cpp's token_to_piece, which aborts the whole
+        # process on an id outside the vocabulary (found by the schema fuzzer): check first
+        prompts.check_ids([p for p in pieces if not isinstance(p, str)], vocab.n_vocab)
         tokens: list[int] = []
         for piece in pieces:
             if isinstance(piece, str):
