@@ -109,10 +109,15 @@ def serve(
         )
         return EXIT_BIND_FAILED
     addresses = [s.getsockname()[:2] for s in sockets]
+    # uvicorn's own log config would give its lines their own handlers and format; without
+    # it they go through the root handler like every other line (text or JSON, one stream)
+    for name in ("uvicorn", "uvicorn.error"):
+        logging.getLogger(name).setLevel(log_level.upper())
     config = uvicorn.Config(
         app,
+        log_config=None,
         log_level=log_level,
-        access_log=False,
+        access_log=False,  # the gate writes one line per request (localspec.requests)
         server_header=False,  # the gate names the server: localspec/<version>
         timeout_graceful_shutdown=5,
         lifespan="on",
