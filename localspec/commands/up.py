@@ -179,6 +179,8 @@ def _redirect_output(path: Path) -> None:
 class Served:
     engine: Any  # EngineSettings
     alias: str
+    plan: Any = None  # the Plan behind a catalog pair; None for --target/--draft files
+    paths: tuple[Any, Any] = (None, None)  # (target, draft) files of a planned pair
 
 
 def _local_models(args: argparse.Namespace, settings: st.Settings) -> Served:
@@ -238,7 +240,27 @@ def _planned_models(settings: st.Settings) -> Served:
         target_path, draft_path = fetch.pull_plan(chosen, settings=settings, catalog=catalog)
     except fetch.FetchError as exc:
         raise UpError(str(exc)) from None
-    return Served(chosen.engine_settings(target_path, draft_path), chosen.pair_id)
+    return Served(
+        chosen.engine_settings(target_path, draft_path),
+        chosen.pair_id,
+        chosen,
+        (target_path, draft_path),
+    )
+
+
+def _fallback(served: Served) -> Served | None:
+    """The next, more frugal plan after a planned pair failed to load (llama.cpp ran out of
+    memory because a driver or another process took more than the probe saw); None when
+    nothing is left to give up or the models were given as files."""
+    from localspec import plan
+
+    if served.plan is None:
+        return None
+    smaller = plan.smaller(served.plan)
+    if smaller is None:
+        return None
+    c.warn(f"{smaller.notes[-1]}; retrying")
+    return Served(smaller.engine_settings(*served.paths), served.alias, smaller, served.paths)
 
 
 def _server_settings(settings: st.Settings, api_key: str | None, served: Served) -> Any:
@@ -301,12 +323,17 @@ def _serve(args: argparse.Namespace, settings: st.Settings, api_key: str | None)
 
     uvicorn_level = "debug" if settings.log.level == "debug" else "warning"
     try:
-        code = serve(server_settings, served.engine, on_ready=on_ready, log_level=uvicorn_level)
+        while True:
+            code = serve(server_settings, served.engine, on_ready=on_ready, log_level=uvicorn_level)
+            # serve: 0 clean stop, 4 could not bind, else the model failed to load
+            retry = _fallback(served) if code not in (0, 4) else None
+            if retry is None:
+                break
+            served = retry
     except KeyboardInterrupt:
         code = c.EXIT_OK
     finally:
         if not progress.finished:
             progress.finish("stopped", ok=False)
         daemon.remove_pid_file(settings.server.port)
-    # serve: 0 clean stop, 4 could not bind, else the model failed to load
     return {0: c.EXIT_OK, 4: c.EXIT_PORT_BUSY}.get(code, c.EXIT_FAILURE)
