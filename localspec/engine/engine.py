@@ -32,6 +32,9 @@ from localspec.engine.types import (
 )
 from localspec.engine.vocab import Vocab, check_pair
 
+ADAPTIVE_P_MIN = 0.3
+CHEAP_DRAFT_PREFILL = 64  # draft prompt tokens a probe of the draft model may cost
+
 
 def draft_window_start(n_prompt: int, window: int) -> int:
     """Where the draft model's view of a prompt begins.
@@ -183,6 +186,10 @@ class _Run:
         self.n_min = spec.n_min if req.spec_n_min is None else req.spec_n_min
         self.p_min = spec.p_min if req.spec_p_min is None else req.spec_p_min
         self.mode = spec.mode if self.n_max > 0 else "off"
+        if (self.mode == "auto" or spec.adaptive) and req.spec_p_min is None:
+            # the cost model caps the length; p_min only has to stop hopeless drafts (a
+            # small draft model is often unsure of tokens the target then accepts)
+            self.p_min = min(self.p_min, ADAPTIVE_P_MIN)
         self.sampler = Sampler(req.sampling, engine._tctx, engine.vocab.handle)
         self.result = GenerationResult(tokens=[], text="", stop_type="none")
         self.result.n_prompt = len(req.prompt)
@@ -190,6 +197,7 @@ class _Run:
         self.ngram: NgramIndex | None = None
         self.dbase: list[int] | None = None  # the draft's window of the prompt, once synced
         self._dgood = 0  # draft KV entries known to match dbase + out
+        self._cheap: bool | None = None  # see _draft_prefill_is_cheap
         self.draft_ok = engine._dcache is not None and self.mode in ("draft", "hybrid", "auto")
         self.policy = engine._policy
         self.policy.n_max = max(self.n_max, 1)
@@ -347,7 +355,10 @@ class _Run:
         if len(draft) < n_min:
             source, key, draft = "", "", []
             if self.draft_ok and self.mode in ("draft", "hybrid", "auto"):
-                k = n_max if not auto else min(n_max, self.policy.plan("draft"))
+                k = n_max
+                if auto:
+                    probe_ok = self.dbase is not None or self._draft_prefill_is_cheap()
+                    k = min(k, self.policy.plan("draft", allow_probe=probe_ok))
                 if k >= n_min:
                     draft = self._draft_with_fallback(k)
                     source = key = "draft"
@@ -357,6 +368,31 @@ class _Run:
             source, key, draft = "", "", []
         res.t_draft_ms += (time.perf_counter() - td) * 1000.0
         return source, key, draft
+
+    def _draft_window(self) -> list[int]:
+        e = self.e
+        prompt = self.req.prompt
+        start = draft_window_start(len(prompt), e.settings.spec.draft_window)
+        base = list(prompt[start:])
+        if len(base) + len(self.out) + self.n_max + 2 > e.draft_n_ctx:
+            base = base[-max(1, e.draft_n_ctx - len(self.out) - self.n_max - 2) :]
+        return base
+
+    def _draft_prefill_is_cheap(self) -> bool:
+        """Whether the draft's cache already holds most of this request's window (then a
+        probe costs a few tokens, not a prompt prefill)."""
+        if self._cheap is None:
+            e = self.e
+            assert e._dcache is not None
+            plan = e._dcache.plan(
+                self.slot,
+                self._draft_window(),
+                min_chunk=e.settings.cache_reuse if self.req.cache_prompt else 0,
+                tail_min=e.settings.tail_reuse,
+                tail_refresh=e.settings.tail_refresh,
+            )
+            self._cheap = plan.n_evaluated <= CHEAP_DRAFT_PREFILL
+        return self._cheap
 
     def _draft_target_seq(self) -> list[int]:
         assert self.dbase is not None
@@ -369,15 +405,10 @@ class _Run:
         dcache = e._dcache
         assert dcache is not None
         if self.dbase is None:
-            prompt = self.req.prompt
-            window = e.settings.spec.draft_window
-            start = draft_window_start(len(prompt), window)
-            base = list(prompt[start:])
+            base = self._draft_window()
             if any(t >= e._dctx.n_vocab for t in base):  # a target-only (padding) id
                 self.draft_ok = False
                 return False
-            if len(base) + len(self.out) + self.n_max + 2 > e.draft_n_ctx:
-                base = base[-max(1, e.draft_n_ctx - len(self.out) - self.n_max - 2) :]
             tp = time.perf_counter()
             pre = dcache.prefill(
                 self.slot,

@@ -171,8 +171,10 @@ class SpecPolicy:
                 best_k, best_g = k, g
         return best_k, best_g
 
-    def plan(self, source: str) -> int:
-        """Draft length to use now for ``source`` (0: do not draft from it this step)."""
+    def plan(self, source: str, *, allow_probe: bool = True) -> int:
+        """Draft length to use now for ``source`` (0: do not draft from it this step).
+        ``allow_probe=False``: only when the estimate says it pays (a probe that would
+        first need the draft model's prompt prefill is not worth it)."""
         s = self.source(source)
         if self.verify.t1 <= 0:
             return 0  # a plain step first: every estimate is relative to it
@@ -184,7 +186,7 @@ class SpecPolicy:
         if g >= self.min_gain:
             return k
         # off: a short probe once the back-off expires keeps the estimate fresh
-        return min(self.probe_len, self.n_max)
+        return min(self.probe_len, self.n_max) if allow_probe else 0
 
     def tick(self) -> None:
         self.step += 1
