@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from localspec.engine.types import EngineSettings, ModelSettings
-from localspec.server import ServerSettings, serve
+from localspec.server import ServerSettings, logs, serve
 from localspec.server.run import EXIT_BIND_FAILED, EXIT_LOAD_FAILED
 from tests.test_ops_support import Live, engine_settings, launch, running_daemon, start, stop
 
@@ -87,7 +87,10 @@ def abort_stream(live: Live, body: dict[str, Any]) -> None:
                 return
 
 
-def test_client_leaving_mid_prefill_generation_or_stream_leaves_a_good_cache(live: Live) -> None:
+def test_client_leaving_mid_prefill_generation_or_stream_leaves_a_good_cache(
+    live: Live, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=logs.REQUESTS)
     worker = live.service.worker
     with live.client() as c:
         reference = c.post("/completion", json=greedy(CODE, 12, cache_prompt=False)).json()
@@ -119,6 +122,10 @@ def test_client_leaving_mid_prefill_generation_or_stream_leaves_a_good_cache(liv
             assert again["tokens"] == reference["tokens"], case
             assert again["timings"]["cache_n"] > 0, case  # the kept part was reused
             assert again["timings"]["prompt_n"] < reference["timings"]["prompt_n"], case
+    # each abort is logged as such: 499 for a plain answer, a 200 cut short for a stream
+    left = [r.fields for r in caplog.records if r.name == logs.REQUESTS]  # type: ignore[attr-defined]
+    left = [f for f in left if f["outcome"] == "client left"]
+    assert {f["status"] for f in left} == {499, 200} and len(left) >= 3
 
 
 # ---------------------------------------------------------------------- start-up faults

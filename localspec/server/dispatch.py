@@ -236,16 +236,17 @@ async def respond_stream(
 
     async def events() -> AsyncIterator[bytes]:
         item = first
+        ended = False  # still False in ``finally``: the client left (or Starlette cancelled us)
         try:
             while item is not _DONE:
                 if item is None:
-                    note(request, outcome="client left")
                     return
                 yield sse(partial(*item))
                 item = await pending.next_item()
             try:
                 tail = early_tail if first is _DONE else finish()
             except Exception as exc:  # the stream is open: report, do not crash
+                ended = True
                 err = as_api_error(exc)
                 note(request, outcome="error", error=err.message)
                 yield sse(err.body())
@@ -254,10 +255,14 @@ async def respond_stream(
                 yield chunk
             if done_marker:
                 yield done_marker
+            ended = True
         except ApiError as exc:  # timed out mid-stream
+            ended = True
             note(request, outcome="timed out", error=exc.message)
             yield sse(exc.body())
         finally:
+            if not ended:
+                note(request, outcome="client left")
             pending.close()
 
     return StreamingResponse(
