@@ -34,6 +34,7 @@ from localspec.engine.vocab import Vocab, check_pair
 
 ADAPTIVE_P_MIN = 0.3
 CHEAP_DRAFT_PREFILL = 64  # draft prompt tokens a probe of the draft model may cost
+CHEAP_DRAFT_CATCHUP = 8  # emitted tokens the draft may be behind for a probe
 
 
 def draft_window_start(n_prompt: int, window: int) -> int:
@@ -357,7 +358,7 @@ class _Run:
             if self.draft_ok and self.mode in ("draft", "hybrid", "auto"):
                 k = n_max
                 if auto:
-                    probe_ok = self.dbase is not None or self._draft_prefill_is_cheap()
+                    probe_ok = self._draft_probe_is_cheap()
                     k = min(k, self.policy.plan("draft", allow_probe=probe_ok))
                 if k >= n_min:
                     draft = self._draft_with_fallback(k)
@@ -377,6 +378,15 @@ class _Run:
         if len(base) + len(self.out) + self.n_max + 2 > e.draft_n_ctx:
             base = base[-max(1, e.draft_n_ctx - len(self.out) - self.n_max - 2) :]
         return base
+
+    def _draft_probe_is_cheap(self) -> bool:
+        """A probe of a switched-off draft model must not first pay for a prompt prefill
+        or a long catch-up on the tokens emitted since it last ran."""
+        if self.dbase is None:
+            return self._draft_prefill_is_cheap()
+        assert self.e._dcache is not None
+        behind = len(self.dbase) + len(self.out) - len(self.e._dcache.tokens[self.slot])
+        return behind <= CHEAP_DRAFT_CATCHUP
 
     def _draft_prefill_is_cheap(self) -> bool:
         """Whether the draft's cache already holds most of this request's window (then a
