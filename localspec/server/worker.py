@@ -26,6 +26,8 @@ from localspec.server.slots import SlotInfo, choose_slot, pinned_slot
 
 log = logging.getLogger("localspec.server")
 
+MIN_CALL_QUEUE = 16  # tokenize/detokenize calls that may wait (at least; else queue_limit)
+
 
 class EngineLike(Protocol):
     """The part of localspec.engine.Engine the worker uses."""
@@ -167,6 +169,12 @@ class Worker:
             if self.state != "ready":
                 raise Unavailable(
                     "Loading model" if self.state == "loading" else "Server is stopping"
+                )
+            if len(self._calls) >= max(MIN_CALL_QUEUE, self._queue_limit):
+                # calls wait behind a running generation: bound them like the jobs
+                raise Unavailable(
+                    f"Server busy: {len(self._calls)} tokenizer calls are queued; retry shortly",
+                    headers={"Retry-After": "1"},
                 )
             self._calls.append(call)
             self._cond.notify()

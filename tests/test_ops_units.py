@@ -1,0 +1,88 @@
+"""Pure and fake-engine checks of the operations pieces: bounded queues, request log shapes."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from localspec.engine.types import GenerationResult
+from localspec.server import logs
+from localspec.server.errors import Unavailable
+from localspec.server.params import task_params
+from localspec.server.schemas import CompletionRequest
+from localspec.server.worker import MIN_CALL_QUEUE, Job, Worker
+
+
+class BlockingEngine:
+    """Generates nothing until released: the worker thread stays busy meanwhile."""
+
+    n_ctx = 64
+    n_slots = 1
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.started = threading.Event()
+
+    def slot_tokens(self, slot: int) -> list[int]:
+        return []
+
+    def generate(self, req: Any, **_: Any) -> GenerationResult:
+        self.started.set()
+        self.release.wait(30)
+        return GenerationResult(tokens=[], text="", stop_type="limit")
+
+
+def test_calls_and_jobs_waiting_behind_a_generation_are_bounded() -> None:
+    engine = BlockingEngine()
+    worker = Worker(lambda: engine, queue_limit=2)
+    worker.start()
+    try:
+        for _ in range(200):
+            if worker.state == "ready":
+                break
+            threading.Event().wait(0.01)
+        params = task_params(CompletionRequest(prompt="a"), n_ctx=64, n_cmpl_max=1)
+        running = Job(params, lambda _e: [1, 2])
+        worker.submit(running)
+        assert engine.started.wait(10)
+        for _ in range(2):
+            worker.submit(Job(params, lambda _e: [1, 2]))
+        with pytest.raises(Unavailable) as full:
+            worker.submit(Job(params, lambda _e: [1, 2]))
+        assert full.value.headers == {"Retry-After": "1"}
+        calls = [worker.call(lambda _e: "ok") for _ in range(MIN_CALL_QUEUE)]
+        with pytest.raises(Unavailable, match="tokenizer calls"):
+            worker.call(lambda _e: "ok")
+        engine.release.set()
+        assert [c.result(10) for c in calls] == ["ok"] * MIN_CALL_QUEUE
+        assert running.future.result(10).completions
+    finally:
+        engine.release.set()
+        worker.stop()
+
+
+def test_request_log_outcomes_and_text_line() -> None:
+    entry = logs.RequestLog("POST", "/infill", route="/infill", status=200, slot=0, reused=10)
+    assert entry.final_outcome() == "ok"
+    assert entry.message().startswith("POST /infill 200 ok slot=0 reused=10")
+    for status, outcome in ((499, "client left"), (503, "unavailable"), (500, "error"),
+                            (413, "rejected")):  # fmt: skip
+        assert logs.RequestLog("POST", "/x", status=status).final_outcome() == outcome
+    cut = logs.RequestLog("POST", "/completion", status=200, outcome="client left")
+    assert cut.fields()["outcome"] == "client left"
+    quoted = logs.RequestLog("GET", "/", status=400, error="bad thing").message()
+    assert 'error="bad thing"' in quoted
+
+
+def test_unused_engine_namespace_is_enough_for_probes() -> None:
+    from localspec.server.service import _probes
+
+    worker = SimpleNamespace(
+        queued=0, busy=False, n_cancelled=0, slots=[],
+        engine=SimpleNamespace(model_path="/m/t.gguf", draft_path="/m/d.gguf"),
+    )  # fmt: skip
+    probes = _probes(worker)  # type: ignore[arg-type]
+    assert probes.model_files() == {"target": "/m/t.gguf", "draft": "/m/d.gguf"}
