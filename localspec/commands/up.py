@@ -285,13 +285,10 @@ def _terminate(signum: int, _frame: object) -> None:
 
 
 def _configure_logging(log_settings: st.LogSettings) -> None:
-    """The server's log setup (request lines per log.requests) when it has one."""
-    try:
-        from localspec.server.logs import configure
-    except ImportError:
-        c.configure_logging(log_settings)
-    else:
-        configure(log_settings.level, log_settings.format, log_settings.requests)
+    """One log setup for the CLI and the server (text or JSON; a line per request)."""
+    from localspec.server.logs import configure
+
+    configure(log_settings.level, log_settings.format, log_settings.requests)
 
 
 def _serve(args: argparse.Namespace, settings: st.Settings, api_key: str | None) -> int:
