@@ -300,6 +300,13 @@ def _main(args: argparse.Namespace) -> int:
         return 130
     finally:
         for server in started:
+            code = server.proc.poll() if server.proc is not None else None
+            if code is not None:  # it should still be serving: say how it ended
+                print(
+                    f"warning: {server.spec.name} exited during the run with code {code}; "
+                    f"log {server.log_path}:\n{server.log_tail(15)}",
+                    file=sys.stderr,
+                )
             server.stop()
 
     names = [t.name for t in targets]

@@ -19,7 +19,7 @@ class Summary:
     sent: int = 0
     completed: int = 0
     aborted: int = 0
-    errors: int = 0
+    errors: int = 0  # keystroke requests answered with an error or not at all
     p50_ms: float | None = None
     p95_ms: float | None = None
     p99_ms: float | None = None
@@ -39,6 +39,7 @@ class Summary:
     draft_accepted: int = 0
     acceptance: float | None = None
     warmups: int = 0
+    warmups_dropped: int = 0  # warm-ups the server refused or dropped (e.g. superseded)
     warmup_p50_ms: float | None = None
     warmup_prompt_n_mean: float | None = None
     setup_ms: float | None = None  # the first (cold) fill of the ring
@@ -83,7 +84,7 @@ def summarize(outcomes: Sequence[Outcome], servers: Sequence[str]) -> list[Summa
         s.sent = len(keyed)
         s.completed = len(ok)
         s.aborted = sum(o.status == "aborted" for o in keyed)
-        s.errors = sum(o.status == "error" for o in mine)
+        s.errors = sum(o.status == "error" for o in keyed)
         s.p50_ms, s.p95_ms, s.p99_ms = (percentile(lat, q) for q in (50, 95, 99))
         s.paired_p50_ms, s.paired_p95_ms = percentile(pl, 50), percentile(pl, 95)
         s.final_p50_ms = percentile([o.latency_ms for o in finals], 50)
@@ -101,6 +102,7 @@ def summarize(outcomes: Sequence[Outcome], servers: Sequence[str]) -> list[Summa
         s.draft_accepted = int(_sum([o.draft_n_accepted for o in ok]))
         s.acceptance = share(s.draft_accepted, s.draft_n)
         s.warmups = len(warm)
+        s.warmups_dropped = sum(o.kind == "warmup" and o.status == "error" for o in mine)
         s.warmup_p50_ms = percentile([o.latency_ms for o in warm], 50)
         s.warmup_prompt_n_mean = mean([float(o.prompt_n) for o in warm if o.prompt_n is not None])
         s.setup_ms = setup[0].latency_ms if setup else None
@@ -163,7 +165,8 @@ ROWS: tuple[tuple[str, str, str], ...] = (
     ("generation tokens/s", "predicted_per_s", ".1f"),
     ("drafted", "draft_n", "d"),
     ("acceptance", "acceptance", ".0%"),
-    ("warm-ups", "warmups", "d"),
+    ("warm-ups answered", "warmups", "d"),
+    ("warm-ups dropped", "warmups_dropped", "d"),
     ("warm-up p50 ms", "warmup_p50_ms", ".0f"),
     ("warm-up prompt tokens", "warmup_prompt_n_mean", ".0f"),
     ("first ring fill ms", "setup_ms", ".0f"),
