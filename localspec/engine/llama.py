@@ -92,6 +92,18 @@ def check_gguf_file(path: str) -> None:
         )
 
 
+def gpu_split(shares: tuple[float, ...] | None, n_max: int) -> ctypes.Array[ctypes.c_float] | None:
+    """llama.cpp's tensor_split: one float per possible device (it reads llama_max_devices()
+    of them); None when the plan leaves the split to llama.cpp."""
+    if not shares:
+        return None
+    if len(shares) > n_max:
+        raise ValueError(f"tensor_split names {len(shares)} GPUs; this build supports {n_max}")
+    if any(s < 0 for s in shares) or sum(shares) <= 0:
+        raise ValueError(f"tensor_split must be non-negative shares, not {shares}")
+    return (ctypes.c_float * n_max)(*shares)
+
+
 class Model:
     """A loaded GGUF model (weights only; contexts hold the KV cache)."""
 
@@ -100,6 +112,10 @@ class Model:
         check_gguf_file(settings.path)
         params = C.llama_model_default_params()
         params.n_gpu_layers = settings.n_gpu_layers
+        params.main_gpu = settings.main_gpu
+        split = gpu_split(settings.tensor_split, int(C.llama_max_devices()))
+        if split is not None and settings.n_gpu_layers > 0:
+            params.tensor_split = ctypes.cast(split, ctypes.POINTER(ctypes.c_float))
         handle = C.llama_model_load_from_file(str(settings.path).encode(), params)
         if not handle:
             size = Path(settings.path).stat().st_size

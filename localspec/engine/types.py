@@ -28,6 +28,10 @@ class ModelSettings:
     type_v: str = "f16"
     n_threads: int | None = None  # None = a sensible split of the physical cores
     n_threads_batch: int | None = None
+    main_gpu: int = 0  # the GPU that holds the model (single-GPU) or its output layer
+    # Share of the offloaded layers per GPU, in device order; None = llama.cpp's default
+    # (proportional to free memory). (0, 1) pins a draft model to the second GPU.
+    tensor_split: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)

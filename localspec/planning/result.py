@@ -80,7 +80,12 @@ class Plan:
     ) -> EngineSettings:
         """What the engine loads. n_ctx is per slot (the engine multiplies by n_slots)."""
 
-        def model(path: str | PathLike[str], ngl: int) -> ModelSettings:
+        def model(
+            path: str | PathLike[str],
+            ngl: int,
+            split: tuple[float, ...] | None,
+            main_gpu: int = 0,
+        ) -> ModelSettings:
             return ModelSettings(
                 path=str(path),
                 n_gpu_layers=ngl,
@@ -92,16 +97,24 @@ class Plan:
                 type_v=self.type_v,
                 n_threads=self.n_threads,
                 n_threads_batch=self.n_threads_batch,
+                main_gpu=main_gpu,
+                tensor_split=split,
             )
 
         if self.draft is not None and draft_path is None:
             raise PlanError(f"the plan uses the draft {self.draft[0]}; give its GGUF path")
-        draft = model(draft_path, self.draft_ngl) if self.draft and draft_path else None
+        draft = None
+        if self.draft and draft_path:
+            # The draft lives whole on one GPU: a split with all of it on draft_gpu.
+            n_gpus = len(self.tensor_split or ())
+            gpu = self.draft_gpu or 0
+            pin = tuple(float(i == gpu) for i in range(n_gpus)) if n_gpus > 1 else None
+            draft = model(draft_path, self.draft_ngl, pin, gpu)
         spec = self.speculative
         if draft is None and spec.mode in ("draft", "hybrid"):
             spec = replace(spec, mode="ngram")  # no draft model fits: n-grams still help
         return EngineSettings(
-            target=model(target_path, self.target_ngl),
+            target=model(target_path, self.target_ngl, self.tensor_split),
             draft=draft,
             n_slots=self.n_slots,
             spec=spec,

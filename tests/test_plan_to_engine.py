@@ -1,0 +1,42 @@
+"""A plan's multi-GPU layout reaches llama.cpp's model parameters."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+
+from localspec.catalog import load_catalog
+from localspec.engine.llama import gpu_split
+from localspec.hardware import load_hardware_profile
+from localspec.plan import PlanSettings, make_plan
+
+
+def test_two_gpu_plan_splits_the_target_and_pins_the_draft() -> None:
+    plan = make_plan(load_catalog(), load_hardware_profile("2xh100-80gb"), PlanSettings())
+    assert plan.tensor_split is not None and len(plan.tensor_split) == 2
+    settings = plan.engine_settings("/m/target.gguf", "/m/draft.gguf")
+    assert settings.target.tensor_split == plan.tensor_split
+    assert settings.draft is not None
+    gpu = plan.draft_gpu or 0
+    assert settings.draft.main_gpu == gpu
+    assert settings.draft.tensor_split == tuple(float(i == gpu) for i in range(2))
+
+
+def test_single_gpu_plan_leaves_the_split_to_llama_cpp() -> None:
+    plan = make_plan(load_catalog(), load_hardware_profile("rtx4090-24gb"), PlanSettings())
+    settings = plan.engine_settings("/m/target.gguf", "/m/draft.gguf")
+    assert not settings.target.tensor_split
+    assert settings.draft is None or not settings.draft.tensor_split
+
+
+def test_gpu_split_fills_every_device_slot() -> None:
+    arr = gpu_split((0.25, 0.75), 16)
+    assert arr is not None and len(arr) == 16
+    assert list(arr)[:3] == [0.25, 0.75, 0.0]
+    assert ctypes.sizeof(arr) == 16 * ctypes.sizeof(ctypes.c_float)
+    assert gpu_split(None, 16) is None
+    with pytest.raises(ValueError, match="supports 1"):
+        gpu_split((0.5, 0.5), 1)
+    with pytest.raises(ValueError, match="non-negative"):
+        gpu_split((-1.0, 2.0), 4)
