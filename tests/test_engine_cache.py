@@ -302,3 +302,33 @@ def test_tail_drift_is_bounded(qwen_target: Path, prompt_text: str, refresh: int
         shifted = [n for n in evaluated[1:] if n <= 4 + refresh]
         assert recomputed and shifted
         assert len(recomputed) < len(shifted)
+
+
+class _CancelAfter(threading.Event):
+    """Reads as set from the ``n``-th check on: a client that leaves mid-prefill."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.checks, self.n = 0, n
+
+    def is_set(self) -> bool:
+        self.checks += 1
+        return self.checks >= self.n
+
+
+def test_cancel_mid_prefill_stops_between_pieces_and_keeps_what_was_evaluated(
+    qwen_target: Path, prompt_text: str
+) -> None:
+    settings = EngineSettings(target=ms(qwen_target), prefill_chunk=32, cache_reuse=0)
+    with Engine.load(settings) as eng:
+        prompt = eng.vocab.tokenize(prompt_text)[:160]
+        res = eng.generate(
+            GenerationRequest(slot=0, prompt=prompt, n_predict=8, sampling=GREEDY),
+            cancel=_CancelAfter(3),
+        )
+        # two pieces of 32 were evaluated before the third check saw the cancel
+        assert res.cancelled and res.tokens == [] and res.n_evaluated == 64
+        assert eng.slot_tokens(0) == prompt[:64]
+        again = eng.generate(GenerationRequest(slot=0, prompt=prompt, n_predict=0))
+        assert again.n_cached == 64 and again.n_evaluated == len(prompt) - 64
+        assert_slot_consistent(eng, 0)

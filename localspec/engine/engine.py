@@ -224,6 +224,7 @@ class _Run:
             max_drift=settings.tail_max_drift,
             tail_refresh=settings.tail_refresh,
             cancel=self.cancel,
+            chunk=settings.prefill_chunk,
         )
         res.n_cached, res.n_evaluated, res.n_shifted = pre.n_cached, pre.n_evaluated, pre.n_moved
         t1 = time.perf_counter()
@@ -428,6 +429,7 @@ class _Run:
                 max_drift=e.settings.tail_max_drift,
                 tail_refresh=e.settings.tail_refresh,
                 cancel=self.cancel,
+                chunk=e.settings.prefill_chunk,
             )
             res.draft_prompt_ms += (time.perf_counter() - tp) * 1000.0
             res.draft_n_cached += pre.n_cached
