@@ -15,6 +15,7 @@ from localspec.catalog import (
     vocab_compatibility,
 )
 from localspec.resources import data_dir
+from tests.catalog_toml import tiny_arch
 
 
 @pytest.fixture(scope="module")
@@ -107,24 +108,15 @@ def test_vocab_rule_reasons() -> None:
     assert not ok and "differ by 257" in reason
 
 
-GOOD_MODEL = """
+GOOD_MODEL = f"""
 [models.mine]
 family = "qwen2.5-coder"
 role = "target"
 params_b = 1.5
-[models.mine.arch]
-n_layer = 2
-n_embd = 64
-n_head = 4
-n_head_kv = 2
-head_dim = 16
-n_vocab = 151936
-n_ctx_train = 4096
-tied_embeddings = true
-[models.mine.tokenizer]
+{tiny_arch("mine")}[models.mine.tokenizer]
 family = "qwen2.5"
 [models.mine.quants.F32]
-files = [{ filename = "mine.gguf", path = "weights/mine.gguf" }]
+files = [{{ filename = "mine.gguf", path = "weights/mine.gguf" }}]
 """
 
 
@@ -229,7 +221,7 @@ def test_unknown_ids_suggest_close_matches(catalog: Catalog) -> None:
         catalog.pair("nope")
 
 
-REFRESH_ENTRY = """# a maintainer's header comment survives
+REFRESH_ENTRY = f"""# a maintainer's header comment survives
 schema_version = 1
 
 [models.tiny]
@@ -237,24 +229,15 @@ family = "qwen2.5-coder"
 role = "both"
 params_b = 0.1
 note = "kept as is"
-[models.tiny.arch]
-n_layer = 2
-n_embd = 64
-n_head = 4
-n_head_kv = 2
-head_dim = 16
-n_vocab = 151936
-n_ctx_train = 4096
-tied_embeddings = true
-[models.tiny.tokenizer]
+{tiny_arch("tiny")}[models.tiny.tokenizer]
 family = "qwen2.5"
 [models.tiny.quants.Q8_0]
 repo = "acme/Tiny-GGUF"
 size_bytes = 5
-files = [{ filename = "tiny-00001-of-00002.gguf" }, { filename = "tiny-00002-of-00002.gguf" }]
+files = [{{ filename = "tiny-00001-of-00002.gguf" }}, {{ filename = "tiny-00002-of-00002.gguf" }}]
 [models.tiny.quants.F16]
 repo = "acme/Tiny-GGUF"
-files = [{ filename = "tiny-f16.gguf" }]
+files = [{{ filename = "tiny-f16.gguf" }}]
 """
 
 

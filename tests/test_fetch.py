@@ -25,6 +25,7 @@ from localspec.fetch import (
     pull,
     resolve_local,
 )
+from tests.catalog_toml import tiny_arch
 from tests.hubserver import LocalHub
 
 REPO = "acme/Tiny-Coder-GGUF"
@@ -259,26 +260,16 @@ def test_sharded_quant_from_a_catalog_profile(hub: LocalHub, tmp_path: Path, mod
     files = ", ".join(f'{{ filename = "{n}" }}' for n in names)
     (profile / "big.toml").write_text(
         textwrap.dedent(
-            f"""
+            """
             [models.big]
             family = "qwen2.5-coder"
             role = "target"
             params_b = 99
-            tokenizer = {{ family = "qwen2.5" }}
-            [models.big.arch]
-            n_layer = 2
-            n_embd = 64
-            n_head = 4
-            n_head_kv = 2
-            head_dim = 16
-            n_vocab = 152064
-            n_ctx_train = 4096
-            tied_embeddings = false
-            [models.big.quants.Q4_K_M]
-            repo = "acme/Big-GGUF"
-            files = [{files}]
+            tokenizer = { family = "qwen2.5" }
             """
         )
+        + tiny_arch("big", n_vocab=152064, tied=False)
+        + f'[models.big.quants.Q4_K_M]\nrepo = "acme/Big-GGUF"\nfiles = [{files}]\n'
     )
     catalog = load_catalog([profile])
     quant = catalog.model("big").quants["Q4_K_M"]
@@ -364,20 +355,11 @@ def _profile_catalog(directory: Path, *quants: tuple[str, str, str]) -> Path:
                 role = "both"
                 params_b = 0.1
                 tokenizer = {{ family = "qwen2.5" }}
-                [models.{model_id}.arch]
-                n_layer = 2
-                n_embd = 64
-                n_head = 4
-                n_head_kv = 2
-                head_dim = 16
-                n_vocab = 151936
-                n_ctx_train = 4096
-                tied_embeddings = true
-                [models.{model_id}.quants.Q8_0]
-                repo = "{repo}"
-                files = [{{ filename = "{filename}" }}]
                 """
             )
+            + tiny_arch(model_id)
+            + f'[models.{model_id}.quants.Q8_0]\nrepo = "{repo}"\n'
+            + f'files = [{{ filename = "{filename}" }}]\n'
         )
     (directory / "profile.toml").write_text("\n".join(blocks))
     return directory
