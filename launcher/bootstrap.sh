@@ -24,11 +24,14 @@ find_python() {
 }
 
 # The wheel is tied to the CPU (GGML_NATIVE), the build flags and the version: key on all three.
-wheelhouse() {
+wheel_key() {
     flags=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || sysctl -n machdep.cpu.features 2>/dev/null || true)
-    key=$(printf '%s|%s|%s' "$CMAKE_ARGS" "$(uname -sm)" "$flags" | cksum | cut -d' ' -f1)
+    printf '%s|%s|%s' "$CMAKE_ARGS" "$(uname -sm)" "$flags" | cksum | cut -d' ' -f1
+}
+
+wheelhouse() {
     base=${LOCALSPEC_WHEELHOUSE:-${XDG_CACHE_HOME:-$HOME/.cache}/localspec/wheels}
-    printf '%s/llama-cpp-python-%s-%s' "$base" "$LLAMA_CPP_VERSION" "$key"
+    printf '%s/llama-cpp-python-%s-%s' "$base" "$LLAMA_CPP_VERSION" "$(wheel_key)"
 }
 
 ensure_llama_wheel() {
@@ -57,12 +60,25 @@ ensure_env() {
         say "creating the virtual environment $VENV"
         "$PYTHON" -m venv "$VENV" || die "could not create a virtual environment (Debian/Ubuntu: apt-get install python3-venv)."
     fi
-    stamp_want=$(cat "$LOCALSPEC_ROOT/pyproject.toml" "$LOCALSPEC_ROOT/launcher/bootstrap.sh" | cksum | cut -d' ' -f1)-$extras-$(wheelhouse | cksum | cut -d' ' -f1)
+    key=$(wheel_key)
+    stamp_want=$(cat "$LOCALSPEC_ROOT/pyproject.toml" "$LOCALSPEC_ROOT/launcher/bootstrap.sh" | cksum | cut -d' ' -f1)-$extras-$key
     stamp_file="$VENV/.localspec-installed"
     if [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$stamp_want" ]; then
         return 0
     fi
-    ensure_llama_wheel
+    WHEELHOUSE=$(wheelhouse)
+    # llama.cpp is built and installed only when this venv lacks a build for these flags:
+    # never rebuilt because localspec itself changed.
+    llama_key_file="$VENV/.localspec-llama-key"
+    if [ ! -f "$llama_key_file" ] || [ "$(cat "$llama_key_file")" != "$key" ] ||
+        ! "$VENV/bin/python" -c "import llama_cpp" >/dev/null 2>&1; then
+        ensure_llama_wheel
+        say "installing llama-cpp-python $LLAMA_CPP_VERSION from $WHEELHOUSE"
+        "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --force-reinstall \
+            --no-deps "$WHEELHOUSE"/llama_cpp_python-"$LLAMA_CPP_VERSION"-*.whl ||
+            die "installing the llama-cpp-python wheel failed (see pip's output above)."
+        printf '%s' "$key" >"$llama_key_file"
+    fi
     spec="$LOCALSPEC_ROOT"
     [ -n "$extras" ] && spec="$LOCALSPEC_ROOT[$extras]"
     say "installing localspec${extras:+ with the $extras extra} into $VENV"

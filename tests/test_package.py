@@ -119,3 +119,16 @@ def test_launcher_bootstraps_once_then_starts_at_once(tmp_path: Path) -> None:
     assert second.returncode == 0
     assert "installing" not in second.stderr and "creating" not in second.stderr
     assert second.stdout.strip() == first.stdout.strip()
+    # localspec changed (stamp gone) and no wheel is cached: llama.cpp is installed already,
+    # so it is reinstalled from nothing and never rebuilt.
+    (tmp_path / "venv" / ".localspec-installed").unlink()
+    env["LOCALSPEC_WHEELHOUSE"] = str(tmp_path / "empty-wheelhouse")
+    third = subprocess.run(
+        ["sh", str(ROOT / "launcher" / "localspec"), "--version"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert third.returncode == 0, third.stderr
+    assert "installing localspec" in third.stderr
+    assert "building llama.cpp" not in third.stderr and "llama-cpp-python" not in third.stderr
