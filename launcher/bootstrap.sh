@@ -61,10 +61,15 @@ ensure_env() {
         "$PYTHON" -m venv "$VENV" || die "could not create a virtual environment (Debian/Ubuntu: apt-get install python3-venv)."
     fi
     key=$(wheel_key)
-    stamp_want=$(cat "$LOCALSPEC_ROOT/pyproject.toml" "$LOCALSPEC_ROOT/launcher/bootstrap.sh" | cksum | cut -d' ' -f1)-$extras-$key
+    stamp_base=$(cat "$LOCALSPEC_ROOT/pyproject.toml" "$LOCALSPEC_ROOT/launcher/bootstrap.sh" | cksum | cut -d' ' -f1)-$key
+    stamp_want=$stamp_base-$extras
     stamp_file="$VENV/.localspec-installed"
-    if [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$stamp_want" ]; then
-        return 0
+    if [ -f "$stamp_file" ]; then
+        stamp_have=$(cat "$stamp_file")
+        # an install with the test extra serves the daemon as well
+        if [ "$stamp_have" = "$stamp_want" ] || [ "$stamp_have" = "$stamp_base-test" ]; then
+            return 0
+        fi
     fi
     WHEELHOUSE=$(wheelhouse)
     # llama.cpp is built and installed only when this venv lacks a build for these flags:
