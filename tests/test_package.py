@@ -82,14 +82,18 @@ def _tool_dir(tmp_path: Path, tools: list[str]) -> Path:
 def test_launcher_without_python_says_so(tmp_path: Path) -> None:
     bindir = _tool_dir(tmp_path, ["sh", "dirname", "cat", "cksum", "cut", "grep", "uname"])
     env = {"PATH": str(bindir), "HOME": str(tmp_path), "LOCALSPEC_VENV": str(tmp_path / "venv")}
-    result = subprocess.run(
+    result = _launch(env)
+    assert result.returncode == 1
+    assert "Python 3.10 or newer is required" in result.stderr
+
+
+def _launch(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
         ["sh", str(ROOT / "launcher" / "localspec"), "--version"],
         env=env,
         capture_output=True,
         text=True,
     )
-    assert result.returncode == 1
-    assert "Python 3.10 or newer is required" in result.stderr
 
 
 def test_launcher_bootstraps_once_then_starts_at_once(tmp_path: Path) -> None:
@@ -101,21 +105,11 @@ def test_launcher_bootstraps_once_then_starts_at_once(tmp_path: Path) -> None:
         "LOCALSPEC_PYTHON": sys.executable,
     }
     env.pop("VIRTUAL_ENV", None)
-    first = subprocess.run(
-        ["sh", str(ROOT / "launcher" / "localspec"), "--version"],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
+    first = _launch(env)
     assert first.returncode == 0, first.stderr
     assert "creating the virtual environment" in first.stderr
     assert first.stdout.strip() == f"localspec {localspec.__version__}"
-    second = subprocess.run(
-        ["sh", str(ROOT / "launcher" / "localspec"), "--version"],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
+    second = _launch(env)
     assert second.returncode == 0
     assert "installing" not in second.stderr and "creating" not in second.stderr
     assert second.stdout.strip() == first.stdout.strip()
@@ -123,12 +117,7 @@ def test_launcher_bootstraps_once_then_starts_at_once(tmp_path: Path) -> None:
     # so it is reinstalled from nothing and never rebuilt.
     (tmp_path / "venv" / ".localspec-installed").unlink()
     env["LOCALSPEC_WHEELHOUSE"] = str(tmp_path / "empty-wheelhouse")
-    third = subprocess.run(
-        ["sh", str(ROOT / "launcher" / "localspec"), "--version"],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
+    third = _launch(env)
     assert third.returncode == 0, third.stderr
     assert "installing localspec" in third.stderr
     assert "building llama.cpp" not in third.stderr and "llama-cpp-python" not in third.stderr
