@@ -151,22 +151,43 @@ def test_mixed_prefix_pieces_keep_token_ids_and_tokenize_text() -> None:
     assert got == [PRE, 97, 5, SUF, 6, 98, MID]
 
 
-def test_room_trims_the_oldest_extra_only_when_the_layout_would_overflow() -> None:
+def test_room_is_llama_servers_n_predict_reserve() -> None:
     chunk = "".join(chr(ord("a") + i % 26) for i in range(300))
     args = dict(
         tokenize=chars, fim=QWEN_LIKE, input_extra=[Extra(chunk)], prompt_tokens=[],
         n_batch=100, n_ctx=200,
     )  # fmt: skip
     short = infill_prompt(input_prefix="P", input_suffix="S", room=20, **args)  # type: ignore[arg-type]
-    assert short == infill_prompt(input_prefix="P", input_suffix="S", **args)  # type: ignore[arg-type]
-    assert len(short) == 102 + 5  # fits: exactly llama-server's layout
+    # llama-server run with -n 10 reserves 2 * 10 tokens of context the same way
+    assert short == infill_prompt(input_prefix="P", input_suffix="S", n_predict=10, **args)  # type: ignore[arg-type]
+    assert len(short) == 80 + 5  # extra budget n_ctx - n_batch - room
 
     full = "x" * 300
-    exact = infill_prompt(input_prefix=full, input_suffix=full, **args)  # type: ignore[arg-type]
-    assert len(exact) == 200 + 3  # llama-server's own layout overflows n_ctx here
+    exact = infill_prompt(input_prefix=full, input_suffix=full, n_predict=10, **args)  # type: ignore[arg-type]
     fitted = infill_prompt(input_prefix=full, input_suffix=full, room=20, **args)  # type: ignore[arg-type]
-    assert len(fitted) == 200 - 20
-    assert fitted == exact[len(exact) - len(fitted) :]  # only the oldest extra went
+    assert fitted == exact and len(fitted) == 200 - 20 + 1  # still leaves n_predict free
+
+    tight = dict(args, n_ctx=120)  # the budget leaves no extra; prefix + suffix alone overflow
+    fitted = infill_prompt(input_prefix=full, input_suffix=full, room=40, **tight)  # type: ignore[arg-type]
+    exact = infill_prompt(input_prefix=full, input_suffix=full, n_predict=20, **tight)  # type: ignore[arg-type]
+    assert len(exact) == 101 and len(fitted) == 120 - 20
+    assert fitted == [PRE, *exact[2:]]  # the prefix lost its oldest token
+
+
+def test_the_extra_context_head_does_not_move_while_the_user_types() -> None:
+    """With a full ring the extra context's cut point must not depend on the prefix, cursor
+    line or suffix lengths: a moving head would defeat prefix reuse on every keystroke."""
+    chunk = "".join(chr(ord("a") + i % 26) for i in range(400))
+    heads = set()
+    for n_pre, n_suf, n_prompt in [(10, 5, 0), (10, 5, 1), (10, 5, 3), (90, 0, 2), (200, 200, 4)]:
+        got = infill_prompt(
+            tokenize=chars, fim=QWEN_LIKE, input_prefix="p" * n_pre, input_suffix="s" * n_suf,
+            input_extra=[Extra(chunk)], prompt_tokens=list(range(1000, 1000 + n_prompt)),
+            n_batch=100, n_ctx=300, room=40,
+        )  # fmt: skip
+        assert len(got) <= 300 - 40 + 3  # llama-server's -n 20 layout, never trimmed
+        heads.add(tuple(got[: got.index(PRE)]))
+    assert len(heads) == 1
 
 
 def test_room_then_trims_the_start_of_the_prefix() -> None:
@@ -174,7 +195,7 @@ def test_room_then_trims_the_start_of_the_prefix() -> None:
         tokenize=chars, fim=NO_REPO, input_prefix="abcdefghij", input_suffix="", input_extra=[],
         prompt_tokens=[], n_batch=40, n_ctx=12, room=4,
     )  # fmt: skip
-    assert got == [PRE, *chars("fghij"), SUF, MID]  # 12 - 4 = 8 tokens, the prefix keeps its end
+    assert got == [PRE, *chars("defghij"), SUF, MID]  # 12 - 4/2 = 10 tokens: the prefix end
 
 
 @settings(max_examples=300, deadline=None)
@@ -201,7 +222,7 @@ def test_layout_invariants(
         input_extra=extra, prompt_tokens=prompt, n_batch=n_batch, n_ctx=n_ctx,
         bos=BOS if bos else None, spm=spm,
     )  # fmt: skip
-    exact = infill_prompt(**kw)  # type: ignore[arg-type]
+    exact = infill_prompt(n_predict=(room + 1) // 2 if room else -1, **kw)  # type: ignore[arg-type]
     got = infill_prompt(room=room, **kw)  # type: ignore[arg-type]
     assert got[-1] == MID and got.count(PRE) == got.count(SUF) == 1
     full_extra = extra_context(chars, QWEN_LIKE, extra)
@@ -214,6 +235,6 @@ def test_layout_invariants(
         assert got == exact
     else:
         floor = 3 + bos + n_prompt + len(kept_suffix)  # what room may not cut
-        assert len(got) <= max(n_ctx - room, floor)
-        assert len(got) == len(exact) or len(got) == max(n_ctx - room, floor)
+        assert len(got) <= max(n_ctx - room // 2, floor)
+        assert len(got) == len(exact) or len(got) == max(n_ctx - room // 2, floor)
         assert len(kept_prefix) <= min(n_pre, 3 * (n_batch // 4))

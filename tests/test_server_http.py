@@ -242,8 +242,8 @@ ROOM = 256  # ServerSettings.infill_room (at most n_ctx / 4)
 def test_fim_layout_is_what_the_slot_evaluates(
     qwen: Live, qc: httpx.Client, qwen_vocab: Any, n_prefix_lines: int
 ) -> None:
-    """llama-server's layout, token for token; with every budget full it would overflow the
-    context, and the oldest extra context makes room instead (the one deviation)."""
+    """llama-server's layout, token for token, as run with ``-n 128`` (the editors' n_predict,
+    ``ServerSettings.infill_room`` = 2 x 128), with the prefix budget partly and fully used."""
 
     def tok(text: str) -> list[int]:
         return qwen_vocab.tokenize(text.encode(), add_bos=False, special=False)
@@ -266,7 +266,7 @@ def test_fim_layout_is_what_the_slot_evaluates(
         FIM_SEP, *tok("tmp\n"), *tok("tail = 1\n"),  # missing filename: "tmp"
         FIM_SEP, *tok("filename\n"),
     ]  # fmt: skip
-    n_extra = N_CTX - N_BATCH + 2  # the server's default n_predict is -1
+    n_extra = N_CTX - N_BATCH - ROOM  # llama-server's budget: n_ctx - n_batch - 2 * n_predict
     n_prefix = min(len(tok(prefix)), 3 * (N_BATCH // 4))
     n_suffix = N_BATCH // 4 - (2 + len(p_tok))
     assert len(full_extra) > n_extra and len(tok(suffix)) > n_suffix
@@ -275,13 +275,9 @@ def test_fim_layout_is_what_the_slot_evaluates(
         FIM_SUF, *tok(suffix)[:n_suffix],
         FIM_MID,
     ]  # fmt: skip
-    llama_server = [*full_extra[-n_extra:], *fim_block]
-    if n_prefix_lines == 400:  # every budget full: llama-server's own layout does not fit
-        assert len(tok(prefix)) > n_prefix and len(llama_server) > N_CTX
-        want = llama_server[len(llama_server) - (N_CTX - ROOM) :]
-    else:
-        assert len(llama_server) < N_CTX - ROOM
-        want = llama_server
+    want = [*full_extra[-n_extra:], *fim_block]
+    if n_prefix_lines == 400:  # every budget full
+        assert len(tok(prefix)) > n_prefix and len(want) == N_CTX - ROOM + 1
     got = qwen.service.worker.slots[1].tokens
     assert got == want
     assert got.count(FIM_PRE) == 1  # the literal "<|fim_prefix|>" in the code stayed text

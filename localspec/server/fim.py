@@ -14,11 +14,15 @@ Budgets: the prefix gets 3/4 of ``n_batch``, the suffix the rest minus the promp
 special tokens, the extra context what is left of ``n_ctx`` after a batch and twice the
 server's default ``n_predict``. ``spm`` swaps the prefix and suffix blocks.
 
-One deviation, only where llama-server would fail: with every budget full its layout can
-exceed the context by a few tokens (``n_ctx - n_batch + 2`` extra plus a whole batch), which
-llama-server rejects. ``room`` keeps that many tokens free for the completion by dropping more
-of the oldest extra context (then the start of the prefix). ``room`` must not depend on the
-request, so a warm-up and the completion after it lay out the same tokens (cache reuse).
+``room`` (tokens kept free for the completion) stands for llama-server's ``2 * n_predict``
+reserve: with ``room = 256`` the layout is llama-server's run with ``-n 128``, the
+editors' own ``n_predict``. llama-server's default ``-n -1`` reserves nothing, and with every
+budget full its layout then exceeds the context by a few tokens and is rejected. The
+extra-context budget must not depend on the request: it is the same for a warm-up and the
+keystrokes after it, so the ring's tokens stay at the head of the prompt (prefix reuse) while
+the prefix, the cursor line and the suffix change length. Should the layout leave fewer than
+``room / 2`` tokens (a tiny ``n_ctx``), the oldest extra context, then the start of the
+prefix, makes room.
 """
 
 from __future__ import annotations
@@ -125,7 +129,8 @@ def infill_prompt(
     """The token sequence llama-server evaluates for an /infill request.
 
     ``bos`` is the BOS id when the vocabulary adds one (``llama_vocab_get_add_bos``), else None.
-    ``n_predict`` is the server's default (-1), not the request's, as in llama-server.
+    ``n_predict`` is the server's default (-1), not the request's, as in llama-server; a
+    ``room`` > 0 replaces its reserve (``2 * n_predict``).
     """
     prefix = tokenize_mixed(tokenize, input_prefix)
     suffix = tokenize_mixed(tokenize, input_suffix)
@@ -137,12 +142,12 @@ def infill_prompt(
         n_prompt=len(prompt_tokens),
         n_batch=n_batch,
         n_ctx=n_ctx,
-        n_predict=n_predict,
+        n_predict=(room + 1) // 2 if room > 0 else n_predict,
     )
     n_prefix = take.prefix
     n_extra = take.extra
     n_total = n_extra + (bos is not None) + n_prefix + len(prompt_tokens) + take.suffix + 3
-    overflow = n_total - (n_ctx - room) if room > 0 else 0
+    overflow = n_total - (n_ctx - room // 2) if room > 0 else 0  # keep n_predict free
     if overflow > 0:
         cut = min(overflow, n_extra)
         n_extra -= cut
