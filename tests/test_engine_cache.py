@@ -316,6 +316,51 @@ class _CancelAfter(threading.Event):
         return self.checks >= self.n
 
 
+def test_cancel_before_a_moved_tail_block_still_attaches_it(
+    engine: Engine, prompt_text: str
+) -> None:
+    """A keystroke aborted just after its plan: the few changed tokens in front of the moved
+    suffix block are evaluated and the block attached, so the next keystroke still has it."""
+    v = engine.vocab
+    f = v.fim
+    toks = v.tokenize(prompt_text)
+    prefix, suffix = toks[:150], toks[150:230]
+
+    def fim(line: str) -> list[int]:
+        return [f.pre, *prefix, *v.tokenize(line), f.suf, *suffix, f.mid]
+
+    engine.generate(GenerationRequest(slot=1, prompt=fim("    y = total("), n_predict=0))
+    edited = fim("    y = total(b")
+    res = engine.generate(
+        GenerationRequest(slot=1, prompt=edited, n_predict=4, sampling=GREEDY),
+        cancel=_CancelAfter(1),
+    )
+    assert res.cancelled and res.tokens == []
+    assert engine.slot_tokens(1) == edited[:-1]  # all but FIM_MID: the block is still there
+    assert_slot_consistent(engine, 1)
+    again = engine.generate(GenerationRequest(slot=1, prompt=edited, n_predict=0))
+    assert again.n_evaluated == 1
+
+
+def test_partly_evaluated_suffix_block_is_kept_by_the_next_keystroke(
+    engine: Engine, prompt_text: str
+) -> None:
+    v = engine.vocab
+    f = v.fim
+    toks = v.tokenize(prompt_text)
+    prefix, suffix = toks[:150], toks[150:230]
+    line1, line2 = v.tokenize("    z = mean("), v.tokenize("    z = mean(c")
+    # what an aborted keystroke leaves: its prompt up to 60 tokens into the suffix block
+    engine.generate(GenerationRequest(slot=0, prompt=[f.pre, *prefix, *line1, f.suf, *suffix[:60]],
+                                      n_predict=0))  # fmt: skip
+    prompt = [f.pre, *prefix, *line2, f.suf, *suffix, f.mid]
+    res = engine.generate(GenerationRequest(slot=0, prompt=prompt, n_predict=0))
+    assert res.n_shifted > 0  # part of the 61-token block start (less its refresh) moved
+    assert res.n_evaluated < len(suffix)
+    assert engine.slot_tokens(0) == prompt
+    assert_slot_consistent(engine, 0)
+
+
 def test_cancel_mid_prefill_stops_between_pieces_and_keeps_what_was_evaluated(
     qwen_target: Path, prompt_text: str
 ) -> None:

@@ -127,6 +127,20 @@ def test_plan_inserted_middle_keeps_the_tail_block() -> None:
     assert plan_reuse(cached, prompt, min_chunk=256, tail_min=256).n_evaluated == 102
 
 
+def test_plan_keeps_a_partly_evaluated_tail_block() -> None:
+    """An aborted keystroke left only the start of the suffix block in the cache: the next
+    keystroke moves that start and evaluates the rest, so the block gets built across keys."""
+    head, tail = list(range(1000, 1300)), list(range(2000, 2100))
+    cached = [*head, 7, *tail[:40]]  # cut off 40 tokens into the block
+    prompt = [*head, 8, 9, *tail, 5]
+    plan = plan_reuse(cached, prompt, min_chunk=256, tail_min=32)
+    assert plan.runs == (Run(src=301, dst=302, n=40),)
+    assert plan.fresh == ((300, 302), (342, 403))
+    # a run that ends neither the cache nor the prompt still needs min_chunk
+    inner = [*head, 7, *tail[:40], 6, 6, 6]
+    assert plan_reuse(inner, prompt, min_chunk=256, tail_min=32).runs == ()
+
+
 def test_plan_tail_refresh_recomputes_the_start_of_the_tail_block() -> None:
     head, tail = list(range(1000, 1300)), list(range(2000, 2100))
     cached = [*head, 7, *tail]

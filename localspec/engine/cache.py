@@ -71,8 +71,13 @@ class SlotCaches:
             slot, prompt, min_chunk=min_chunk, tail_min=tail_min, tail_refresh=tail_refresh
         )
         tail = plan.runs[-1] if plan.runs else None
-        if tail is not None and tail.n < min_chunk and tail.dst + tail.n == len(prompt) - 1:
-            # a short run ending the prompt, moved under the tail rule: bounded drift
+        cached = self.tokens[slot]
+        if (
+            tail is not None
+            and tail.n < min_chunk
+            and (tail.dst + tail.n == len(prompt) - 1 or tail.src + tail.n == len(cached))
+        ):
+            # a short run ending the prompt or the cache, moved under the tail rule: bounded drift
             # tokens inserted and deleted in front of the block since its KV was computed
             # (the refreshed tokens at the block's start are recomputed, not changes)
             moved_before = sum(r.n for r in plan.runs[:-1]) + tail_refresh
@@ -88,7 +93,6 @@ class SlotCaches:
         elif not 0 <= self.tail_start[slot] < plan.n_prefix:
             # any moved tail block was dropped or recomputed: nothing stale remains
             self.drift[slot], self.tail_start[slot] = 0, -1
-        cached = self.tokens[slot]
         n_moved = sum(r.n for r in plan.runs)
         if plan.runs:
             scratch = self.scratch
@@ -118,12 +122,14 @@ class SlotCaches:
                 toks.extend(prompt[run.dst : run.dst + run.n])
                 pos += run.n
                 continue
-            if cancel is not None and cancel.is_set():
-                cancelled = True
-                break
-            end = min(n_prompt, pos + step)
             nxt = min((d for d in runs if d > pos), default=n_prompt)
-            end = min(end, nxt)
+            if not cancelled and cancel is not None and cancel.is_set():
+                cancelled = True
+            if cancelled and (nxt == n_prompt or nxt - pos > step):
+                break
+            # cancelled with a moved run at most one piece ahead: finish the gap and attach
+            # the run (then stop), or the run's KV would be lost for the next keystroke
+            end = min(n_prompt, pos + step, nxt)
             ctx.decode(prompt[pos:end], pos, seq, logits="last" if end == n_prompt else "none")
             toks.extend(prompt[pos:end])
             pos = end

@@ -10,7 +10,10 @@ positions by a KV shift instead of recomputing them. Two differences from llama-
 * a run that ends the prompt (the FIM suffix block behind the cursor) needs only
   ``tail_min`` tokens, not ``min_chunk``: the editor changes the middle of the FIM layout on
   every keystroke, and that block (~255 tokens with n_batch 1024) is just under llama-server's
-  256 threshold, so llama-server re-evaluates it every time.
+  256 threshold, so llama-server re-evaluates it every time;
+* so does a run that ends the *cache*: the start of a suffix block whose evaluation was cut
+  short by an aborted keystroke. The next keystroke keeps it and evaluates only the rest, so
+  a block longer than the time between two keys still gets built across them.
 
 The last prompt token is always evaluated fresh (its logits start the generation).
 Moved KV was computed under a slightly different left context: an approximation whose cost
@@ -121,8 +124,8 @@ def _find_runs(
                 n += 1
             if n > best_n:
                 best_c, best_n = c, n
-        ends_prompt = p + best_n == end
-        if best_n >= min_chunk or (ends_prompt and best_n >= tail_min):
+        ends_block = p + best_n == end or best_c + best_n == n_cache
+        if best_n >= min_chunk or (ends_block and best_n >= tail_min):
             runs.append(Run(best_c, p, best_n))
             head_c = best_c + best_n
             p += best_n
