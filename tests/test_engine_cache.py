@@ -282,6 +282,7 @@ def test_tail_drift_is_bounded(qwen_target: Path, prompt_text: str, refresh: int
         tail_reuse=8,
         tail_max_drift=3,
         tail_refresh=refresh,
+        tail_roll=0,
         spec=SpecSettings(mode="off"),
     )
     with Engine.load(s) as eng:
@@ -302,6 +303,37 @@ def test_tail_drift_is_bounded(qwen_target: Path, prompt_text: str, refresh: int
         shifted = [n for n in evaluated[1:] if n <= 4 + refresh]
         assert recomputed and shifted
         assert len(recomputed) < len(shifted)
+
+
+def test_rolling_refresh_recomputes_a_window_per_keystroke_instead_of_the_block(
+    qwen_target: Path, prompt_text: str
+) -> None:
+    """Each keystroke re-evaluates the changed tokens, the block's head and one rolling window;
+    the windows cover the block within a few keys, so the drift cap (counted over one cycle)
+    never forces the whole-block recompute that the cumulative cap does."""
+    results = {}
+    for roll in (0, 16):
+        s = EngineSettings(
+            target=ms(qwen_target), cache_reuse=256, tail_reuse=8, tail_max_drift=6,
+            tail_refresh=4, tail_roll=roll, spec=SpecSettings(mode="off"),
+        )  # fmt: skip
+        with Engine.load(s) as eng:
+            v, f = eng.vocab, eng.vocab.fim
+            toks = v.tokenize(prompt_text)
+            prefix, suffix = toks[:100], toks[100:164]
+            evaluated = []
+            for ch in "abcdefghijkl":
+                prefix = [*prefix, *v.tokenize(ch)]
+                prompt = [f.pre, *prefix, f.suf, *suffix, f.mid]
+                res = eng.generate(GenerationRequest(slot=0, prompt=prompt, n_predict=0))
+                evaluated.append(res.n_evaluated)
+                assert eng.slot_tokens(0) == prompt
+                assert_slot_consistent(eng, 0)
+            results[roll] = evaluated[1:]
+    n_block = len(suffix) + 1  # FIM_SUF + suffix
+    assert max(results[0]) > n_block  # the cumulative cap recomputed the block
+    assert max(results[16]) <= 2 + 4 + 16 + 1  # a key, the head, one window, FIM_MID
+    assert min(results[16]) > 4 + 1  # the window is really evaluated
 
 
 class _CancelAfter(threading.Event):

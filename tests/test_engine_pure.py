@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from localspec.engine.cache_plan import Run, plan_reuse
+from localspec.engine.cache_plan import Run, plan_reuse, refresh_window
 from localspec.engine.engine import draft_window_start
 from localspec.engine.ngram import NgramIndex
 from localspec.engine.policy import SpecPolicy
@@ -150,6 +150,18 @@ def test_plan_tail_refresh_recomputes_the_start_of_the_tail_block() -> None:
     assert plan.n_evaluated == 2 + 16 + 1
     # a tail too short to keep after the refresh is recomputed whole
     assert plan_reuse(cached, prompt, min_chunk=256, tail_min=90, tail_refresh=16).runs == ()
+
+
+def test_refresh_window_splits_the_tail_run() -> None:
+    head, tail = list(range(1000, 1300)), list(range(2000, 2100))
+    plan = plan_reuse([*head, 7, *tail], [*head, 8, 9, *tail], min_chunk=256, tail_min=32)
+    rolled = refresh_window(plan, 40, 16)
+    assert rolled.runs == (Run(301, 302, 40), Run(357, 358, 43))
+    assert rolled.fresh == ((300, 302), (342, 358), (401, 402))
+    assert rolled.n_evaluated == plan.n_evaluated + 16
+    assert refresh_window(plan, 0, 16).runs == (Run(317, 318, 83),)  # window at the start
+    assert refresh_window(plan, 90, 16).runs == (Run(301, 302, 90),)  # window cut at the end
+    assert refresh_window(plan, 99, 16) == plan  # nothing left to refresh
 
 
 def test_plan_without_shift_support_keeps_only_the_prefix() -> None:

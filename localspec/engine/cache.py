@@ -13,7 +13,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from localspec.engine.cache_plan import ReusePlan, plan_reuse
+from localspec.engine.cache_plan import ReusePlan, plan_reuse, refresh_window
 from localspec.engine.llama import Context
 
 
@@ -31,9 +31,11 @@ class SlotCaches:
         self.n_slots = n_slots
         self.scratch = n_slots
         self.tokens: list[list[int]] = [[] for _ in range(n_slots)]
-        # tokens changed in front of each slot's tail block since it was last computed
+        # tokens changed in front of each slot's tail block since its stalest token was computed
         self.drift: list[int] = [0] * n_slots
         self.tail_start: list[int] = [-1] * n_slots  # where that block begins (-1: none)
+        self.changes: list[list[int]] = [[] for _ in range(n_slots)]  # per keystroke, rolling
+        self.roll_at: list[int] = [0] * n_slots  # offset of the next rolling refresh window
 
     def plan(
         self,
@@ -62,6 +64,7 @@ class SlotCaches:
         tail_min: int = 0,
         max_drift: int = 1 << 30,
         tail_refresh: int = 0,
+        tail_roll: int = 0,
         cancel: threading.Event | None = None,
         chunk: int | None = None,
     ) -> PrefillResult:
@@ -84,15 +87,27 @@ class SlotCaches:
             inserted = tail.dst - plan.n_prefix - moved_before
             deleted = tail.src - plan.n_prefix - moved_before
             changed = max(0, inserted) + max(0, deleted)
-            if self.drift[slot] + changed > max_drift:
-                plan = self.plan(slot, prompt, min_chunk=min_chunk, tail_min=len(prompt) + 1)
-                self.drift[slot], self.tail_start[slot] = 0, -1
+            if tail_roll > 0:
+                # with a rolling refresh the stalest token was recomputed one cycle ago
+                per_cycle = -(-tail.n // tail_roll)  # keystrokes to refresh the whole block
+                recent = self.changes[slot][len(self.changes[slot]) - (per_cycle - 1) :]
+                drift = sum(recent) + changed if per_cycle > 1 else changed
             else:
-                self.drift[slot] += changed
+                drift = self.drift[slot] + changed
+            if drift > max_drift:
+                plan = self.plan(slot, prompt, min_chunk=min_chunk, tail_min=len(prompt) + 1)
+                self._reset_drift(slot)
+            else:
+                self.drift[slot] = drift
                 self.tail_start[slot] = tail.dst
+                if tail_roll > 0:
+                    self.changes[slot] = [*self.changes[slot][-63:], changed]
+                    offset = self.roll_at[slot] if self.roll_at[slot] < tail.n else 0
+                    plan = refresh_window(plan, offset, tail_roll)
+                    self.roll_at[slot] = offset + tail_roll
         elif not 0 <= self.tail_start[slot] < plan.n_prefix:
             # any moved tail block was dropped or recomputed: nothing stale remains
-            self.drift[slot], self.tail_start[slot] = 0, -1
+            self._reset_drift(slot)
         n_moved = sum(r.n for r in plan.runs)
         if plan.runs:
             scratch = self.scratch
@@ -142,6 +157,10 @@ class SlotCaches:
             return PrefillResult(plan.n_prefix + attached, n_eval, attached, True)
         return PrefillResult(plan.n_reused, plan.n_evaluated, n_moved)
 
+    def _reset_drift(self, slot: int) -> None:
+        self.drift[slot], self.tail_start[slot], self.roll_at[slot] = 0, -1, 0
+        self.changes[slot] = []
+
     def append(self, slot: int, tokens: Sequence[int], *, logits: str | Sequence[int]) -> int:
         """Decode ``tokens`` after the slot's content; returns their first position."""
         toks = self.tokens[slot]
@@ -159,4 +178,4 @@ class SlotCaches:
     def clear(self, slot: int) -> None:
         self.ctx.seq_rm(slot, -1, -1)
         self.tokens[slot] = []
-        self.drift[slot], self.tail_start[slot] = 0, -1
+        self._reset_drift(slot)

@@ -103,6 +103,28 @@ def plan_reuse(
     return ReusePlan(n_prefix, tuple(runs), n_prompt, _fresh_spans(n_prefix, runs, n_prompt))
 
 
+def refresh_window(plan: ReusePlan, offset: int, width: int) -> ReusePlan:
+    """Re-evaluate ``width`` tokens of the plan's last run from ``offset`` on; keep the rest.
+
+    A rolling refresh of a moved suffix block: one window per keystroke, so every token of the
+    block is recomputed once every few keys and none grows stale, without the latency spike of
+    recomputing the whole block at once (which tends to land on the keystroke that matters)."""
+    if not plan.runs:
+        return plan
+    *runs, last = plan.runs
+    offset = max(0, min(offset, last.n))
+    width = min(width, last.n - offset)
+    if width <= 0:
+        return plan
+    if offset > 0:
+        runs.append(Run(last.src, last.dst, offset))
+    skip = offset + width
+    if skip < last.n:
+        runs.append(Run(last.src + skip, last.dst + skip, last.n - skip))
+    fresh = _fresh_spans(plan.n_prefix, runs, plan.n_prompt)
+    return ReusePlan(plan.n_prefix, tuple(runs), plan.n_prompt, fresh)
+
+
 def _find_runs(
     cached: Sequence[int], prompt: Sequence[int], start: int, min_chunk: int, tail_min: int
 ) -> list[Run]:

@@ -223,6 +223,7 @@ class _Run:
             tail_min=settings.tail_reuse,
             max_drift=settings.tail_max_drift,
             tail_refresh=settings.tail_refresh,
+            tail_roll=settings.tail_roll,
             cancel=self.cancel,
             chunk=settings.prefill_chunk,
         )
@@ -428,6 +429,7 @@ class _Run:
                 tail_min=e.settings.tail_reuse,
                 max_drift=e.settings.tail_max_drift,
                 tail_refresh=e.settings.tail_refresh,
+                tail_roll=e.settings.tail_roll,
                 cancel=self.cancel,
                 chunk=e.settings.prefill_chunk,
             )

@@ -65,6 +65,9 @@ class EngineSettings:
     # re-evaluate this many tokens at the start of a moved tail block (nearest the edit):
     # with 8/32, 96% of greedy answers equal a cold cache's in the keystroke replay
     tail_refresh: int = 32
+    # and, past those, re-evaluate a rolling window of this many tokens per keystroke: every
+    # token is recomputed every few keys, so the drift cap rarely forces a whole-block recompute
+    tail_roll: int = 32
     # prompt tokens per llama_decode while prefilling: a cancel (the editor aborted this
     # keystroke) is noticed between pieces, and what was evaluated stays cached for the next
     prefill_chunk: int = 128
