@@ -246,7 +246,7 @@ def run_cache_quality(
     suffix_lines: int = 25,
     threads: int | None = None,
     tail_reuse: int = 32,
-    variants: tuple[tuple[int, int], ...] = ((1 << 20, 0), (8, 0), (8, 32)),
+    variants: tuple[tuple[int, int, int], ...] = ((8, 32, 0), (8, 32, 32), (16, 32, 32)),
     progress: bool = True,
 ) -> dict:
     """Replay typing inside a FIM prompt and compare tail reuse with a cold evaluation.
@@ -258,10 +258,10 @@ def run_cache_quality(
     than 256 are recomputed: the whole suffix block) and a cold cache. Greedy answers are
     compared token for token with the cold one.
     """
-    configs: list[tuple[str, int, int]] = [("cold", 0, 0), ("server", 0, 0)]
-    for drift, refresh in variants:
+    configs: list[tuple[str, int, int, int]] = [("cold", 0, 0, 0), ("server", 0, 0, 0)]
+    for drift, refresh, roll in variants:
         name = f"drift{drift if drift < 1 << 20 else 'inf'}" + (f"+r{refresh}" if refresh else "")
-        configs.append((name, drift, refresh))
+        configs.append((name + (f"+roll{roll}" if roll else ""), drift, refresh, roll))
     settings = EngineSettings(
         target=ModelSettings(model, n_ctx=2048, n_threads=threads),
         n_slots=len(configs),
@@ -271,8 +271,8 @@ def run_cache_quality(
     )
     greedy = SamplingParams(top_k=1, temperature=0.0)
     t_start = time.perf_counter()
-    stats = {name: {"evaluated": 0, "prompt_ms": 0.0, "identical": 0} for name, _, _ in configs}
-    per_key: dict[str, list[int]] = {name: [] for name, _, _ in configs}
+    stats = {name: {"evaluated": 0, "prompt_ms": 0.0, "identical": 0} for name, *_ in configs}
+    per_key: dict[str, list[int]] = {name: [] for name, *_ in configs}
     total = 0
     with Engine.load(settings) as engine:
         v = engine.vocab
@@ -293,12 +293,13 @@ def run_cache_quality(
                 for cut in range(4, min(len(body), 20)):
                     prompt = [f.pre, *pre, *v.tokenize(indent + body[:cut]), f.suf, *suf, f.mid]
                     outs = {}
-                    for slot, (name, drift, refresh) in enumerate(configs):
+                    for slot, (name, drift, refresh, roll) in enumerate(configs):
                         engine.settings = replace(
                             settings,
                             tail_reuse=256 if name == "server" else tail_reuse,
                             tail_max_drift=drift,
                             tail_refresh=refresh,
+                            tail_roll=roll,
                         )
                         res = engine.generate(
                             GenerationRequest(
