@@ -374,6 +374,29 @@ def test_cancel_before_a_moved_tail_block_still_attaches_it(
     assert again.n_evaluated == 1
 
 
+def test_cancel_finishes_the_gaps_in_front_of_parked_runs_when_they_are_worth_more(
+    qwen_target: Path, prompt_text: str
+) -> None:
+    """A ring chunk inserted in front of 400 cached tokens: a keystroke cancelled before the
+    moved tokens were attached evaluates the 150-token gap (five pieces) and attaches them,
+    instead of dropping 400 tokens of KV that the next keystroke would recompute."""
+    s = EngineSettings(target=ms(qwen_target), cache_reuse=64, prefill_chunk=32)
+    with Engine.load(s) as eng:
+        toks = eng.vocab.tokenize("".join(code_prompts(16, lines=14)))
+        assert len(toks) >= 850
+        a, x, bc = toks[:300], toks[300:450], toks[450:850]
+        eng.generate(GenerationRequest(slot=0, prompt=[*a, *bc], n_predict=0))
+        prompt = [*a, *x, *bc, 13]
+        res = eng.generate(
+            GenerationRequest(slot=0, prompt=prompt, n_predict=4), cancel=_CancelAfter(1)
+        )
+        assert res.cancelled and res.n_shifted == len(bc)
+        assert eng.slot_tokens(0) == prompt[:-1]
+        assert_slot_consistent(eng, 0)
+        again = eng.generate(GenerationRequest(slot=0, prompt=prompt, n_predict=0))
+        assert again.n_evaluated == 1
+
+
 def test_partly_evaluated_suffix_block_is_kept_by_the_next_keystroke(
     engine: Engine, prompt_text: str
 ) -> None:

@@ -136,6 +136,10 @@ def test_plan_keeps_a_partly_evaluated_tail_block() -> None:
     plan = plan_reuse(cached, prompt, min_chunk=256, tail_min=32)
     assert plan.runs == (Run(src=301, dst=302, n=40),)
     assert plan.fresh == ((300, 302), (342, 403))
+    # no refresh while the block is being built: it would be redone on every key
+    assert plan_reuse(cached, prompt, min_chunk=256, tail_min=32, tail_refresh=16).runs == (
+        Run(src=301, dst=302, n=40),
+    )
     # a run that ends neither the cache nor the prompt still needs min_chunk
     inner = [*head, 7, *tail[:40], 6, 6, 6]
     assert plan_reuse(inner, prompt, min_chunk=256, tail_min=32).runs == ()

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from localspec.engine.cache_plan import ReusePlan, plan_reuse, refresh_window
+from localspec.engine.cache_plan import ReusePlan, Run, plan_reuse, refresh_window
 from localspec.engine.llama import Context
 
 
@@ -100,7 +100,7 @@ class SlotCaches:
             else:
                 self.drift[slot] = drift
                 self.tail_start[slot] = tail.dst
-                if tail_roll > 0:
+                if tail_roll > 0 and tail.dst + tail.n == len(prompt) - 1:  # a whole block
                     self.changes[slot] = [*self.changes[slot][-63:], changed]
                     offset = self.roll_at[slot] if self.roll_at[slot] < tail.n else 0
                     plan = refresh_window(plan, offset, tail_roll)
@@ -140,10 +140,10 @@ class SlotCaches:
             nxt = min((d for d in runs if d > pos), default=n_prompt)
             if not cancelled and cancel is not None and cancel.is_set():
                 cancelled = True
-            if cancelled and (nxt == n_prompt or nxt - pos > step):
+            if cancelled and not _worth_finishing(runs, pos, n_prompt):
                 break
-            # cancelled with a moved run at most one piece ahead: finish the gap and attach
-            # the run (then stop), or the run's KV would be lost for the next keystroke
+            # cancelled with parked runs ahead: finish the gaps in front of them and attach
+            # them (then stop) when that is less work than recomputing them next time
             end = min(n_prompt, pos + step, nxt)
             ctx.decode(prompt[pos:end], pos, seq, logits="last" if end == n_prompt else "none")
             toks.extend(prompt[pos:end])
@@ -179,3 +179,17 @@ class SlotCaches:
         self.ctx.seq_rm(slot, -1, -1)
         self.tokens[slot] = []
         self._reset_drift(slot)
+
+
+def _worth_finishing(runs: dict[int, Run], pos: int, n_prompt: int) -> bool:
+    """After a cancel: are the parked runs from ``pos`` on worth more than the gaps before them?
+
+    Parked KV is dropped when the prefill stops, and the next keystroke (which has the same
+    runs in its prompt) would recompute it; evaluating the fresh gaps up to the last run is
+    cheaper whenever those runs hold more tokens than the gaps."""
+    ahead = [r for d, r in runs.items() if d > pos]
+    if not ahead:
+        return False
+    last_end = max(r.dst + r.n for r in ahead)
+    moved = sum(r.n for r in ahead)
+    return last_end - pos - moved < moved

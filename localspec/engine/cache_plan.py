@@ -93,8 +93,12 @@ def plan_reuse(
     if min_chunk > 0 and can_shift and n_prompt - n_prefix > ANCHOR:
         runs = _find_runs(cached, prompt, n_prefix, min_chunk, max(ANCHOR, tail_min))
         last = runs[-1] if runs else None
-        if tail_refresh > 0 and last is not None and last.n < min_chunk:
-            # re-evaluate the first tokens of a short tail run (nearest the edit) fresh
+        ends_prompt = last is not None and last.dst + last.n == n_prompt - 1
+        if tail_refresh > 0 and last is not None and last.n < min_chunk and ends_prompt:
+            # re-evaluate the first tokens of a short tail run (nearest the edit) fresh; not
+            # while the block is still being built (a run that ends the cache only): typing
+            # faster than the block evaluates would redo the refresh on every key and never
+            # finish the block
             runs.pop()
             if last.n - tail_refresh >= max(ANCHOR, tail_min):
                 runs.append(
