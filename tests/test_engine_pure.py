@@ -268,3 +268,27 @@ def test_draft_window_start_moves_in_coarse_steps() -> None:
     starts = {draft_window_start(n, 512) for n in range(600, 640)}
     assert starts == {128}
     assert all(n - draft_window_start(n, 512) <= 512 for n in range(513, 3000))
+
+
+def test_policy_limit_takes_the_best_length_on_offer() -> None:
+    pol = cpu_like_policy()
+    for _ in range(12):
+        pol.observe_result("draft", 8, 8)  # long runs: the best length is long
+    pol.source("draft").cost_ms = 0.0
+    assert pol.plan("draft") > 4
+    assert pol.plan("draft", limit=3) == 3
+    assert pol.plan("draft", limit=0) == 0
+
+
+def test_policy_hidden_draft_cost_is_free() -> None:
+    """A pipelined draft model's tokens cost the target nothing: only the longer verify
+    batch counts, so a mediocre draft still pays where a sequential one does not."""
+    seq, par = cpu_like_policy(), SpecPolicy(hidden=("draft",))
+    par.verify = seq.verify
+    for pol in (seq, par):
+        pol.observe_draft_cost("draft", 20.0)  # half a target token
+        for _ in range(12):
+            pol.observe_result("draft", 4, 2)
+    assert par.source("draft").cost_ms == 0.0
+    assert par.best("draft")[1] > seq.best("draft")[1]
+    assert par.plan("draft") > 0

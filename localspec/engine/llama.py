@@ -153,6 +153,8 @@ class Context:
         threads = settings.n_threads or physical_cores()
         params.n_threads = threads
         params.n_threads_batch = settings.n_threads_batch or threads
+        self.n_threads = threads
+        self.n_threads_batch = params.n_threads_batch
         params.no_perf = True
         if settings.flash_attn is None:
             params.flash_attn_type = C.LLAMA_FLASH_ATTN_TYPE_AUTO
@@ -231,6 +233,13 @@ class Context:
                 f"llama_decode failed (code {rc}) for {n} tokens at position {pos0} of "
                 f"sequence {seq}" + (": no free KV cells" if rc == 1 else "")
             )
+
+    def set_threads(self, n_threads: int, n_threads_batch: int | None = None) -> None:
+        """Change the thread counts of a live context (the benchmark compares thread counts
+        on one loaded engine)."""
+        self.n_threads = n_threads
+        self.n_threads_batch = n_threads_batch or n_threads
+        C.llama_set_n_threads(self.handle, self.n_threads, self.n_threads_batch)
 
     def logits(self, i: int) -> np.ndarray:
         """The logits row of batch index ``i`` of the last decode (a view, valid until the

@@ -103,14 +103,16 @@ class SpecPolicy:
     verify: VerifyCost = field(default_factory=VerifyCost)
     step: int = 0
     sources: dict[str, SourceStats] = field(default_factory=dict)
-    _best: dict[tuple[str, int], tuple[object, int, tuple[int, float]]] = field(
+    # sources whose draft cost the target never waits for (a pipelined draft model)
+    hidden: tuple[str, ...] = ()
+    _best: dict[tuple[str, int], tuple[object, int, list[float]]] = field(
         default_factory=dict, repr=False
     )
 
     def source(self, name: str) -> SourceStats:
         s = self.sources.get(name)
         if s is None:
-            is_model = name == "draft"
+            is_model = name == "draft" and name not in self.hidden
             s = SourceStats(prior=0.8, cost_ms=-1.0 if is_model else 0.0)
             self.sources[name] = s
         return s
@@ -120,6 +122,8 @@ class SpecPolicy:
         self.verify.observe(n_tokens, ms)
 
     def observe_draft_cost(self, source: str, ms_per_token: float) -> None:
+        if source in self.hidden:
+            return
         s = self.source(source)
         s.cost_ms = ms_per_token if s.cost_ms < 0 else 0.8 * s.cost_ms + 0.2 * ms_per_token
 
@@ -145,48 +149,64 @@ class SpecPolicy:
         produced = s.expected_accepted(k) + 1.0
         return produced * t1 / (k * max(s.cost_ms, 0.0) + self.verify.cost(k + 1))
 
-    def best(self, source: str) -> tuple[int, float]:
-        """The best draft length and its expected gain (recomputed every few steps: the
+    def best(self, source: str, limit: int | None = None) -> tuple[int, float]:
+        """The best draft length (at most ``limit``) and its expected gain."""
+        curve = self._curve(source)
+        n = len(curve) if limit is None else min(limit, len(curve))
+        best_k, best_g = 0, 1.0
+        for k in range(1, n + 1):
+            if curve[k - 1] > best_g:
+                best_k, best_g = k, curve[k - 1]
+        return best_k, best_g
+
+    def _curve(self, source: str) -> list[float]:
+        """Expected gain of each draft length 1..n_max (recomputed every few steps: the
         estimates move slowly and this runs on every decoding step)."""
         key = (source, self.n_max)
         hit = self._best.get(key)
         version = (len(self.sources[source].runs), self.sources[source].cost_ms)
         if hit is not None and hit[0] == version and self.step - hit[1] < 4:
             return hit[2]
-        result = self._best_now(source)
+        result = self._curve_now(source)
         self._best[key] = (version, self.step, result)
         return result
 
-    def _best_now(self, source: str) -> tuple[int, float]:
+    def _curve_now(self, source: str) -> list[float]:
         s = self.source(source)
         t1 = self.verify.t1
         if t1 <= 0:
-            return 0, 1.0
-        best_k, best_g = 0, 1.0
+            return []
+        out: list[float] = []
         produced = 1.0
         for k, surv in enumerate(s.survival(self.n_max), start=1):
             produced += surv
-            g = produced * t1 / (k * max(s.cost_ms, 0.0) + self.verify.cost(k + 1))
-            if g > best_g:
-                best_k, best_g = k, g
-        return best_k, best_g
+            out.append(produced * t1 / (k * max(s.cost_ms, 0.0) + self.verify.cost(k + 1)))
+        return out
 
-    def plan(self, source: str, *, allow_probe: bool = True) -> int:
+    def plan(self, source: str, *, allow_probe: bool = True, limit: int | None = None) -> int:
         """Draft length to use now for ``source`` (0: do not draft from it this step).
         ``allow_probe=False``: only when the estimate says it pays (a probe that would
-        first need the draft model's prompt prefill is not worth it)."""
+        first need the draft model's prompt prefill is not worth it). ``limit``: at most
+        this many tokens are on offer (a pipelined draft hands over what it has)."""
         s = self.source(source)
-        if self.verify.t1 <= 0:
+        cap = self.n_max if limit is None else min(limit, self.n_max)
+        if self.verify.t1 <= 0 or cap <= 0:
             return 0  # a plain step first: every estimate is relative to it
         if s.cost_ms < 0:
-            return min(self.probe_len * 2, self.n_max)  # measure the draft model
+            return min(self.probe_len * 2, cap)  # measure the draft model
         if self.step < s.off_until:
             return 0
-        k, g = self.best(source)
+        k, g = self.best(source, cap)
         if g >= self.min_gain:
             return k
+        if self.best(source)[1] >= self.min_gain:
+            return 0  # pays with more tokens than are on offer now
         # off: a short probe once the back-off expires keeps the estimate fresh
-        return min(self.probe_len, self.n_max) if allow_probe else 0
+        return min(self.probe_len, cap) if allow_probe else 0
+
+    def is_off(self, source: str, lead: int = 0) -> bool:
+        """Whether ``source`` is switched off for at least ``lead`` more steps."""
+        return self.step + lead < self.source(source).off_until
 
     def tick(self) -> None:
         self.step += 1

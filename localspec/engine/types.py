@@ -47,6 +47,13 @@ class SpecSettings:
     # cost-model draft lengths (and switching a source off) in every mode, not only "auto";
     # False keeps "draft"/"ngram"/"hybrid" at fixed n_max/p_min like llama-server
     adaptive: bool = False
+    # the draft model drafts ahead on its own thread while the target verifies (its cost is
+    # then hidden); None = on when both contexts' threads fit the physical cores
+    pipeline: bool | None = None
+    pipeline_ahead: int = 16  # how far past the verified tokens the draft thread may run
+    # draft tokens the target waits for when the draft thread is still producing them (0: a
+    # plain step instead; for a draft about as fast as the target, waiting is what pays)
+    pipeline_wait: int = 0
 
 
 @dataclass(frozen=True)
@@ -132,16 +139,20 @@ class GenerationResult:
     n_shifted: int = 0  # of n_cached, tokens moved by a KV shift (chunk/tail reuse)
     draft_n_shifted: int = 0
     # the draft model's prompt window is evaluated lazily, at its first draft; that time is
-    # prompt work, so it counts in prompt_ms (and not in predicted_ms or t_draft_ms)
+    # prompt work, so it counts in prompt_ms (and not in predicted_ms or t_draft_ms).
+    # Pipelined, the draft thread evaluates it while the target works: reported here, not
+    # added to prompt_ms nor taken out of predicted_ms (it took no wall time of its own)
     draft_prompt_ms: float = 0.0
     prompt_ms: float = 0.0
     predicted_ms: float = 0.0
     drafted: dict[str, DraftStats] = field(default_factory=dict)  # by source: draft, ngram
-    t_draft_ms: float = 0.0
+    t_draft_ms: float = 0.0  # pipelined: the draft thread's decode time (concurrent)
     t_verify_ms: float = 0.0
     t_sample_ms: float = 0.0
     t_outside_ms: float = 0.0  # wall time not spent inside llama.cpp calls
     cancelled: bool = False
+    pipelined: bool = False  # the draft model ran on its own thread
+    draft_n_decoded: int = 0  # draft tokens the draft model decoded (pipelined: incl. wasted)
     # one entry per speculative step: (source, drafted, accepted); for stats and tests
     spec_steps: list[tuple[str, int, int]] = field(default_factory=list)
 
