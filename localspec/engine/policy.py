@@ -12,7 +12,8 @@ with R the accepted run length (a run that consumed the whole draft counts as it
 a lower bound). The chosen k maximises it; a source whose best value stays below
 ``min_gain`` is switched off for the request and re-tried with a short probe after a
 back-off that doubles each time the probe fails, so a source whose acceptance collapsed
-costs a small, shrinking share.
+costs a small, shrinking share. A pipelined draft model (``hidden``) drafts on its own core:
+its c is 0 and ``plan(limit=...)`` picks among the tokens it has ready.
 """
 
 from __future__ import annotations
