@@ -15,6 +15,7 @@ from localspec.engine import (
     PairMismatchError,
     PromptTooLongError,
     SamplingParams,
+    SpecSettings,
 )
 
 QWEN_FIM = (151659, 151661, 151660, 151662, 151663, 151664)
@@ -62,8 +63,13 @@ def test_bad_draft_file_is_a_load_error(tmp_path: Path, qwen_target: Path) -> No
         Engine.load(settings(qwen_target, tmp_path / "missing-draft.gguf"))
 
 
-def test_pair_check_accepts_151936_with_152064(qwen_target: Path, qwen_target_152064: Path) -> None:
-    with Engine.load(settings(qwen_target_152064, qwen_target)) as eng:
+@pytest.mark.parametrize("pipeline", [False, True], ids=["sequential", "pipelined"])
+def test_pair_check_accepts_151936_with_152064(
+    qwen_target: Path, qwen_target_152064: Path, pipeline: bool
+) -> None:
+    # the tiny draft is as fast as the tiny target: a pipelined target waits for its tokens
+    spec = SpecSettings(pipeline=pipeline, pipeline_wait=2)
+    with Engine.load(settings(qwen_target_152064, qwen_target, spec=spec)) as eng:
         assert eng.vocab.n_vocab == 152064
         assert eng.draft_path == str(qwen_target)
         prompt = eng.vocab.tokenize("def add(a, b):\n    return a + b\n")

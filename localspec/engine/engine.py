@@ -288,8 +288,7 @@ class _Run:
         settings = e.settings
         if not req.cache_prompt:
             e.clear_slot(self.slot)
-        cancelled = self.cancel is not None and self.cancel.is_set()
-        if self.pipelined and req.n_predict != 0 and not cancelled:
+        if self.pipelined and req.n_predict != 0:
             # the draft's window prefill runs beside the target's prompt prefill
             self._start_pipeline()
         else:
