@@ -8,6 +8,7 @@ sequence (leftover KV from a rejected draft would change them).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -118,22 +119,24 @@ def test_deleted_middle_chunk_is_moved_not_recomputed(
     assert np.corrcoef(warm, ref)[0, 1] > 0.9
 
 
-def test_tail_block_is_kept_when_the_middle_changes(engine: Engine, prompt_text: str) -> None:
-    """The editor keystroke: FIM_PRE prefix PROMPT FIM_SUF suffix FIM_MID, PROMPT edited."""
+def fim_layout(engine: Engine, prompt_text: str) -> Callable[[str], list[int]]:
+    """The editor's layout FIM_PRE prefix LINE FIM_SUF suffix FIM_MID for a cursor line."""
     v = engine.vocab
     f = v.fim
     toks = v.tokenize(prompt_text)
     prefix, suffix = toks[:150], toks[150:230]
+    return lambda line: [f.pre, *prefix, *v.tokenize(line), f.suf, *suffix, f.mid]
 
-    def fim(line: str) -> list[int]:
-        return [f.pre, *prefix, *v.tokenize(line), f.suf, *suffix, f.mid]
 
+def test_tail_block_is_kept_when_the_middle_changes(engine: Engine, prompt_text: str) -> None:
+    """The editor keystroke: FIM_PRE prefix PROMPT FIM_SUF suffix FIM_MID, PROMPT edited."""
+    fim = fim_layout(engine, prompt_text)
     engine.generate(GenerationRequest(slot=0, prompt=fim("    x = compute("), n_predict=0))
     edited = fim("    x = compute(a")
     res = engine.generate(GenerationRequest(slot=0, prompt=edited, n_predict=0))
     changed = len(edited) - res.n_cached - 1
     assert res.n_evaluated == changed + 1 <= 4
-    assert res.n_shifted == len(suffix) + 1  # FIM_SUF + suffix moved, FIM_MID recomputed
+    assert res.n_shifted == 80 + 1  # FIM_SUF + the 80 suffix tokens moved, FIM_MID fresh
     assert engine.slot_tokens(0) == edited
     assert_slot_consistent(engine, 0)
 
@@ -353,14 +356,7 @@ def test_cancel_before_a_moved_tail_block_still_attaches_it(
 ) -> None:
     """A keystroke aborted just after its plan: the few changed tokens in front of the moved
     suffix block are evaluated and the block attached, so the next keystroke still has it."""
-    v = engine.vocab
-    f = v.fim
-    toks = v.tokenize(prompt_text)
-    prefix, suffix = toks[:150], toks[150:230]
-
-    def fim(line: str) -> list[int]:
-        return [f.pre, *prefix, *v.tokenize(line), f.suf, *suffix, f.mid]
-
+    fim = fim_layout(engine, prompt_text)
     engine.generate(GenerationRequest(slot=1, prompt=fim("    y = total("), n_predict=0))
     edited = fim("    y = total(b")
     res = engine.generate(
