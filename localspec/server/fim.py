@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 Tokenize = Callable[[str], list[int]]  # text -> ids, no BOS, special-token parsing off
 
@@ -53,6 +54,17 @@ class Extra:
     filename: str = "tmp"
 
 
+class ExtraText(Protocol):
+    """Anything with an extra chunk's two fields: an Extra, or the request's own chunk objects
+    (no copy per chunk and per keystroke)."""
+
+    @property
+    def text(self) -> str: ...
+
+    @property
+    def filename(self) -> str: ...
+
+
 def tokenize_mixed(tokenize: Tokenize, value: str | Sequence[int | str]) -> list[int]:
     """Text, or a list mixing token ids and text pieces (each piece tokenized alone)."""
     if isinstance(value, str):
@@ -66,7 +78,7 @@ def tokenize_mixed(tokenize: Tokenize, value: str | Sequence[int | str]) -> list
     return out
 
 
-def extra_context(tokenize: Tokenize, fim: FimIds, chunks: Sequence[Extra]) -> list[int]:
+def extra_context(tokenize: Tokenize, fim: FimIds, chunks: Sequence[ExtraText]) -> list[int]:
     """The repository-level context that precedes the FIM block."""
     out: list[int] = []
     if fim.rep is not None:
@@ -117,7 +129,7 @@ def infill_prompt(
     fim: FimIds,
     input_prefix: str | Sequence[int | str],
     input_suffix: str | Sequence[int | str],
-    input_extra: Sequence[Extra],
+    input_extra: Sequence[ExtraText],
     prompt_tokens: Sequence[int],
     n_batch: int,
     n_ctx: int,

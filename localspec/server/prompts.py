@@ -7,14 +7,21 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from localspec.server.errors import InvalidRequest, NotSupported
-from localspec.server.fim import Extra, FimIds, infill_prompt, tokenize_mixed
+from localspec.server.fim import ExtraText, FimIds, infill_prompt, tokenize_mixed
 from localspec.server.tokcache import TokenCache
 
 Prepare = Callable[[Any], list[int]]  # engine -> prompt tokens
 
 
+_last_fim: tuple[Any, FimIds] | None = None  # (vocab, its ids): asked twice per request
+
+
 def fim_ids(vocab: Any) -> FimIds:
     """The vocabulary's FIM tokens; 501 like llama-server when any of the three is missing."""
+    global _last_fim
+    last = _last_fim
+    if last is not None and last[0] is vocab:
+        return last[1]
     fim = vocab.fim
     missing = "".join(
         f"{name} token is missing. "
@@ -27,7 +34,9 @@ def fim_ids(vocab: Any) -> FimIds:
     def opt(value: int | None) -> int | None:
         return None if value is None or value < 0 else value
 
-    return FimIds(pre=fim.pre, suf=fim.suf, mid=fim.mid, rep=opt(fim.rep), sep=opt(fim.sep))
+    ids = FimIds(pre=fim.pre, suf=fim.suf, mid=fim.mid, rep=opt(fim.rep), sep=opt(fim.sep))
+    _last_fim = (vocab, ids)
+    return ids
 
 
 def _bos(vocab: Any) -> int | None:
@@ -45,7 +54,7 @@ def infill(
     *,
     input_prefix: str | Sequence[int | str],
     input_suffix: str | Sequence[int | str],
-    input_extra: Sequence[Extra],
+    input_extra: Sequence[ExtraText],
     prompt: str,
     spm: bool,
     room: int = 0,
