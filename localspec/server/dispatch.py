@@ -8,11 +8,14 @@ dropped (queued) or cancelled (running; the engine stops within one step).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from typing import Any
 
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
@@ -27,6 +30,7 @@ T0_KEY = "localspec.t0"  # set in the ASGI scope by the gate
 LOG_KEY = "localspec.log"  # the request's logs.RequestLog, set by the gate
 
 _DONE = object()
+_TIMEOUT = object()
 
 
 def request_t0(request: Request) -> float:
@@ -105,7 +109,7 @@ class Pending:
         self.timeout_s = timeout_s
         self.client_gone = False
         self.tokens: asyncio.Queue[Any] | None = None
-        self.future: asyncio.Future[JobResult] = asyncio.wrap_future(job.future)
+        self.future: asyncio.Future[JobResult] | None = None  # streaming only
         self.watcher: asyncio.Task[None] | None = None
 
     def enable_streaming(self) -> None:
@@ -113,6 +117,7 @@ class Pending:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self.tokens = queue
+        self.future = asyncio.wrap_future(self.job.future)
 
         def sink(index: int, event: TokenEvent) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, (index, event))
@@ -121,8 +126,10 @@ class Pending:
         self.future.add_done_callback(lambda _f: queue.put_nowait(_DONE))
 
     def submit(self) -> None:
-        self.worker.submit(self.job)  # raises Unavailable (503) when full or loading
+        # the watcher first: once the job is queued, the less this thread does before the
+        # loop goes back to waiting (and releases the GIL), the sooner the worker starts
         self.watcher = asyncio.create_task(_watch_disconnect(self.request, self._gone))
+        self.worker.submit(self.job)  # raises Unavailable (503) when full or loading
 
     def _gone(self) -> None:
         self.client_gone = True
@@ -133,7 +140,7 @@ class Pending:
             self.watcher.cancel()
         if not self.job.future.done():
             self.worker.abandon(self.job, "client left")
-        if self.future.done() and not self.future.cancelled():
+        if self.future is not None and self.future.done() and not self.future.cancelled():
             self.future.exception()  # retrieved: no "never retrieved" warning
 
     def _timed_out(self) -> Unavailable:
@@ -141,17 +148,36 @@ class Pending:
         return Unavailable(f"Request timed out after {self.timeout_s:g} s")
 
     async def result(self) -> JobResult | None:
-        """The job's result, or None when the client left first; raises the job's error."""
+        """The job's result, or None when the client left first; raises the job's error.
+
+        One loop future, settled by whichever comes first: the worker (one thread-safe call),
+        the disconnect watcher, or the timeout. ``asyncio.wait`` over a wrapped future took
+        two more trips through the event loop and a few allocations per request.
+        """
         assert self.watcher is not None
-        remaining = max(0.0, self.deadline - time.monotonic())
-        done, _ = await asyncio.wait(
-            {self.future, self.watcher}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
-        )
-        if self.future in done:
-            return self.future.result()
-        if self.watcher in done:
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[Any] = loop.create_future()
+
+        def settle(outcome: Any) -> None:
+            if not waiter.done():
+                waiter.set_result(outcome)
+
+        def from_worker(future: Future[JobResult]) -> None:  # on the worker thread
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
+                loop.call_soon_threadsafe(settle, future)
+
+        self.watcher.add_done_callback(lambda _task: settle(None))
+        timer = loop.call_later(max(0.0, self.deadline - time.monotonic()), settle, _TIMEOUT)
+        self.job.future.add_done_callback(from_worker)
+        try:
+            outcome = await waiter
+        finally:
+            timer.cancel()
+        if outcome is None:
             return None
-        raise self._timed_out()
+        if outcome is _TIMEOUT:
+            raise self._timed_out()
+        return outcome.result()
 
     async def next_item(self) -> Any:
         """The next streamed (index, event), or _DONE; None when the client left."""
@@ -178,18 +204,23 @@ async def respond(
     render: Callable[[JobResult], Any],
     on_result: Callable[[JobResult], None] | None = None,
 ) -> Response:
-    """Run a job and answer with ``render(result)`` as compact JSON."""
+    """Run a job and answer with ``render(result)`` as compact JSON.
+
+    ``on_result`` (log fields, metrics) runs once the answer is written: the client does not
+    wait for the bookkeeping, and it still ends before the gate writes the request's log line.
+    """
     pending = Pending(request, worker, job, timeout_s)
+    result: JobResult | None = None
     try:
         pending.submit()
         result = await pending.result()
         t_resumed = time.perf_counter()
         if result is None:
             return Response(status_code=499)  # nobody is listening any more
-        if on_result is not None:
-            on_result(result)
         body = dumps(render(result))
     except Exception as exc:  # one request's failure never takes the daemon down
+        if result is not None and on_result is not None:
+            _after(on_result, result)
         return error_response(exc, request)
     finally:
         pending.close()
@@ -197,7 +228,20 @@ async def respond(
         body,
         media_type=CompactJSONResponse.media_type,
         headers=server_timing(request, job, result, t_resumed),
+        background=None if on_result is None else BackgroundTask(_after_async, on_result, result),
     )
+
+
+def _after(on_result: Callable[[JobResult], None], result: JobResult) -> None:
+    try:
+        on_result(result)
+    except Exception:  # the answer is out (or an error is): report, never fail the request
+        log.exception("recording a finished request failed")
+
+
+async def _after_async(on_result: Callable[[JobResult], None], result: JobResult) -> None:
+    # async: Starlette runs a plain function given as a background task in a thread pool
+    _after(on_result, result)
 
 
 async def respond_stream(
@@ -216,6 +260,7 @@ async def respond_stream(
     pending.enable_streaming()
 
     def finish() -> list[bytes]:
+        assert pending.future is not None
         result = pending.future.result()
         if on_result is not None:
             on_result(result)

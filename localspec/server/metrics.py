@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -104,6 +105,7 @@ class Metrics:
     def __init__(self, probes: Probes, *, process: bool = True) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.draft_totals: dict[str, tuple[int, int]] = {}
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = self.registry
         self.http_requests = Counter(
             "localspec_http_requests",
@@ -174,25 +176,37 @@ class Metrics:
         if process:  # RSS, CPU time, open files of this process (Linux /proc only)
             ProcessCollector(registry=r)
 
+    def child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, remembered: prometheus_client's ``labels`` takes a lock
+        and checks and joins the values on every call (≈10 calls a request). The label sets
+        are few (routes, statuses, endpoints, draft sources)."""
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
+
     def observe_http(self, route: str, status: int, seconds: float) -> None:
-        self.http_requests.labels(route, str(status)).inc()
-        self.http_latency.labels(route).observe(seconds)
+        self.child(self.http_requests, route, str(status)).inc()
+        self.child(self.http_latency, route).observe(seconds)
 
     def record(self, result: GenerationResult, endpoint: str = "completion") -> None:
+        child = self.child
         self.prompt_evaluated.inc(result.n_evaluated)
         self.prompt_cached.inc(result.n_cached)
         n_predicted = len(result.tokens)
         self.predicted.inc(n_predicted)
-        self.prompt_time.labels(endpoint).observe(result.prompt_ms / 1e3)
-        self.generation_time.labels(endpoint).observe(result.predicted_ms / 1e3)
+        child(self.prompt_time, endpoint).observe(result.prompt_ms / 1e3)
+        child(self.generation_time, endpoint).observe(result.predicted_ms / 1e3)
         if n_predicted and result.predicted_ms > 0:
-            self.tokens_per_second.labels(endpoint).observe(n_predicted / result.predicted_ms * 1e3)
+            rate = n_predicted / result.predicted_ms * 1e3
+            child(self.tokens_per_second, endpoint).observe(rate)
         if result.n_evaluated and result.prompt_ms > 0:
             rate = result.n_evaluated / result.prompt_ms * 1e3
-            self.prompt_per_second.labels(endpoint).observe(rate)
+            child(self.prompt_per_second, endpoint).observe(rate)
         for source, stats in result.drafted.items():
-            self.drafted.labels(source).inc(stats.drafted)
-            self.accepted.labels(source).inc(stats.accepted)
+            child(self.drafted, source).inc(stats.drafted)
+            child(self.accepted, source).inc(stats.accepted)
             drafted, accepted = self.draft_totals.get(source, (0, 0))
             self.draft_totals[source] = (drafted + stats.drafted, accepted + stats.accepted)
 

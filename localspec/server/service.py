@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,25 @@ def _probes(worker: Worker) -> Probes:
     )
 
 
+PARAMS_CACHE = 64  # distinct parameter sets remembered (clients send one or two)
+# fields task_params() ignores (and that may hold anything, unhashable included)
+_UNUSED_FIELDS = frozenset({"model", "lora", "t_max_prompt_ms"})
+
+
+def _params_key(body: GenerationFields) -> tuple[Any, ...]:
+    """Everything task_params() reads of the body (every generation field, lists as tuples):
+    hashable, or a TypeError."""
+    values = body.__dict__
+    key: list[Any] = []
+    for name in GenerationFields.model_fields:
+        if name not in _UNUSED_FIELDS:
+            value = values[name]
+            key.append(tuple(value) if isinstance(value, list) else value)
+    out = tuple(key)
+    hash(out)
+    return out
+
+
 @dataclass
 class Service:
     settings: ServerSettings
@@ -55,6 +74,7 @@ class Service:
     model_name: str
     started: float
     token_cache: TokenCache
+    _params_cache: dict[tuple[Any, ...], TaskParams] = field(default_factory=dict)
 
     @classmethod
     def create(
@@ -92,6 +112,22 @@ class Service:
     # ------------------------------------------------------------------ requests
 
     def params(self, body: GenerationFields) -> TaskParams:
+        """The body's generation parameters; an editor sends the same ones with every
+        keystroke, so they are parsed once per distinct set (TaskParams is immutable, and its
+        ``settings_json`` is only ever read)."""
+        try:
+            key = _params_key(body)
+        except TypeError:  # an unhashable value: nothing to remember it by
+            return self._params(body)
+        found = self._params_cache.get(key)
+        if found is None:
+            found = self._params(body)
+            if len(self._params_cache) >= PARAMS_CACHE:
+                self._params_cache.pop(next(iter(self._params_cache)))
+            self._params_cache[key] = found
+        return found
+
+    def _params(self, body: GenerationFields) -> TaskParams:
         params = task_params(
             body,
             n_ctx=self.engine.n_ctx,
@@ -144,10 +180,10 @@ class Service:
             if self.metrics is None:
                 return
             m = self.metrics
-            m.requests.labels(endpoint, "cancelled" if result.cancelled else "ok").inc()
+            m.child(m.requests, endpoint, "cancelled" if result.cancelled else "ok").inc()
             wall = time.perf_counter() - dispatch.request_t0(request)
-            m.latency.labels(endpoint).observe(wall)
-            m.queue_time.labels(endpoint).observe(result.t_queue_ms / 1e3)
+            m.child(m.latency, endpoint).observe(wall)
+            m.child(m.queue_time, endpoint).observe(result.t_queue_ms / 1e3)
             m.overhead.observe(max(0.0, wall - result.t_engine_ms / 1e3))
             for r in runs:
                 m.record(r, endpoint)

@@ -35,7 +35,7 @@ class EngineLike(Protocol):
     n_ctx: int
     n_slots: int
 
-    def slot_tokens(self, slot: int) -> list[int]: ...
+    def slot_tokens(self, slot: int) -> list[int]: ...  # a fresh list, the caller keeps it
 
     def generate(
         self,
@@ -156,6 +156,7 @@ class Worker:
                     f"Server busy: {len(self._queue)} requests are queued; retry shortly",
                     headers={"Retry-After": "1"},
                 )
+            job.t_submit = time.perf_counter()  # queued now: "parse" ends, "queue" starts
             self._queue.append(job)
             self._cond.notify()
 
@@ -325,7 +326,7 @@ class Worker:
                         raise
                     finally:
                         out.t_engine_ms += (time.perf_counter() - t0) * 1e3
-                slot.tokens = list(engine.slot_tokens(slot_id))
+                slot.tokens = engine.slot_tokens(slot_id)  # a copy already: ~6k ids, not twice
                 slot.last_prompt_n, slot.last_cache_n = result.n_evaluated, result.n_cached
                 hit_end = (
                     result.stop_type == "limit" and len(prompt) + len(result.tokens) >= n_ctx - 1
