@@ -32,7 +32,7 @@ import uvicorn
 
 from localspec.engine.types import EngineSettings, ModelSettings, SpecSettings
 from localspec.server.app import create_app
-from localspec.server.run import bind_sockets
+from localspec.server.run import bind_sockets, uvicorn_config
 from localspec.server.settings import ServerSettings
 
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     app = create_app(ServerSettings(port=0, metrics=True), engine_settings)
     sockets = bind_sockets("127.0.0.1", 0)
     port = sockets[0].getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    server = uvicorn.Server(uvicorn_config(app))  # configured as `serve` runs the daemon
     thread = threading.Thread(target=server.run, kwargs={"sockets": sockets}, daemon=True)
     thread.start()
     parts = (

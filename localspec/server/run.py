@@ -13,6 +13,7 @@ import logging
 import socket
 from collections.abc import Callable
 from types import FrameType
+from typing import Any
 
 import uvicorn
 
@@ -59,6 +60,24 @@ def bind_sockets(host: str, port: int) -> list[socket.socket]:
             return [v4]
         v4.close()
         raise
+
+
+def uvicorn_config(app: Any, log_level: str = "warning") -> uvicorn.Config:
+    """uvicorn as the daemon runs it (``serve``, and the overhead benchmark measures the same).
+
+    ``http``/``loop`` stay "auto": httptools and uvloop when installed (both are dependencies;
+    uvloop has no Windows build), the pure-Python h11 and asyncio otherwise.
+    """
+    return uvicorn.Config(
+        app,
+        log_config=None,
+        log_level=log_level,
+        access_log=False,  # the gate writes one line per request (localspec.requests)
+        server_header=False,  # the gate names the server: localspec/<version>
+        proxy_headers=False,  # no X-Forwarded-* rewriting: nothing here reads the client address
+        timeout_graceful_shutdown=5,
+        lifespan="on",
+    )
 
 
 class _Server(uvicorn.Server):
@@ -113,16 +132,7 @@ def serve(
     # it they go through the root handler like every other line (text or JSON, one stream)
     for name in ("uvicorn", "uvicorn.error"):
         logging.getLogger(name).setLevel(log_level.upper())
-    config = uvicorn.Config(
-        app,
-        log_config=None,
-        log_level=log_level,
-        access_log=False,  # the gate writes one line per request (localspec.requests)
-        server_header=False,  # the gate names the server: localspec/<version>
-        timeout_graceful_shutdown=5,
-        lifespan="on",
-    )
-    server = _Server(config, on_exit=svc.worker.cancel_running)
+    server = _Server(uvicorn_config(app, log_level), on_exit=svc.worker.cancel_running)
     if on_bound is not None:
         on_bound(addresses)
     try:
