@@ -84,14 +84,19 @@ def _text(value: Any) -> str:
     return str(value)
 
 
+# looked up once: getLogger takes the logging module's lock on every call
+_requests_log = logging.getLogger(REQUESTS)
+_bodies_log = logging.getLogger(BODIES)
+
+
 def log_request(entry: RequestLog) -> None:
-    logger = logging.getLogger(REQUESTS)
+    logger = _requests_log
     if logger.isEnabledFor(logging.INFO):
         logger.info(entry.message(), extra={"fields": entry.fields()})
 
 
 def log_body(method: str, path: str, body: bytes) -> None:
-    logger = logging.getLogger(BODIES)
+    logger = _bodies_log
     if logger.isEnabledFor(logging.DEBUG):
         text = body[:BODY_LOG_LIMIT].decode("utf-8", "replace")
         more = f" (+{len(body) - BODY_LOG_LIMIT} bytes)" if len(body) > BODY_LOG_LIMIT else ""
