@@ -124,6 +124,11 @@ class CacheSettings(_Section):
     reuse_chunk: int = Field(
         256, ge=0, description="min chunk moved by KV shift (llama-server --cache-reuse); 0: off"
     )
+    infill_layout: Literal["typed-in-middle", "llama-server"] = Field(
+        "typed-in-middle",
+        description="where /infill puts the typed cursor line: after FIM_MID (each keystroke "
+        "extends the cached prompt) or llama-server's place, ending the prefix",
+    )
 
 
 class LogSettings(_Section):

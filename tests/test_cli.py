@@ -522,3 +522,20 @@ def test_pull_a_hub_file_reference_with_a_token_file(env: dict[str, str], tmp_pa
         assert Path(result.stdout.strip()).read_bytes() == data
         assert {r.authorization for r in hub.requests} == {"Bearer hf_secret_token"}
         assert "hf_secret_token" not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "typed_in_middle"),
+    [([], True), (["--infill-layout", "llama-server"], False),
+     (["--infill-layout", "typed-in-middle"], True)],
+)  # fmt: skip
+def test_infill_layout_flag_reaches_the_server(
+    argv: list[str], typed_in_middle: bool, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from localspec.commands import common, up
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    args = cli.build_parser().parse_args(["up", *argv])
+    settings = common.load_settings(args, quiet=True).settings
+    served = up.Served(types.SimpleNamespace(n_slots=1), "m.gguf")
+    assert up._server_settings(settings, None, served).typed_in_middle is typed_in_middle

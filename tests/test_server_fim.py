@@ -238,3 +238,46 @@ def test_layout_invariants(
         assert len(got) <= max(n_ctx - room // 2, floor)
         assert len(got) == len(exact) or len(got) == max(n_ctx - room // 2, floor)
         assert len(kept_prefix) <= min(n_pre, 3 * (n_batch // 4))
+
+
+# ---------------------------------------------------------------- typed text behind FIM_MID
+
+
+def _typed(prompt: str, **kw: object) -> list[int]:
+    args: dict = dict(
+        tokenize=chars, fim=NO_REPO, input_prefix="def f():\n", input_suffix="\nreturn 1\n",
+        input_extra=[Extra("x = 1\n", "a.py")], n_batch=64, n_ctx=4096, typed_in_middle=True,
+    )  # fmt: skip
+    args.update(kw)
+    return infill_prompt(prompt_tokens=chars(prompt), **args)  # type: ignore[arg-type]
+
+
+def test_typed_in_middle_puts_the_cursor_line_after_fim_mid() -> None:
+    sep = chars(SNIPPET_SEPARATOR)
+    assert _typed("    y =") == [
+        *sep, *chars("x = 1\n"),
+        PRE, *chars("def f():\n"),
+        SUF, *chars("\nreturn 1\n"),
+        MID, *chars("    y ="),
+    ]  # fmt: skip
+    spm = _typed("    y =", spm=True)  # the swap keeps the typed text last
+    assert spm[-len("    y =") - 1 :] == [MID, *chars("    y =")]
+    assert spm.index(SUF) < spm.index(PRE)
+
+
+def test_typed_in_middle_keystrokes_only_append() -> None:
+    """Each keystroke's tokens start with the previous keystroke's: exact prefix reuse. The
+    suffix budget no longer shrinks with the line (llama-server's does)."""
+    suffix = "".join(chr(ord("a") + i % 26) for i in range(100))
+    line = "    value = compute(1, 2)"
+    previous: list[int] = []
+    for n in range(len(line) + 1):
+        got = _typed(line[:n], input_suffix=suffix)
+        assert got[: len(previous)] == previous
+        assert got[got.index(SUF) + 1 : got.index(MID)] == chars(suffix[: 64 // 4 - 2])
+        previous = got
+    server = infill_prompt(
+        tokenize=chars, fim=NO_REPO, input_prefix="def f():\n", input_suffix=suffix,
+        input_extra=[], prompt_tokens=chars(line[:6]), n_batch=64, n_ctx=4096,
+    )  # fmt: skip
+    assert server[server.index(SUF) + 1 : server.index(MID)] == chars(suffix[: 16 - 2 - 6])

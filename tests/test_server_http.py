@@ -238,9 +238,21 @@ def test_streaming_client_that_leaves_frees_the_slot(qwen: Live) -> None:
 ROOM = 256  # ServerSettings.infill_room (at most n_ctx / 4)
 
 
+@pytest.fixture
+def server_layout(qwen: Live) -> Iterator[None]:
+    """llama-server's own /infill layout: the typed cursor line ends the prefix."""
+    svc = qwen.service
+    original = svc.settings
+    svc.settings = replace(original, typed_in_middle=False)
+    try:
+        yield
+    finally:
+        svc.settings = original
+
+
 @pytest.mark.parametrize("n_prefix_lines", [40, 400])
 def test_fim_layout_is_what_the_slot_evaluates(
-    qwen: Live, qc: httpx.Client, qwen_vocab: Any, n_prefix_lines: int
+    qwen: Live, qc: httpx.Client, qwen_vocab: Any, n_prefix_lines: int, server_layout: None
 ) -> None:
     """llama-server's layout, token for token, as run with ``-n 128`` (the editors' n_predict,
     ``ServerSettings.infill_room`` = 2 x 128), with the prefix budget partly and fully used."""
@@ -282,6 +294,34 @@ def test_fim_layout_is_what_the_slot_evaluates(
     assert got == want
     assert got.count(FIM_PRE) == 1  # the literal "<|fim_prefix|>" in the code stayed text
     assert r.json()["tokens_evaluated"] == len(want)
+
+
+def test_default_layout_types_behind_fim_mid(qwen: Live, qc: httpx.Client, qwen_vocab: Any) -> None:
+    """The daemon's default: the cursor line follows FIM_MID and the suffix keeps its whole
+    budget, so each keystroke evaluates only the line's changed tokens, not the suffix block."""
+
+    def tok(text: str, special: bool = False) -> list[int]:
+        return qwen_vocab.tokenize(text.encode(), add_bos=False, special=special)
+
+    prefix = "".join(f"value_{i} = {i}\n" for i in range(40))
+    suffix = "".join(f"print(value_{i})\n" for i in range(200))
+    line = "    total = value_1 + value_2"
+    base = {"id_slot": 1, "input_prefix": prefix, "input_suffix": suffix, "input_extra": [],
+            "n_predict": 0}  # fmt: skip
+    n_suffix = N_BATCH // 4 - 2
+    head = [FIM_REP, *tok("myproject\n"), FIM_SEP, *tok("filename\n"), FIM_PRE, *tok(prefix),
+            FIM_SUF, *tok(suffix)[:n_suffix], FIM_MID]  # fmt: skip
+    r = qc.post("/infill", json={**base, "prompt": ""})
+    assert r.status_code == 200 and qwen.service.worker.slots[1].tokens == head
+    evaluated = []
+    for n in range(4, len(line) + 1, 4):
+        r = qc.post("/infill", json={**base, "prompt": line[:n]})
+        assert r.status_code == 200, r.text
+        want = [*head, *tok(line[:n], special=True)]
+        assert qwen.service.worker.slots[1].tokens == want
+        evaluated.append(r.json()["timings"]["prompt_n"])
+    # the suffix block (~250 tokens) is never evaluated again: only the line's tail
+    assert max(evaluated) <= len(tok(line, special=True)) + 1, evaluated
 
 
 def test_empty_extra_layout(qwen: Live, qc: httpx.Client, qwen_vocab: Any) -> None:

@@ -77,6 +77,14 @@ SERVE_FLAGS = (
     SettingFlag("--draft-min", "speculative.n_min", int, "skip drafts shorter than this", "N"),
     SettingFlag("--draft-p-min", "speculative.p_min", float, "min draft token probability", "P"),
     SettingFlag("--cache-reuse", "cache.reuse_chunk", int, "min KV-shift chunk; 0: off", "N"),
+    SettingFlag(
+        "--infill-layout",
+        "cache.infill_layout",
+        str,
+        "where /infill puts the typed cursor line",
+        None,
+        ("typed-in-middle", "llama-server"),
+    ),
     SettingFlag("--offline", "hub.offline", bool, "never use the network"),
     SettingFlag(
         "--log-level", "log.level", str, "log level", None, ("debug", "info", "warning", "error")

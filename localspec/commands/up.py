@@ -277,6 +277,7 @@ def _server_settings(settings: st.Settings, api_key: str | None, served: Served)
         metrics=server.metrics,
         cors_origins=tuple(server.cors_origins),
         model_alias=served.alias,
+        typed_in_middle=settings.cache.infill_layout == "typed-in-middle",
     )
 
 

@@ -138,6 +138,7 @@ async def infill(body: InfillRequest, request: Request, svc: Svc) -> Response:
         prompt=body.prompt or "",
         spm=svc.settings.spm_infill,
         room=svc.settings.infill_room,
+        typed_in_middle=svc.settings.typed_in_middle,
         cache=svc.token_cache,
     )
     return await svc.native(request, "infill", svc.job(params, prepare))

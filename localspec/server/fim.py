@@ -10,6 +10,15 @@ Layout (Qwen2.5-Coder's repo-level pattern)::
     [FIM_REP]myproject\\n [FIM_SEP]file0\\n chunk0 ... [FIM_SEP]filename\\n   <- extra, end kept
     [BOS] [FIM_PRE] prefix(end kept) prompt [FIM_SUF] suffix(start kept) [FIM_MID]
 
+``typed_in_middle`` moves the cursor-line ``prompt`` behind ``[FIM_MID]``: the text typed on
+the line becomes the start of the middle the model writes, so every keystroke only appends to
+the tokens of the previous one (exact prefix reuse) instead of changing the middle of the
+layout and invalidating the ~255-token suffix block behind it. The model sees the same text
+either way: FIM training cuts the middle at random points, so a middle that starts at the
+line's beginning is as much in distribution as a prefix that ends mid-line. Its suffix budget
+does not shrink as the line grows (llama-server's does, by the prompt's length), so the suffix
+block stays the same tokens while the user types.
+
 Budgets: the prefix gets 3/4 of ``n_batch``, the suffix the rest minus the prompt and two
 special tokens, the extra context what is left of ``n_ctx`` after a batch and twice the
 server's default ``n_predict``. ``spm`` swaps the prefix and suffix blocks.
@@ -114,7 +123,10 @@ def budgets(
     n_ctx: int,
     n_predict: int,
 ) -> Budgets:
-    """How many tokens of each part are kept (llama-server's 3:1 split of one batch)."""
+    """How many tokens of each part are kept (llama-server's 3:1 split of one batch).
+
+    ``n_prompt`` is the cursor line's share taken from the suffix budget (0 when it sits
+    behind FIM_MID)."""
     quarter = n_batch // 4
     return Budgets(
         prefix=min(n_prefix, 3 * quarter),
@@ -137,6 +149,7 @@ def infill_prompt(
     bos: int | None = None,
     spm: bool = False,
     room: int = 0,
+    typed_in_middle: bool = False,
 ) -> list[int]:
     """The token sequence llama-server evaluates for an /infill request.
 
@@ -151,7 +164,7 @@ def infill_prompt(
         n_prefix=len(prefix),
         n_suffix=len(suffix),
         n_extra=len(extra),
-        n_prompt=len(prompt_tokens),
+        n_prompt=0 if typed_in_middle else len(prompt_tokens),
         n_batch=n_batch,
         n_ctx=n_ctx,
         n_predict=(room + 1) // 2 if room > 0 else n_predict,
@@ -164,8 +177,10 @@ def infill_prompt(
         cut = min(overflow, n_extra)
         n_extra -= cut
         n_prefix -= min(overflow - cut, n_prefix)
-    prefix_block = [fim.pre, *prefix[len(prefix) - n_prefix :], *prompt_tokens]
+    typed = () if typed_in_middle else prompt_tokens
+    prefix_block = [fim.pre, *prefix[len(prefix) - n_prefix :], *typed]
     suffix_block = [fim.suf, *suffix[: take.suffix]]
     first, second = (suffix_block, prefix_block) if spm else (prefix_block, suffix_block)
     head = extra[len(extra) - n_extra :] if n_extra else []
-    return [*head, *([bos] if bos is not None else []), *first, *second, fim.mid]
+    middle = prompt_tokens if typed_in_middle else ()
+    return [*head, *([bos] if bos is not None else []), *first, *second, fim.mid, *middle]

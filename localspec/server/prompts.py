@@ -58,6 +58,7 @@ def infill(
     prompt: str,
     spm: bool,
     room: int = 0,
+    typed_in_middle: bool = False,
     cache: TokenCache | None = None,
 ) -> Prepare:
     cache = cache or TokenCache()
@@ -84,6 +85,7 @@ def infill(
             bos=_bos(vocab),
             spm=spm,
             room=min(room, engine.n_ctx // 4),
+            typed_in_middle=typed_in_middle,
         )
         return tokens
 

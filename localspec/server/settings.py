@@ -19,6 +19,9 @@ class ServerSettings:
     cors_origins: tuple[str, ...] = ()
     model_alias: str | None = None  # the "model" name in answers; default: the GGUF file name
     spm_infill: bool = False  # llama-server's --spm-infill: suffix block before prefix
+    # the cursor line goes behind FIM_MID (each keystroke appends to the cached prompt);
+    # False: llama-server's layout, the line ends the prefix (see server/fim.py)
+    typed_in_middle: bool = True
     n_cmpl_max: int = 16  # most completions one request may ask for
     infill_room: int = 256  # /infill prompts leave this many tokens (at most n_ctx/4) to generate
     max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies answer 413
