@@ -25,6 +25,7 @@ from localspec.engine import (
 )
 from localspec.engine import engine as engine_mod
 from localspec.engine.llama import Clock, Context, Model
+from localspec.engine.types import GenerationResult
 
 GREEDY = SamplingParams(top_k=1, temperature=0.0)
 
@@ -428,3 +429,42 @@ def test_cancel_mid_prefill_stops_between_pieces_and_keeps_what_was_evaluated(
         again = eng.generate(GenerationRequest(slot=0, prompt=prompt, n_predict=0))
         assert again.n_cached == 64 and again.n_evaluated == len(prompt) - 64
         assert_slot_consistent(eng, 0)
+
+
+def test_auto_mode_skips_a_draft_prefill_that_does_not_pay(
+    qwen_target: Path, qwen_draft: Path, prompt_text: str
+) -> None:
+    """At a new location the draft model would first evaluate the whole new prompt; auto mode
+    weighs that against what its drafts can save and, when it does not pay, generates without
+    it (same greedy output), leaving the draft's cache as it was."""
+    s = EngineSettings(
+        target=ms(qwen_target),
+        draft=ms(qwen_draft),
+        n_slots=1,
+        spec=SpecSettings(mode="draft", adaptive=True, n_max=4),  # auto's cost model
+    )
+    with Engine.load(s) as eng:
+        first = eng.vocab.tokenize(prompt_text)
+        other = eng.vocab.tokenize("# another file\n" + "".join(code_prompts(5, lines=12)[3:]))
+
+        def run(prompt: list[int]) -> GenerationResult:
+            return eng.generate(
+                GenerationRequest(slot=0, prompt=prompt, n_predict=24, sampling=GREEDY)
+            )
+
+        res = run(first)
+        assert res.draft_n_evaluated > 64  # not yet measured: the draft model catches up
+        (policy,) = eng._policies.values()
+        assert policy.draft_prefill_ms > 0
+        for _ in range(12):  # whatever run 1 measured: a draft model worth drafting with
+            policy.observe_result("draft", 4, 4)
+        policy.source("draft").off_until = 0
+        policy.source("draft").cost_ms = 0.0
+        before = eng.draft_slot_tokens(0)
+        policy.draft_prefill_ms = 1e6  # but a prefill that never pays
+        skipped = run(other)
+        assert skipped.draft_n_evaluated == 0 and skipped.draft_prompt_ms == 0.0
+        assert eng.draft_slot_tokens(0) == before
+        policy.draft_prefill_ms = 1e-6  # one that always does
+        paid = run(other)
+        assert paid.draft_n_evaluated > 64 and paid.tokens == skipped.tokens

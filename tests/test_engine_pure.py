@@ -250,6 +250,26 @@ def test_policy_weighs_draft_cost() -> None:
     assert pol.gain("draft", 8) < 1.0 < cheap
 
 
+def test_policy_weighs_the_draft_prefill_against_the_tokens_left() -> None:
+    """A draft model that must first evaluate 500 new prompt tokens pays on a long completion
+    and not on a short one; unmeasured, it is tried (so it gets measured)."""
+    pol = cpu_like_policy()
+    pol.observe_draft_cost("draft", 10.0)
+    for _ in range(10):
+        pol.observe_result("draft", 8, 8)
+    assert pol.prefill_pays(500, 40)  # no prefill measured yet
+    pol.observe_draft_prefill(8, 800.0)  # too short a prefill to price a token: ignored
+    assert pol.draft_prefill_ms < 0
+    pol.observe_draft_prefill(400, 2000.0)  # 5 ms a token
+    g = pol.best("draft")[1]
+    assert g > 1.5
+    short, long = 40, 1000
+    assert short * 55.0 * (1 - 1 / g) < 500 * 5.0 < long * 55.0 * (1 - 1 / g)
+    assert not pol.prefill_pays(500, short)
+    assert pol.prefill_pays(500, long)
+    assert pol.prefill_pays(20, short)  # a warm draft cache: a few tokens to catch up
+
+
 def test_policy_first_step_is_plain() -> None:
     assert SpecPolicy().plan("ngram") == 0
 

@@ -127,6 +127,7 @@ def localspec_spec(
         "--ctx-size", str(serve.ctx),
         "--threads", str(serve.threads),
         "--cache-reuse", str(serve.cache_reuse),
+        "--log-requests",  # one line per request in the kept log: what each keystroke did
     ]  # fmt: skip
     if serve.draft is not None:
         argv += ["--draft", str(serve.draft)]

@@ -37,6 +37,8 @@ from localspec.engine.vocab import Vocab, check_pair
 ADAPTIVE_P_MIN = 0.3
 CHEAP_DRAFT_PREFILL = 64  # draft prompt tokens a probe of the draft model may cost
 CHEAP_DRAFT_CATCHUP = 8  # emitted tokens the draft may be behind for a probe
+UNBOUNDED_HORIZON = 256  # tokens a completion without n_predict is expected to run
+LINE_TOKENS = 32  # tokens to the newline that ends a completion past t_max_predict_ms
 # a pipelined draft keeps drafting past a token it is at least this sure of: free when the
 # target then emits that token, about half a draft token late to catch up when it does not
 # (measured on the SmolLM2 pair: 0.1 beat 0.3 by 10-30% and 0.0)
@@ -256,7 +258,7 @@ class _Run:
         self.ngram: NgramIndex | None = None
         self.dbase: list[int] | None = None  # the draft's window of the prompt, once synced
         self._dgood = 0  # draft KV entries known to match dbase + out
-        self._cheap: bool | None = None  # see _draft_prefill_is_cheap
+        self._behind: int | None = None  # see _draft_behind
         self.draft_ok = engine._dcache is not None and self.mode in ("draft", "hybrid", "auto")
         self.pipelined = self.draft_ok and engine.pipeline_enabled(spec)
         self.pipe: DraftPipeline | None = None
@@ -500,6 +502,9 @@ class _Run:
                 if auto:
                     probe_ok = self._draft_probe_is_cheap()
                     k = min(k, self.policy.plan("draft", allow_probe=probe_ok))
+                    if k >= n_min and self.dbase is None and not self._draft_prefill_pays():
+                        self.draft_ok = False  # for this request: n-grams or plain steps
+                        k = 0
                 if k >= n_min:
                     draft = self._draft_with_fallback(k)
                     source = key = "draft"
@@ -559,7 +564,11 @@ class _Run:
     def _draft_prefill_is_cheap(self) -> bool:
         """Whether the draft's cache already holds most of this request's window (then a
         probe costs a few tokens, not a prompt prefill)."""
-        if self._cheap is None:
+        return self._draft_behind() <= CHEAP_DRAFT_PREFILL
+
+    def _draft_behind(self) -> int:
+        """Prompt tokens the draft model would evaluate to catch up on this request."""
+        if self._behind is None:
             e = self.e
             assert e._dcache is not None
             plan = e._dcache.plan(
@@ -569,8 +578,20 @@ class _Run:
                 tail_min=e.settings.tail_reuse,
                 tail_refresh=e.settings.tail_refresh,
             )
-            self._cheap = plan.n_evaluated <= CHEAP_DRAFT_PREFILL
-        return self._cheap
+            self._behind = plan.n_evaluated
+        return self._behind
+
+    def _draft_prefill_pays(self) -> bool:
+        """Auto mode: is the draft's prompt prefill repaid over what is left to generate?
+        (``t_max_predict_ms`` ends a completion at the first newline past that time.)"""
+        behind = self._draft_behind()
+        if behind <= CHEAP_DRAFT_PREFILL:
+            return True
+        req, t1 = self.req, self.policy.verify.t1
+        horizon = req.n_predict - len(self.out) if req.n_predict > 0 else UNBOUNDED_HORIZON
+        if req.t_max_predict_ms > 0 and t1 > 0:
+            horizon = min(horizon, int(req.t_max_predict_ms / t1) + LINE_TOKENS)
+        return self.policy.prefill_pays(behind, horizon)
 
     def _draft_target_seq(self) -> list[int]:
         assert self.dbase is not None
@@ -599,7 +620,10 @@ class _Run:
                 cancel=self.cancel,
                 chunk=e.settings.prefill_chunk,
             )
-            res.draft_prompt_ms += (time.perf_counter() - tp) * 1000.0
+            spent = (time.perf_counter() - tp) * 1000.0
+            res.draft_prompt_ms += spent
+            if not pre.cancelled:
+                self.policy.observe_draft_prefill(pre.n_evaluated, spent)
             res.draft_n_cached += pre.n_cached
             res.draft_n_evaluated += pre.n_evaluated
             res.draft_n_shifted += pre.n_moved

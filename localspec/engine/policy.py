@@ -22,6 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 WINDOW = 24  # recent drafts per source that shape its estimate
+MIN_PREFILL_SAMPLE = 32  # draft prefills shorter than this do not update its per-token cost
 
 
 @dataclass
@@ -109,6 +110,8 @@ class SpecPolicy:
     _best: dict[tuple[str, int], tuple[object, int, list[float]]] = field(
         default_factory=dict, repr=False
     )
+    # the draft model's prompt prefill, ms per token (EMA; < 0: not measured yet)
+    draft_prefill_ms: float = -1.0
 
     def source(self, name: str) -> SourceStats:
         s = self.sources.get(name)
@@ -127,6 +130,28 @@ class SpecPolicy:
             return
         s = self.source(source)
         s.cost_ms = ms_per_token if s.cost_ms < 0 else 0.8 * s.cost_ms + 0.2 * ms_per_token
+
+    def observe_draft_prefill(self, n_tokens: int, ms: float) -> None:
+        if n_tokens < MIN_PREFILL_SAMPLE:
+            return  # a few tokens cost mostly fixed overhead: not a per-token price
+        per = ms / n_tokens
+        old = self.draft_prefill_ms
+        self.draft_prefill_ms = per if old < 0 else 0.8 * old + 0.2 * per
+
+    def prefill_pays(self, n_tokens: int, horizon: int) -> bool:
+        """Whether catching the draft model up on ``n_tokens`` of prompt is repaid by its
+        drafts over the next ``horizon`` tokens.
+
+        The draft model must evaluate every new prompt too: at a new cursor location that is
+        hundreds of tokens, often more time than its drafts save on a short completion (the
+        reason llama-server's draft mode doubles editor latency). Unmeasured, it pays (so it
+        gets measured)."""
+        t1 = self.verify.t1
+        if self.draft_prefill_ms < 0 or t1 <= 0:
+            return True
+        g = self.best("draft")[1]
+        saved = horizon * t1 * (1.0 - 1.0 / g) if g > 1.0 else 0.0
+        return saved > n_tokens * self.draft_prefill_ms
 
     def observe_result(self, source: str, drafted: int, accepted: int) -> None:
         if drafted <= 0:
