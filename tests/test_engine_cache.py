@@ -103,6 +103,21 @@ def test_appended_prompt_evaluates_only_new_tokens(engine: Engine, prompt_text: 
     assert res.n_cached == len(prompt)
 
 
+def test_cache_fill_of_a_held_prefix_keeps_what_follows(engine: Engine, prompt_text: str) -> None:
+    """n_predict 0 with a prompt the slot holds as a strict prefix: nothing is evaluated and
+    the tokens after it stay (an editor's ring warm-up keeps the cursor's cached context)."""
+    prompt = engine.vocab.tokenize(prompt_text)
+    engine.clear_slot(0)
+    engine.generate(GenerationRequest(slot=0, prompt=prompt, n_predict=0))
+    res = engine.generate(GenerationRequest(slot=0, prompt=prompt[:100], n_predict=0))
+    assert (res.n_evaluated, res.n_cached) == (0, 100)
+    assert engine.slot_tokens(0) == prompt
+    res = engine.generate(GenerationRequest(slot=0, prompt=prompt[:100], n_predict=2))
+    assert res.n_evaluated == 1 and engine.slot_tokens(0)[:100] == prompt[:100]  # a completion
+    assert len(engine.slot_tokens(0)) < len(prompt)  # does not keep the rest
+    assert_slot_consistent(engine, 0)
+
+
 def test_deleted_middle_chunk_is_moved_not_recomputed(
     engine: Engine, cold: Context, prompt_text: str
 ) -> None:
@@ -252,6 +267,7 @@ def test_cancel_before_prompt_keeps_the_cache_usable(engine: Engine, prompt_text
 
 def test_slots_are_independent(engine: Engine, prompt_text: str) -> None:
     toks = engine.vocab.tokenize(prompt_text)
+    engine.clear_slot(1)
     engine.generate(GenerationRequest(slot=1, prompt=toks[:80], n_predict=0))
     engine.generate(GenerationRequest(slot=0, prompt=toks[40:200], n_predict=4, sampling=GREEDY))
     res = engine.generate(GenerationRequest(slot=1, prompt=toks[:80], n_predict=0))

@@ -86,3 +86,62 @@ def test_unused_engine_namespace_is_enough_for_probes() -> None:
     )  # fmt: skip
     probes = _probes(worker)  # type: ignore[arg-type]
     assert probes.model_files() == {"target": "/m/t.gguf", "draft": "/m/d.gguf"}
+
+
+class CancellableEngine(BlockingEngine):
+    """Blocks until released or cancelled; a cancelled run says so, like the real engine."""
+
+    n_slots = 2
+
+    def generate(self, req: Any, *, cancel: threading.Event | None = None, **_: Any) -> Any:
+        self.started.set()
+        while not self.release.is_set():
+            if cancel is not None and cancel.wait(0.01):
+                return GenerationResult(tokens=[], text="", stop_type="none", cancelled=True)
+        return GenerationResult(tokens=[], text="", stop_type="limit")
+
+
+def _ready(worker: Worker) -> None:
+    for _ in range(500):
+        if worker.state == "ready":
+            return
+        threading.Event().wait(0.01)
+    raise AssertionError("worker did not start")
+
+
+def _job(n_predict: int, slot: int) -> Job:
+    body = CompletionRequest(prompt="a", n_predict=n_predict, id_slot=slot)
+    return Job(task_params(body, n_ctx=64, n_cmpl_max=1), lambda _e: [1, 2])
+
+
+def test_a_completion_stops_a_running_warmup_on_its_slot_only() -> None:
+    """The editor's warm-up caches the ring that heads the keystroke's own prompt: the keystroke
+    takes over at once rather than waiting behind it. A warm-up never stops a completion, and
+    another slot's completion leaves the warm-up alone."""
+    engine = CancellableEngine()
+    worker = Worker(lambda: engine, queue_limit=4)
+    worker.start()
+    try:
+        _ready(worker)
+        warm = _job(0, slot=0)
+        worker.submit(warm)
+        assert engine.started.wait(10)
+        worker.submit(_job(0, slot=0))  # another warm-up: queued behind, no preemption
+        other = _job(4, slot=1)
+        worker.submit(other)  # another slot's completion: queued, no preemption
+        threading.Event().wait(0.1)
+        assert not warm.future.done()
+        key = _job(4, slot=0)
+        engine.started.clear()
+        worker.submit(key)
+        done = warm.future.result(10)
+        assert done.cancelled == "superseded by a completion for the same slot"
+        assert engine.started.wait(10)  # the next job runs (not stopped by anyone)
+        threading.Event().wait(0.1)
+        assert not other.future.done() and not key.future.done()
+        engine.release.set()
+        assert key.future.result(10).cancelled is None
+        assert other.future.result(10).cancelled is None
+    finally:
+        engine.release.set()
+        worker.stop()

@@ -324,6 +324,47 @@ def test_default_layout_types_behind_fim_mid(qwen: Live, qc: httpx.Client, qwen_
     assert max(evaluated) <= len(tok(line, special=True)) + 1, evaluated
 
 
+def test_ring_warmup_keeps_the_cursor_context_behind_the_ring(
+    qwen: Live, qc: httpx.Client, qwen_vocab: Any
+) -> None:
+    """The editors' warm-up (n_predict 0, empty prefix/suffix/prompt, the ring in input_extra)
+    caches the ring alone; with the ring already cached the slot keeps the cursor's prefix and
+    suffix, so the next keystroke evaluates only its typed tokens."""
+    ring = [{"text": "".join(f"def helper_{i}():\n    return {i}\n" for i in range(30)),
+             "filename": "/p/helpers.py"}]  # fmt: skip
+    key = {"id_slot": 1, "input_extra": ring, "n_predict": 0,
+           "input_prefix": "".join(f"v{i} = {i}\n" for i in range(30)),
+           "input_suffix": "".join(f"print(v{i})\n" for i in range(30))}  # fmt: skip
+    warmup = {"id_slot": 1, "input_extra": ring, "n_predict": 0, "input_prefix": "",
+              "input_suffix": "", "prompt": ""}  # fmt: skip
+    slot = qwen.service.worker.slots[1]
+    assert qc.post("/infill", json={**key, "prompt": "    total ="}).status_code == 200
+    held = list(slot.tokens)
+    r = qc.post("/infill", json=warmup)
+    assert r.status_code == 200 and r.json()["timings"]["prompt_n"] == 0
+    assert slot.tokens == held  # nothing dropped
+    head = held[: held.index(FIM_PRE)]
+    assert r.json()["tokens_evaluated"] == len(head)  # the prompt: the ring alone
+    r = qc.post("/infill", json={**key, "prompt": "    total = v1"})
+    assert r.json()["timings"]["prompt_n"] <= 3
+    changed = [{"text": "x = 1\n", "filename": "/p/x.py"}, *ring]  # a new chunk: evaluated
+    r = qc.post("/infill", json={**warmup, "input_extra": changed})
+    assert r.status_code == 200 and r.json()["timings"]["prompt_n"] > 0
+    assert FIM_PRE not in slot.tokens
+
+
+def test_ring_warmup_in_llama_server_layout_drops_the_cursor_context(
+    qwen: Live, qc: httpx.Client, server_layout: None
+) -> None:
+    """llama-server's own layout evaluates ``[FIM_PRE][FIM_SUF][FIM_MID]`` after the ring."""
+    key = {"id_slot": 1, "n_predict": 0, "input_prefix": "a = 1\n", "input_suffix": "b\n",
+           "prompt": "c"}  # fmt: skip
+    assert qc.post("/infill", json=key).status_code == 200
+    warmup = {"id_slot": 1, "n_predict": 0, "input_prefix": "", "input_suffix": "", "prompt": ""}
+    assert qc.post("/infill", json=warmup).status_code == 200
+    assert qwen.service.worker.slots[1].tokens[-3:] == [FIM_PRE, FIM_SUF, FIM_MID]
+
+
 def test_empty_extra_layout(qwen: Live, qc: httpx.Client, qwen_vocab: Any) -> None:
     def tok(text: str) -> list[int]:
         return qwen_vocab.tokenize(text.encode(), add_bos=False, special=False)

@@ -296,6 +296,18 @@ class _Run:
         else:
             e._settle_draft()
         inside0 = self._inside_ms()
+        held = e._tcache.tokens[self.slot]
+        if (
+            req.n_predict == 0
+            and len(held) > len(req.prompt)
+            and held[: len(req.prompt)] == req.prompt
+        ):
+            # a cache fill the slot already holds, and more: what follows stays (an editor's
+            # ring warm-up must not drop the cursor's cached prefix and suffix behind the ring).
+            # No logits are computed for it
+            res.n_cached, res.stop_type = len(req.prompt), "limit"
+            res.prompt_ms = (time.perf_counter() - t0) * 1000.0
+            return res
         min_chunk = settings.cache_reuse if req.cache_prompt else 0
         pre = e._tcache.prefill(
             self.slot,

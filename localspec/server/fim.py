@@ -150,12 +150,14 @@ def infill_prompt(
     spm: bool = False,
     room: int = 0,
     typed_in_middle: bool = False,
+    ring_only: bool = False,
 ) -> list[int]:
     """The token sequence llama-server evaluates for an /infill request.
 
     ``bos`` is the BOS id when the vocabulary adds one (``llama_vocab_get_add_bos``), else None.
     ``n_predict`` is the server's default (-1), not the request's, as in llama-server; a
-    ``room`` > 0 replaces its reserve (``2 * n_predict``).
+    ``room`` > 0 replaces its reserve (``2 * n_predict``). ``ring_only`` gives just the
+    extra-context head (an editor's ring warm-up: a prefix of the next keystroke's prompt).
     """
     prefix = tokenize_mixed(tokenize, input_prefix)
     suffix = tokenize_mixed(tokenize, input_suffix)
@@ -182,5 +184,7 @@ def infill_prompt(
     suffix_block = [fim.suf, *suffix[: take.suffix]]
     first, second = (suffix_block, prefix_block) if spm else (prefix_block, suffix_block)
     head = extra[len(extra) - n_extra :] if n_extra else []
+    if ring_only:
+        return head
     middle = prompt_tokens if typed_in_middle else ()
     return [*head, *([bos] if bos is not None else []), *first, *second, fim.mid, *middle]

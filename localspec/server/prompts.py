@@ -59,6 +59,7 @@ def infill(
     spm: bool,
     room: int = 0,
     typed_in_middle: bool = False,
+    ring_only: bool = False,
     cache: TokenCache | None = None,
 ) -> Prepare:
     cache = cache or TokenCache()
@@ -86,6 +87,7 @@ def infill(
             spm=spm,
             room=min(room, engine.n_ctx // 4),
             typed_in_middle=typed_in_middle,
+            ring_only=ring_only,
         )
         return tokens
 

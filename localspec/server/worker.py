@@ -61,6 +61,7 @@ class Job:
     slot: int = -1  # set by the worker before the first token is streamed
     n_prompt: int = 0
     truncate: bool = False  # a prompt longer than the context is cut (llama-server's rule)
+    stopped_by: str = ""  # why the worker cancelled it while running (else: the client left)
 
     @property
     def cache_only(self) -> bool:
@@ -194,12 +195,24 @@ class Worker:
         """A newer job pinned to a slot replaces older queued ones for that slot.
 
         A cache warm-up (n_predict 0) only replaces other warm-ups: a client still waiting
-        for a completion must not lose it to a background cache fill.
+        for a completion must not lose it to a background cache fill. A completion also stops
+        a warm-up *running* on its slot: the editor's warm-up caches the ring buffer that
+        heads the completion's own prompt, so the completion's prefill takes over from where
+        the warm-up got to, instead of the keystroke waiting seconds behind it.
         """
-        slot = pinned_slot(job.params.id_slot, max(1, len(self.slots)))
+        n_slots = max(1, len(self.slots))
+        slot = pinned_slot(job.params.id_slot, n_slots)
         if slot is None:
             return
-        n_slots = max(1, len(self.slots))
+        running = self._running
+        if (
+            not job.cache_only
+            and running is not None
+            and running.cache_only
+            and pinned_slot(running.params.id_slot, n_slots) == slot
+        ):
+            running.stopped_by = "superseded by a completion for the same slot"
+            running.cancel.set()
         stale = [
             q
             for q in self._queue
@@ -308,7 +321,7 @@ class Worker:
         try:
             for index in range(params.n_cmpl):
                 if job.cancel.is_set():
-                    out.cancelled = "client left"
+                    out.cancelled = job.stopped_by or "client left"
                     break
                 if not prompt:  # llama-server answers an empty prompt with an empty completion
                     result = GenerationResult(tokens=[], text="", stop_type="none")
@@ -341,7 +354,7 @@ class Worker:
                     )
                 )
                 if result.cancelled:
-                    out.cancelled = "client left"
+                    out.cancelled = job.stopped_by or "client left"
                     break
                 if params.request.n_predict == 0:
                     break  # a warm-up fills the cache once; more copies would do nothing
