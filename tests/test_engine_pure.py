@@ -7,7 +7,7 @@ import pytest
 from localspec.engine.cache_plan import Run, plan_reuse, refresh_window
 from localspec.engine.engine import draft_window_start
 from localspec.engine.ngram import NgramIndex
-from localspec.engine.policy import SpecPolicy
+from localspec.engine.policy import FREE_BACKOFF, MAX_BACKOFF, SpecPolicy
 from localspec.engine.sampling import canonical_samplers
 from localspec.engine.stops import StopRules, find_partial_stop, incomplete_utf8_tail
 
@@ -220,6 +220,21 @@ def test_policy_switches_a_failing_source_off_and_probes_later() -> None:
     for _ in range(300):
         pol.tick()
     assert 0 < pol.plan("draft") <= pol.probe_len
+
+
+def test_policy_reprobes_a_free_source_soon() -> None:
+    """n-gram drafts cost nothing to make: after a string of misses they are probed again
+    within FREE_BACKOFF steps, where a costly draft model backs off up to MAX_BACKOFF."""
+    free, costly = cpu_like_policy(8), cpu_like_policy(8)
+    costly.observe_draft_cost("draft", 24.0)
+    for pol, name in ((free, "ngram"), (costly, "draft")):
+        for _ in range(1000):
+            k = pol.plan(name)
+            if k:
+                pol.observe_result(name, k, 0)
+            pol.tick()
+    assert free.source("ngram").backoff == FREE_BACKOFF
+    assert costly.source("draft").backoff == MAX_BACKOFF
 
 
 def test_policy_drafts_long_when_runs_are_long() -> None:

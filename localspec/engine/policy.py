@@ -22,6 +22,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 WINDOW = 24  # recent drafts per source that shape its estimate
+MAX_BACKOFF = 256  # steps a failing draft model stays off, at most
+FREE_BACKOFF = 16  # the same for a source whose drafts cost nothing to make
 MIN_PREFILL_SAMPLE = 32  # draft prefills shorter than this do not update its per-token cost
 
 
@@ -163,7 +165,10 @@ class SpecPolicy:
             s.backoff = 4
         elif s.off_until <= self.step:
             s.off_until = self.step + s.backoff
-            s.backoff = min(s.backoff * 2, 256)
+            # a source whose drafts cost nothing to make (n-grams, a pipelined draft model)
+            # is re-probed soon: a failed 2-token probe wastes a fraction of one step, and a
+            # repetitive stretch it would catch (a table, a list of constants) pays 3-4x
+            s.backoff = min(s.backoff * 2, MAX_BACKOFF if s.cost_ms != 0.0 else FREE_BACKOFF)
 
     # --- decisions ----------------------------------------------------------------------
     def gain(self, source: str, k: int) -> float:

@@ -19,12 +19,16 @@ from typing import Any, Literal, Protocol
 
 from localspec.engine.types import GenerationRequest, GenerationResult, TokenEvent
 from localspec.server.errors import ContextExceeded, Unavailable
+from localspec.server.logs import REQUESTS
 from localspec.server.params import TaskParams
 from localspec.server.prompts import truncate
 from localspec.server.results import Completion
 from localspec.server.slots import SlotInfo, choose_slot, pinned_slot
 
 log = logging.getLogger("localspec.server")
+# a request cut short is logged by its route when the client leaves, before the engine has
+# stopped: what the engine did with it (work kept in the cache) is logged here
+_requests_log = logging.getLogger(REQUESTS)
 
 MIN_CALL_QUEUE = 16  # tokenize/detokenize calls that may wait (at least; else queue_limit)
 
@@ -264,6 +268,7 @@ class Worker:
                 _finish(job, result)
                 if result.cancelled:
                     self.n_cancelled += 1
+                    _log_cut_short(job, result)
             finally:
                 with self._cond:
                     self._running = None
@@ -402,3 +407,15 @@ def _finish(job: Job, result: JobResult) -> None:
     if not job.future.done():
         result.t_done = time.perf_counter()
         job.future.set_result(result)
+
+
+def _log_cut_short(job: Job, result: JobResult) -> None:
+    if not result.completions or not _requests_log.isEnabledFor(logging.INFO):
+        return
+    r = result.completions[-1].result
+    _requests_log.info(
+        "engine stopped a cut-short request (%s): slot=%d n_prompt=%d evaluated=%d reused=%d "
+        "predicted=%d engine_ms=%.1f",
+        result.cancelled, job.slot, result.n_prompt, r.n_evaluated, r.n_cached,
+        len(r.tokens), result.t_engine_ms,
+    )  # fmt: skip
