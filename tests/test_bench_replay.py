@@ -184,6 +184,7 @@ class Stub:
     def __init__(self, delay: Any) -> None:
         self.delay = delay
         self.log: list[tuple[str, dict[str, Any]]] = []  # ("answered" | "aborted", body)
+        self.work = 0  # prompt "tokens" received, aborted requests included (GET /metrics)
         self.port = 0
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -203,10 +204,20 @@ class Stub:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
                 lines = head.decode().split("\r\n")
+                if lines[0].startswith("GET /metrics"):
+                    text = "# TYPE llamacpp:prompt_tokens_total counter\n"
+                    text += f"llamacpp:prompt_tokens_total {self.work}\n"
+                    writer.write(
+                        b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n"
+                        + f"Content-Length: {len(text)}\r\n\r\n{text}".encode()
+                    )
+                    await writer.drain()
+                    continue
                 length = next(
                     int(h.split(":")[1]) for h in lines if h.lower().startswith("content-length")
                 )
                 body = json.loads(await reader.readexactly(length))
+                self.work += len(body["prompt"]) + 1
                 try:  # a closed connection reads EOF before the delay is over
                     got = await asyncio.wait_for(reader.read(1), self.delay(body))
                 except asyncio.TimeoutError:
@@ -352,6 +363,13 @@ def test_interleaved_replay_with_cold_checks() -> None:
         assert s.cold_identical == pytest.approx(1 - n_differ / n_keys)
         assert s.acceptance == pytest.approx(0.75)
     assert summaries[1].agree_with_first == 1.0
+    # all prompt work: the servers' own counters around each location (keys and warm-ups,
+    # not the setup fill nor the cold re-evaluations after the location)
+    typed = [b for bu in schedule.bursts for b in (*bu.warmups, *(k.body for k in bu.keys))]
+    want = sum(len(b["prompt"]) + 1 for b in typed) / n_keys
+    assert [s.prompt_all_per_key for s in summaries] == [pytest.approx(want)] * 2
+    meters = [o for o in outcomes if o.kind == "meter"]
+    assert len(meters) == 2 * len(schedule.bursts)
 
 
 # --- reports --------------------------------------------------------------------------------

@@ -503,7 +503,7 @@ def test_newer_request_for_a_slot_supersedes_the_queued_one(qwen: Live) -> None:
     assert results["new"].status_code == 200
 
 
-def test_props_models_slots_metrics(qc: httpx.Client, qwen_target: Path) -> None:
+def test_props_models_slots_metrics(qwen: Live, qc: httpx.Client, qwen_target: Path) -> None:
     props = qc.get("/props").json()
     assert props["default_generation_settings"]["n_ctx"] == N_CTX
     assert props["model_path"] == str(qwen_target) and props["total_slots"] == 2
@@ -512,8 +512,14 @@ def test_props_models_slots_metrics(qc: httpx.Client, qwen_target: Path) -> None
     assert models["data"][0]["id"] == qwen_target.name
     slots = qc.get("/slots").json()
     assert [s["id"] for s in slots] == [0, 1] and slots[0]["n_ctx"] == N_CTX
+    assert qc.post("/infill", json={"input_prefix": "a", "input_suffix": "b", "n_predict": 1,
+                                    "cache_prompt": False}).status_code == 200  # fmt: skip
     metrics = qc.get("/metrics")
     assert metrics.status_code == 200 and "localspec_prompt_tokens_cached_total" in metrics.text
+    from localspec.bench.driver import prompt_tokens_metric  # what the replay bench reads
+
+    engine_work = prompt_tokens_metric(metrics.text)
+    assert engine_work is not None and engine_work >= qwen.service.worker.n_prompt_evaluated > 0
     assert "localspec_requests_cancelled_total" in metrics.text
 
 

@@ -95,6 +95,7 @@ def llama_server_spec(
         # overflows n_ctx by 3 tokens once the ring is full; the client's 128 keeps it inside.
         "-n", str(serve.n_predict),
         "--no-webui",
+        "--metrics",  # the bench reads llamacpp:prompt_tokens_total around each location
     ]  # fmt: skip
     if mode == "draft":
         if serve.draft is None:

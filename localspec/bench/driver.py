@@ -39,7 +39,7 @@ class Outcome:
     server: str
     burst: int
     key: int  # index within the burst; -1 for warm-ups
-    kind: KeyKind | Literal["warmup", "setup"]
+    kind: KeyKind | Literal["warmup", "setup", "meter"]  # meter: a burst's prompt work
     status: Status
     latency_ms: float
     content: str = ""
@@ -150,8 +150,33 @@ class Target:
             outcome.status, outcome.error = "error", f"bad JSON: {exc}"
         return outcome
 
+    async def prompt_work(self) -> float | None:
+        """The server's own count of prompt tokens evaluated so far (``/metrics``), aborted
+        requests included; None when it does not expose one."""
+        try:
+            r = await self.http.get("/metrics")
+        except httpx.HTTPError:
+            return None
+        return prompt_tokens_metric(r.text) if r.status_code == 200 else None
+
     async def aclose(self) -> None:
         await self.http.aclose()
+
+
+# prompt tokens evaluated, excluding cached ones, every request counted: localspec's engine
+# counter and llama-server's (started with --metrics)
+PROMPT_WORK_METRICS = ("localspec_engine_prompt_tokens_total", "llamacpp:prompt_tokens_total")
+
+
+def prompt_tokens_metric(text: str) -> float | None:
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in PROMPT_WORK_METRICS:
+            try:
+                return float(value.split()[0])
+            except (ValueError, IndexError):
+                return None
+    return None
 
 
 class _Clock:
@@ -218,7 +243,7 @@ async def run_burst(target: Target, burst: Burst) -> list[Outcome]:
 
 
 def _wants_cold(outcome: Outcome, mode: ColdMode) -> bool:
-    if outcome.status != "ok" or mode == "none" or outcome.kind in ("warmup", "setup"):
+    if outcome.status != "ok" or mode == "none" or outcome.kind in ("warmup", "setup", "meter"):
         return False
     if mode == "all":
         return True
@@ -271,7 +296,13 @@ async def replay(
         order = list(targets) if burst.index % 2 == 0 else list(reversed(targets))
         done: list[Outcome] = []
         for target in order:
+            before = await target.prompt_work()
             got = await run_burst(target, burst)
+            after = await target.prompt_work()  # every request of the burst has ended
+            if before is not None and after is not None:
+                meter = Outcome(target.name, burst.index, -1, "meter", "ok", 0.0)
+                meter.prompt_n = int(after - before)
+                got.append(meter)
             if cold_servers is None or target.name in cold_servers:
                 await cold_check(target, burst, got, cold)
             done.extend(got)

@@ -324,6 +324,7 @@ def _main(args: argparse.Namespace) -> int:
                 ("paired p50", "paired_p50_ms"),
                 ("paired p95", "paired_p95_ms"),
                 ("prompt tokens", "prompt_n_mean"),
+                ("all prompt work", "prompt_all_per_key"),
             )
         )
         print(f"\n{first.server} vs llama-server's best here ({best.server}): {shown}")

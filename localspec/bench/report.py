@@ -28,6 +28,9 @@ class Summary:
     final_p50_ms: float | None = None  # the last keystroke of each line (always completes)
     final_p95_ms: float | None = None
     prompt_n_mean: float | None = None  # prompt tokens evaluated per completed request
+    # all prompt work (the server's /metrics counter over each location's keystrokes and
+    # warm-ups, aborted requests included) per keystroke sent
+    prompt_all_per_key: float | None = None
     prompt_n_p50: float | None = None
     cache_n_mean: float | None = None  # prompt tokens reused per completed request
     prompt_ms_mean: float | None = None  # where the time goes: prompt evaluation ...
@@ -91,6 +94,8 @@ def summarize(outcomes: Sequence[Outcome], servers: Sequence[str]) -> list[Summa
         s.final_p95_ms = percentile([o.latency_ms for o in finals], 95)
         prompt_n = [float(o.prompt_n) for o in ok if o.prompt_n is not None]
         s.prompt_n_mean, s.prompt_n_p50 = mean(prompt_n), percentile(prompt_n, 50)
+        meters = [o.prompt_n for o in mine if o.kind == "meter" and o.prompt_n is not None]
+        s.prompt_all_per_key = sum(meters) / len(keyed) if meters and keyed else None
         s.cache_n_mean = mean([float(o.cache_n) for o in ok if o.cache_n is not None])
         s.prompt_ms_mean = mean([o.prompt_ms for o in ok if o.prompt_ms is not None])
         s.predicted_ms_mean = mean([o.predicted_ms for o in ok if o.predicted_ms is not None])
@@ -122,7 +127,7 @@ def summarize(outcomes: Sequence[Outcome], servers: Sequence[str]) -> list[Summa
 
 
 RATIO_FIELDS = ("p50_ms", "p95_ms", "p99_ms", "paired_p50_ms", "paired_p95_ms", "final_p50_ms",
-                "final_p95_ms", "prompt_n_mean")  # fmt: skip
+                "final_p95_ms", "prompt_n_mean", "prompt_all_per_key")  # fmt: skip
 
 
 def ratios(summaries: Sequence[Summary]) -> dict[str, dict[str, float | None]]:
@@ -157,6 +162,7 @@ ROWS: tuple[tuple[str, str, str], ...] = (
     ("end-of-line p95 ms", "final_p95_ms", ".0f"),
     ("prompt tokens evaluated/req", "prompt_n_mean", ".1f"),
     ("  median", "prompt_n_p50", ".0f"),
+    ("  all prompt work / keystroke", "prompt_all_per_key", ".1f"),
     ("prompt tokens reused/req", "cache_n_mean", ".0f"),
     ("prompt ms/req", "prompt_ms_mean", ".0f"),
     ("generation ms/req", "predicted_ms_mean", ".0f"),

@@ -35,6 +35,7 @@ class Probes:
     queued: Callable[[], int]
     busy: Callable[[], bool]
     cancelled: Callable[[], int] = lambda: 0
+    prompt_evaluated: Callable[[], int] = lambda: 0  # by the engine, cut-short requests too
     slots: Callable[[], Sequence[SlotInfo]] = lambda: ()
     model_files: Callable[[], dict[str, str]] = dict  # role ("target", "draft") -> GGUF path
 
@@ -69,6 +70,11 @@ class _StateCollector(Collector):
             "localspec_requests_cancelled",
             "Requests dropped or stopped early (client left, superseded, timed out)",
             value=p.cancelled(),
+        )
+        yield CounterMetricFamily(
+            "localspec_engine_prompt_tokens",
+            "Prompt tokens the engine evaluated, requests the client left included",
+            value=p.prompt_evaluated(),
         )
         slots = list(p.slots())
         states = GaugeMetricFamily("localspec_slots", "Slots by state", labels=["state"])

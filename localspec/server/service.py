@@ -41,6 +41,7 @@ def _probes(worker: Worker) -> Probes:
         queued=lambda: worker.queued,
         busy=lambda: worker.busy,
         cancelled=lambda: worker.n_cancelled,
+        prompt_evaluated=lambda: worker.n_prompt_evaluated,
         slots=lambda: list(worker.slots),
         model_files=model_files,
     )

@@ -111,6 +111,8 @@ class Worker:
         self.slots: list[SlotInfo] = []
         self.n_done = 0
         self.n_cancelled = 0  # jobs that ended early: client left, superseded, timed out
+        # prompt tokens the engine evaluated for every job, those the client left included
+        self.n_prompt_evaluated = 0
 
     # ------------------------------------------------------------------ control
 
@@ -265,6 +267,7 @@ class Worker:
                 if not job.future.done():
                     job.future.set_exception(exc)
             else:
+                self.n_prompt_evaluated += sum(c.result.n_evaluated for c in result.completions)
                 _finish(job, result)
                 if result.cancelled:
                     self.n_cancelled += 1
