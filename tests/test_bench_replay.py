@@ -398,14 +398,15 @@ def _outcome(server: str, key: int, ms: float, status: str = "ok", **kw: Any) ->
 
 def test_summary_pairs_latency_and_ratios() -> None:
     outcomes = [
-        _outcome("fast", 0, 10, prompt_n=2),
-        _outcome("fast", 1, 20, prompt_n=4),
+        _outcome("fast", 0, 10, prompt_n=2, predicted_ms=4.0),
+        _outcome("fast", 1, 20, prompt_n=4, predicted_ms=4.0),
         _outcome(
             "fast",
             2,
             30,
             kind="final",
             prompt_n=6,
+            predicted_ms=28.0,
             content="x",
             cold=ColdCheck("ok", 50, "x", identical=True, consistent=True),
         ),
@@ -427,6 +428,8 @@ def test_summary_pairs_latency_and_ratios() -> None:
     assert fast.paired_p50_ms == 20  # keys 0 and 2 only: key 1 was aborted on "slow"
     assert slow.paired_p50_ms == 200
     assert fast.prompt_n_mean == 4 and slow.prompt_n_mean == 20
+    assert fast.before_gen_p50_ms == 6  # latency minus generation: 6, 16 and 2 ms
+    assert slow.before_gen_p50_ms is None  # no generation times reported
     assert fast.cold_identical == 1.0 and slow.cold_identical == 0.0
     assert slow.agree_with_first == 0.0
     rel = report.ratios([fast, slow])["slow"]

@@ -27,6 +27,10 @@ class Summary:
     paired_p95_ms: float | None = None
     final_p50_ms: float | None = None  # the last keystroke of each line (always completes)
     final_p95_ms: float | None = None
+    # latency minus the server's generation time: waiting and prompt work, the part the cache
+    # decides (generation length depends on the answer, and so on the model and the layout)
+    before_gen_p50_ms: float | None = None
+    before_gen_p95_ms: float | None = None
     prompt_n_mean: float | None = None  # prompt tokens evaluated per completed request
     # all prompt work (the server's /metrics counter over each location's keystrokes and
     # warm-ups, aborted requests included) per keystroke sent
@@ -92,6 +96,8 @@ def summarize(outcomes: Sequence[Outcome], servers: Sequence[str]) -> list[Summa
         s.paired_p50_ms, s.paired_p95_ms = percentile(pl, 50), percentile(pl, 95)
         s.final_p50_ms = percentile([o.latency_ms for o in finals], 50)
         s.final_p95_ms = percentile([o.latency_ms for o in finals], 95)
+        pre = [o.latency_ms - o.predicted_ms for o in ok if o.predicted_ms is not None]
+        s.before_gen_p50_ms, s.before_gen_p95_ms = percentile(pre, 50), percentile(pre, 95)
         prompt_n = [float(o.prompt_n) for o in ok if o.prompt_n is not None]
         s.prompt_n_mean, s.prompt_n_p50 = mean(prompt_n), percentile(prompt_n, 50)
         meters = [o.prompt_n for o in mine if o.kind == "meter" and o.prompt_n is not None]
@@ -127,7 +133,8 @@ def summarize(outcomes: Sequence[Outcome], servers: Sequence[str]) -> list[Summa
 
 
 RATIO_FIELDS = ("p50_ms", "p95_ms", "p99_ms", "paired_p50_ms", "paired_p95_ms", "final_p50_ms",
-                "final_p95_ms", "prompt_n_mean", "prompt_all_per_key")  # fmt: skip
+                "final_p95_ms", "before_gen_p50_ms", "before_gen_p95_ms", "prompt_n_mean",
+                "prompt_all_per_key")  # fmt: skip
 
 
 def ratios(summaries: Sequence[Summary]) -> dict[str, dict[str, float | None]]:
@@ -160,6 +167,8 @@ ROWS: tuple[tuple[str, str, str], ...] = (
     ("paired p95 ms", "paired_p95_ms", ".0f"),
     ("end-of-line p50 ms", "final_p50_ms", ".0f"),
     ("end-of-line p95 ms", "final_p95_ms", ".0f"),
+    ("latency - generation p50 ms", "before_gen_p50_ms", ".0f"),
+    ("latency - generation p95 ms", "before_gen_p95_ms", ".0f"),
     ("prompt tokens evaluated/req", "prompt_n_mean", ".1f"),
     ("  median", "prompt_n_p50", ".0f"),
     ("  all prompt work / keystroke", "prompt_all_per_key", ".1f"),
