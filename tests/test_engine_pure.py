@@ -189,6 +189,18 @@ def test_ngram_proposes_the_continuation_of_the_longest_match() -> None:
     assert idx.draft(2)[0] == [5, 9]
 
 
+def test_ngram_draft_runs_on_through_a_short_period() -> None:
+    """A continuation that reaches the tail goes on with the same period: "0 . 0 . 0 ." drafts
+    a full-length run instead of the two tokens before the tail."""
+    idx = NgramIndex([5, 6, 0, 1, 0, 1, 0, 1], n_min=2)
+    draft, match = idx.draft(7)
+    assert draft == [0, 1, 0, 1, 0, 1, 0] and match >= 4
+    row = [7, 8, 9, 3, 7, 8, 9, 3, 7, 8]  # a period of 4 (a table row)
+    assert NgramIndex(row, n_min=2).draft(6)[0] == [9, 3, 7, 8, 9, 3]
+    far = NgramIndex([1, 2, 3, 4, 5, 6, 9, 9, 1, 2], n_min=2)  # no repeat into the tail
+    assert far.draft(3)[0] == [3, 4, 5]
+
+
 def test_ngram_no_match() -> None:
     idx = NgramIndex([1, 2, 3, 4], n_min=2)
     assert idx.draft(4) == ([], 0)
@@ -273,6 +285,10 @@ def test_policy_weighs_the_draft_prefill_against_the_tokens_left() -> None:
     for _ in range(10):
         pol.observe_result("draft", 8, 8)
     assert pol.prefill_pays(500, 40)  # no prefill measured yet
+    stand_in = cpu_like_policy()
+    stand_in.verify, stand_in.sources = pol.verify, pol.sources
+    stand_in.observe_target_prefill(400, 2000.0)  # the target's price stands in for the draft's
+    assert not stand_in.prefill_pays(500, 40) and stand_in.prefill_pays(500, 1000)
     pol.observe_draft_prefill(8, 800.0)  # too short a prefill to price a token: ignored
     assert pol.draft_prefill_ms < 0
     pol.observe_draft_prefill(400, 2000.0)  # 5 ms a token

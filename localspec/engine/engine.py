@@ -323,6 +323,8 @@ class _Run:
         res.n_cached, res.n_evaluated, res.n_shifted = pre.n_cached, pre.n_evaluated, pre.n_moved
         t1 = time.perf_counter()
         res.prompt_ms = (t1 - t0) * 1000.0
+        if not pre.cancelled and not self.pipelined:  # a pipelined draft shares the cores
+            self.policy.observe_target_prefill(pre.n_evaluated, res.prompt_ms)
         if pre.cancelled:
             res.cancelled = True
         elif req.n_predict == 0:

@@ -3,7 +3,8 @@
 Free (no model call) and strong on code, which repeats itself: the FIM suffix the completion
 reconnects with, the next line of a pattern, an identifier used above. It finds the longest
 match (at least ``n_min`` tokens, preferring the most recent among equals) of the context's
-tail and proposes the tokens that followed that match.
+tail and proposes the tokens that followed that match; when those run into the tail itself
+(the text repeats with a short period), the draft goes on with that period.
 """
 
 from __future__ import annotations
@@ -55,4 +56,12 @@ class NgramIndex:
         if best_start < 0:
             return [], 0
         follow = best_start + n
-        return toks[follow : min(follow + n_max, end)], best_len
+        period = end - follow  # the tail repeats what came this many tokens earlier
+        if period >= n_max:
+            return toks[follow : follow + n_max], best_len
+        # a continuation that runs into the tail goes on with the same period: a table row,
+        # a run of "0, 0, 0" (copying the draft itself, as if the text kept repeating)
+        out = toks[follow:end]
+        while len(out) < n_max:
+            out.append(out[len(out) - period])
+        return out, best_len

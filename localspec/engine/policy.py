@@ -112,8 +112,10 @@ class SpecPolicy:
     _best: dict[tuple[str, int], tuple[object, int, list[float]]] = field(
         default_factory=dict, repr=False
     )
-    # the draft model's prompt prefill, ms per token (EMA; < 0: not measured yet)
+    # prompt prefill, ms per token, of the draft model and of the target (EMAs; < 0: not
+    # measured yet). The target's stands in for the draft's until the draft has prefilled.
     draft_prefill_ms: float = -1.0
+    target_prefill_ms: float = -1.0
 
     def source(self, name: str) -> SourceStats:
         s = self.sources.get(name)
@@ -134,11 +136,10 @@ class SpecPolicy:
         s.cost_ms = ms_per_token if s.cost_ms < 0 else 0.8 * s.cost_ms + 0.2 * ms_per_token
 
     def observe_draft_prefill(self, n_tokens: int, ms: float) -> None:
-        if n_tokens < MIN_PREFILL_SAMPLE:
-            return  # a few tokens cost mostly fixed overhead: not a per-token price
-        per = ms / n_tokens
-        old = self.draft_prefill_ms
-        self.draft_prefill_ms = per if old < 0 else 0.8 * old + 0.2 * per
+        self.draft_prefill_ms = _prefill_ema(self.draft_prefill_ms, n_tokens, ms)
+
+    def observe_target_prefill(self, n_tokens: int, ms: float) -> None:
+        self.target_prefill_ms = _prefill_ema(self.target_prefill_ms, n_tokens, ms)
 
     def prefill_pays(self, n_tokens: int, horizon: int) -> bool:
         """Whether catching the draft model up on ``n_tokens`` of prompt is repaid by its
@@ -147,13 +148,16 @@ class SpecPolicy:
         The draft model must evaluate every new prompt too: at a new cursor location that is
         hundreds of tokens, often more time than its drafts save on a short completion (the
         reason llama-server's draft mode doubles editor latency). Unmeasured, it pays (so it
-        gets measured)."""
+        gets measured) unless the target's own prefill price says it does not: a draft model
+        is smaller, so that price errs on the side of the draft, and on a CPU where the two
+        cost about the same it spares the first location a draft prefill."""
         t1 = self.verify.t1
-        if self.draft_prefill_ms < 0 or t1 <= 0:
+        price = self.draft_prefill_ms if self.draft_prefill_ms >= 0 else self.target_prefill_ms
+        if price < 0 or t1 <= 0:
             return True
         g = self.best("draft")[1]
         saved = horizon * t1 * (1.0 - 1.0 / g) if g > 1.0 else 0.0
-        return saved > n_tokens * self.draft_prefill_ms
+        return saved > n_tokens * price
 
     def observe_result(self, source: str, drafted: int, accepted: int) -> None:
         if drafted <= 0:
@@ -247,3 +251,10 @@ def ngram_source(match_len: int) -> str:
     """The n-gram drafter's estimates are kept apart by match length: a long match (code
     being copied) is far more reliable than a two-token one."""
     return "ngram" if match_len < 4 else "ngram4" if match_len < 8 else "ngram8"
+
+
+def _prefill_ema(old: float, n_tokens: int, ms: float) -> float:
+    if n_tokens < MIN_PREFILL_SAMPLE:
+        return old  # a few tokens cost mostly fixed overhead: not a per-token price
+    per = ms / n_tokens
+    return per if old < 0 else 0.8 * old + 0.2 * per
