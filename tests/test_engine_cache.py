@@ -485,3 +485,17 @@ def test_auto_mode_skips_a_draft_prefill_that_does_not_pay(
         policy.draft_prefill_ms = 1e-6  # one that always does
         paid = run(other)
         assert paid.draft_n_evaluated > 64 and paid.tokens == skipped.tokens
+
+
+def test_drafts_never_exceed_the_batch(qwen_target: Path) -> None:
+    """A periodic n-gram draft can be as long as any ``n_max`` a request asks for; the verify
+    batch ``[last, *draft]`` still fits ``n_batch`` (the fuzzer found a 65-token batch)."""
+    small = ModelSettings(str(qwen_target), n_ctx=1024, n_batch=32, n_ubatch=32, n_threads=2)
+    s = EngineSettings(target=small, spec=SpecSettings(mode="ngram", n_max=16))
+    with Engine.load(s) as eng:
+        prompt = eng.vocab.tokenize("x = [" + "0, " * 40)
+        res = eng.generate(
+            GenerationRequest(slot=0, prompt=prompt, n_predict=200, sampling=GREEDY, spec_n_max=100)
+        )
+        assert len(res.tokens) == 200
+        assert res.spec_steps and max(n for _, n, _ in res.spec_steps) == 31

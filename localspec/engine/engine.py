@@ -415,6 +415,7 @@ class _Run:
                 break
             n_before = len(tcache.tokens[slot])
             room = e.n_ctx - n_before - 2  # keep one cell free after the batch (llama-server)
+            room = min(room, e.n_batch - 1)  # the verify batch is [last, *draft]
             if req.n_predict >= 0:
                 room = min(room, req.n_predict - len(self.out) - 1)
             source, key, draft = self._propose(room)
