@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from localspec.bench.editor import Burst, KeyKind, Schedule
 
@@ -169,13 +170,13 @@ PROMPT_WORK_METRICS = ("localspec_engine_prompt_tokens_total", "llamacpp:prompt_
 
 
 def prompt_tokens_metric(text: str) -> float | None:
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in PROMPT_WORK_METRICS:
-            try:
-                return float(value.split()[0])
-            except (ValueError, IndexError):
-                return None
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in PROMPT_WORK_METRICS:
+                    return sample.value
+    except ValueError:  # not Prometheus text
+        return None
     return None
 
 

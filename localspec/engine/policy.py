@@ -133,7 +133,7 @@ class SpecPolicy:
         if source in self.hidden:
             return
         s = self.source(source)
-        s.cost_ms = ms_per_token if s.cost_ms < 0 else 0.8 * s.cost_ms + 0.2 * ms_per_token
+        s.cost_ms = _ema(s.cost_ms, ms_per_token)
 
     def observe_draft_prefill(self, n_tokens: int, ms: float) -> None:
         self.draft_prefill_ms = _prefill_ema(self.draft_prefill_ms, n_tokens, ms)
@@ -253,8 +253,12 @@ def ngram_source(match_len: int) -> str:
     return "ngram" if match_len < 4 else "ngram4" if match_len < 8 else "ngram8"
 
 
+def _ema(old: float, value: float) -> float:
+    """The recent average of a cost; ``old`` < 0: nothing measured yet."""
+    return value if old < 0 else 0.8 * old + 0.2 * value
+
+
 def _prefill_ema(old: float, n_tokens: int, ms: float) -> float:
     if n_tokens < MIN_PREFILL_SAMPLE:
         return old  # a few tokens cost mostly fixed overhead: not a per-token price
-    per = ms / n_tokens
-    return per if old < 0 else 0.8 * old + 0.2 * per
+    return _ema(old, ms / n_tokens)

@@ -139,17 +139,10 @@ async def infill(body: InfillRequest, request: Request, svc: Svc) -> Response:
         spm=svc.settings.spm_infill,
         room=svc.settings.infill_room,
         typed_in_middle=svc.settings.typed_in_middle,
-        ring_only=svc.settings.typed_in_middle and is_ring_warmup(body),
+        ring_only=svc.settings.typed_in_middle and body.is_ring_warmup,
         cache=svc.token_cache,
     )
     return await svc.native(request, "infill", svc.job(params, prepare))
-
-
-def is_ring_warmup(body: InfillRequest) -> bool:
-    """llama-vscode's and llama.vim's ring-buffer update: cache the extra context only."""
-    return (
-        body.n_predict == 0 and not body.input_prefix and not body.input_suffix and not body.prompt
-    )
 
 
 @router.post("/completion")

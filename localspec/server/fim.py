@@ -179,12 +179,11 @@ def infill_prompt(
         cut = min(overflow, n_extra)
         n_extra -= cut
         n_prefix -= min(overflow - cut, n_prefix)
-    typed = () if typed_in_middle else prompt_tokens
-    prefix_block = [fim.pre, *prefix[len(prefix) - n_prefix :], *typed]
+    ends_prefix, middle = ((), prompt_tokens) if typed_in_middle else (prompt_tokens, ())
+    prefix_block = [fim.pre, *prefix[len(prefix) - n_prefix :], *ends_prefix]
     suffix_block = [fim.suf, *suffix[: take.suffix]]
     first, second = (suffix_block, prefix_block) if spm else (prefix_block, suffix_block)
     head = extra[len(extra) - n_extra :] if n_extra else []
     if ring_only:
         return head
-    middle = prompt_tokens if typed_in_middle else ()
     return [*head, *([bos] if bos is not None else []), *first, *second, fim.mid, *middle]

@@ -131,6 +131,16 @@ class InfillRequest(GenerationFields):
         None, description="Text typed on the cursor line before the cursor."
     )
 
+    @property
+    def is_ring_warmup(self) -> bool:
+        """llama-vscode's and llama.vim's ring-buffer update: only the extra context matters."""
+        return (
+            self.n_predict == 0
+            and not self.input_prefix
+            and not self.input_suffix
+            and not self.prompt
+        )
+
 
 class CompletionRequest(GenerationFields):
     """``POST /completion``: llama-server's native API."""

@@ -416,12 +416,12 @@ def _log_cut_short(job: Job, result: JobResult) -> None:
     if not result.completions or not _requests_log.isEnabledFor(logging.INFO):
         return
     r = result.completions[-1].result
-    fields = {"outcome": "engine stopped", "why": result.cancelled, "slot": job.slot,
-              "n_prompt": result.n_prompt, "evaluated": r.n_evaluated, "reused": r.n_cached,
-              "predicted": len(r.tokens), "engine_ms": round(result.t_engine_ms, 2)}  # fmt: skip
+    fields = {"slot": job.slot, "n_prompt": result.n_prompt, "evaluated": r.n_evaluated,
+              "reused": r.n_cached, "predicted": len(r.tokens),
+              "engine_ms": round(result.t_engine_ms, 2)}  # fmt: skip
+    text = " ".join(f"{k}={v}" for k, v in fields.items())
+    fields.update(outcome="engine stopped", why=result.cancelled)
     _requests_log.info(
-        "engine stopped a cut-short request (%s): slot=%d n_prompt=%d evaluated=%d reused=%d "
-        "predicted=%d engine_ms=%.1f",
-        result.cancelled, job.slot, result.n_prompt, r.n_evaluated, r.n_cached,
-        len(r.tokens), result.t_engine_ms, extra={"fields": fields},
+        "engine stopped a cut-short request (%s): %s", result.cancelled, text,
+        extra={"fields": fields},
     )  # fmt: skip
