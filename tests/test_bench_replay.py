@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from localspec.bench import editor, report
+from localspec.bench import anchor, editor, report
 from localspec.bench.driver import (
     ColdCheck,
     Outcome,
@@ -535,3 +535,14 @@ def test_short_real_replay_against_localspec(
     setup = next(r for r in doc["requests"] if r["kind"] == "setup")
     assert setup["status"] == "ok" and setup["prompt_n"] > 0
     assert doc["servers"][0]["argv"][1:4] == ["-m", "localspec", "up"]
+
+
+def test_llama_server_modes_take_a_flash_attention_off_variant() -> None:
+    serve = anchor.ServeSettings(target=Path("t.gguf"), draft=Path("d.gguf"))
+    plain = anchor.llama_server_spec(Path("llama-server"), serve, "plain", port=1)
+    assert plain.name == "llama-server/plain" and "--flash-attn" not in plain.argv
+    off = anchor.llama_server_spec(Path("llama-server"), serve, "draft+fa-off", port=1)
+    assert off.name == "llama-server/draft+fa-off"
+    assert off.argv[off.argv.index("--flash-attn") + 1] == "off" and "-md" in off.argv
+    with pytest.raises(ValueError, match=r"\+fa-on"):
+        anchor.llama_server_spec(Path("llama-server"), serve, "plain+fa-on", port=1)

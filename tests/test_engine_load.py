@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -140,3 +141,44 @@ def test_n_predict_zero_fills_the_cache_only(qwen_pair: Engine) -> None:
     res = qwen_pair.generate(GenerationRequest(slot=0, prompt=prompt, n_predict=0))
     assert res.tokens == [] and res.text == "" and res.n_evaluated == len(prompt)
     assert qwen_pair.slot_tokens(0) == prompt
+
+
+def test_flash_attention_is_off_on_the_cpu_unless_the_kv_cache_is_quantized(
+    qwen_pair: Engine, qwen_target: Path, smollm_q4: Path
+) -> None:
+    """This build has no GPU: the KQ matmul path (faster drafts to verify); a quantized V
+    cache needs flash attention, so it stays on there."""
+    assert qwen_pair.flash_attn is False
+    quantized = EngineSettings(
+        target=ModelSettings(
+            str(smollm_q4), n_ctx=512, n_batch=256, n_ubatch=256, n_threads=1,
+            type_k="q8_0", type_v="q8_0",  # blocks of 32: SmolLM2's 64-wide heads, not Qwen's 16
+        )
+    )  # fmt: skip
+    with Engine.load(quantized) as eng:
+        assert eng.flash_attn is True
+    forced = EngineSettings(
+        target=ModelSettings(
+            str(qwen_target), n_ctx=512, n_batch=256, n_ubatch=256, n_threads=1, flash_attn=True
+        )
+    )
+    with Engine.load(forced) as eng:
+        assert eng.flash_attn is True
+
+
+def test_a_prefill_rule_apart_from_the_cancel_evaluates_the_prompt_then_stops(
+    qwen_pair: Engine,
+) -> None:
+    """The server evaluates a left client's prompt on (the next keystroke needs it); nothing
+    is generated for it. Without the separate rule a set cancel stops within one chunk."""
+    prompt = qwen_pair.vocab.tokenize("def f(x):\n    return x + 1\n" * 40)
+    assert len(prompt) > 2 * 128  # several prefill chunks
+    gone = threading.Event()
+    gone.set()
+    req = GenerationRequest(slot=1, prompt=prompt, n_predict=8, cache_prompt=True)
+    res = qwen_pair.generate(req, cancel=gone, prefill_cancel=threading.Event())
+    assert res.cancelled and res.tokens == [] and res.n_evaluated == len(prompt)
+    assert qwen_pair.slot_tokens(1) == prompt
+    qwen_pair.clear_slot(1)
+    res = qwen_pair.generate(req, cancel=gone)
+    assert res.cancelled and res.tokens == [] and res.n_evaluated < len(prompt)

@@ -145,3 +145,49 @@ def test_a_completion_stops_a_running_warmup_on_its_slot_only() -> None:
     finally:
         engine.release.set()
         worker.stop()
+
+
+class PrefillingEngine(BlockingEngine):
+    """Hands back the prefill rule it was given and waits for the test to release it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rule: Any = None
+
+    def generate(self, req: Any, *, prefill_cancel: Any = None, **_: Any) -> Any:
+        self.rule = prefill_cancel
+        self.started.set()
+        self.release.wait(30)
+        return GenerationResult(tokens=[], text="", stop_type="none", cancelled=True)
+
+
+def test_a_left_clients_prompt_is_evaluated_on_until_someone_else_waits() -> None:
+    """The next keystroke's prompt starts with the left one's tokens: its prefill goes on while
+    the engine would otherwise idle, and stops for a live job, a tokenizer call, or the worker
+    stopping it (a superseded warm-up)."""
+    engine = PrefillingEngine()
+    worker = Worker(lambda: engine, queue_limit=4)
+    worker.start()
+    try:
+        _ready(worker)
+        key = _job(4, slot=0)
+        worker.submit(key)
+        assert engine.started.wait(10)
+        rule = engine.rule
+        assert not rule.is_set()  # the client is still there
+        worker.abandon(key)
+        assert not rule.is_set()  # gone, but nobody waits: evaluate on
+        dropped = _job(4, slot=1)
+        worker.submit(dropped)
+        worker.abandon(dropped)
+        assert not rule.is_set()  # a queued job whose client left too does not count
+        waiting = _job(4, slot=1)
+        worker.submit(waiting)
+        assert rule.is_set()  # a live request waits: stop at the next chunk
+        worker.abandon(waiting)
+        assert not rule.is_set()
+        key.stopped_by = "superseded by a completion for the same slot"
+        assert rule.is_set()
+    finally:
+        engine.release.set()
+        worker.stop()

@@ -141,7 +141,9 @@ def _model_bytes(
         layers = dev in where[: m.n_layer]
         if layers or dev == out:
             logits = 4 * ub * (m.n_vocab + 2 * m.n_embd) if dev == out else 0
-            ffn = 4 * ub * (3 * m.n_embd + 2 * m.n_ff) if layers else 0
+            # without flash attention: f32 KQ scores, one n_kv x ubatch block per head and one more
+            scores = 0 if plan.flash_attn else 4 * ub * cells * (m.n_head + 1)
+            ffn = 4 * ub * (3 * m.n_embd + 2 * m.n_ff) + scores if layers else 0
             used[dev] += max(logits, ffn, 8 * ub * m.n_embd)
     used[-1] += 4 * m.n_vocab * plan.n_slots * 17  # logits rows for a 16-token verify
     if -1 not in where:
@@ -325,6 +327,33 @@ def test_kv_quantized_and_context_shrunk_before_spilling(plans: dict[str, Plan])
     assert any("q8_0" in n for n in plan.notes)
 
 
+def test_cpu_plans_turn_flash_attention_off_and_count_the_score_matrix(
+    catalog: Catalog,
+) -> None:
+    """On the CPU llama.cpp's KQ matmul verifies drafts faster than its flash attention; the
+    score matrix it needs must be in the memory table, or a tight machine over-commits."""
+    for name in ("cpu-32gb", "cuda-card-cpu-build"):
+        plan = make_plan(catalog, MACHINES[name])
+        assert plan.type_k == "f16" and not plan.flash_attn, name
+        assert "flash attention off" in plan.explain()
+        assert plan.engine_settings("t.gguf", "d.gguf").target.flash_attn is False
+        host = plan.memory[-1]
+        target = _facts_for(catalog, *plan.target)
+        layout = Layout(plan.n_ctx, plan.n_slots, "f16", plan.n_ubatch, 0, (), None)
+        cpu = [Device("cpu", "host", 64 * GiB, 0, 50, 1)]
+        (fa_on,) = memory_table(target, None, layout, cpu)
+        (fa_off,) = memory_table(target, None, replace(layout, flash_attn=False), cpu)
+        assert fa_off.compute > fa_on.compute
+        assert host.compute >= fa_off.compute
+    for name in ("rtx4090-24gb", "rtx3060-12gb"):
+        assert make_plan(catalog, MACHINES[name]).flash_attn
+    # 8 GB: the score matrix does not fit beside 1.5B Q6_K and its draft at 16k f16; the
+    # plan keeps the quant and the context and turns flash attention back on
+    tight = make_plan(catalog, MACHINES["cpu-8gb"])
+    assert tight.target == ("qwen2.5-coder-1.5b", "Q6_K") and tight.type_k == "f16"
+    assert tight.flash_attn and tight.n_ctx == 16384
+
+
 def _fake(
     model_id: str, quant: str, params: float, layer_mib: int, n_layer: int = 28
 ) -> ModelFacts:
@@ -448,7 +477,7 @@ _BUFFER = re.compile(r"(\w+)\s+(model|KV|compute|output) buffer size =\s+([\d.]+
 
 
 def _llama_cpp_buffers(
-    path: Path, n_ctx: int, n_slots: int, type_kv: str, n_ubatch: int
+    path: Path, n_ctx: int, n_slots: int, type_kv: str, n_ubatch: int, flash_attn: bool
 ) -> dict[str, float]:
     """Load with llama.cpp on the CPU and read the buffer sizes it logs (bytes)."""
     lines: list[str] = []
@@ -467,7 +496,12 @@ def _llama_cpp_buffers(
         cparams.n_ctx, cparams.n_seq_max = n_ctx * n_slots, n_slots
         cparams.n_batch = cparams.n_ubatch = n_ubatch
         cparams.n_threads = cparams.n_threads_batch = 1
-        cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        cparams.kv_unified = True  # as the engine creates its contexts
+        cparams.flash_attn_type = (
+            llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+            if flash_attn
+            else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
         cparams.type_k = cparams.type_v = {"f16": 1, "q8_0": 8}[type_kv]
         ctx = llama_cpp.llama_init_from_model(model, cparams)
         assert ctx, "llama.cpp could not create the context"
@@ -485,23 +519,31 @@ def _llama_cpp_buffers(
 
 
 @pytest.mark.parametrize(
-    ("fixture", "n_ctx", "n_slots", "type_kv", "n_ubatch"),
+    ("fixture", "n_ctx", "n_slots", "type_kv", "n_ubatch", "flash_attn"),
     [
-        ("qwen_target", 4096, 1, "f16", 512),
-        ("qwen_target_152064", 2048, 2, "f16", 1024),
-        ("smollm_q4", 4096, 1, "f16", 512),
-        ("smollm_q4", 2048, 3, "q8_0", 256),
-        ("smollm_f16", 8192, 1, "q8_0", 1024),
+        ("qwen_target", 4096, 1, "f16", 512, True),
+        ("qwen_target_152064", 2048, 2, "f16", 1024, True),
+        ("smollm_q4", 4096, 1, "f16", 512, True),
+        ("smollm_q4", 2048, 3, "q8_0", 256, True),
+        ("smollm_f16", 8192, 1, "q8_0", 1024, True),
+        # without flash attention the KQ scores outgrow the logits as the context grows
+        ("smollm_q4", 8192, 1, "f16", 1024, False),
+        ("smollm_q4", 4096, 2, "f16", 1024, False),
+        ("smollm_q4", 16384, 1, "f16", 512, False),
+        ("smollm_q4", 2048, 3, "f16", 256, False),
+        ("qwen_target", 8192, 1, "f16", 1024, False),
     ],
 )
 def test_estimate_within_10_percent_of_llama_cpp(
-    fixture: str, n_ctx: int, n_slots: int, type_kv: str, n_ubatch: int,
+    fixture: str, n_ctx: int, n_slots: int, type_kv: str, n_ubatch: int, flash_attn: bool,
     request: pytest.FixtureRequest,
 ) -> None:  # fmt: skip
     path: Path = request.getfixturevalue(fixture)
     facts = model_facts_from_gguf(path)
-    real = _llama_cpp_buffers(path, n_ctx, n_slots, type_kv, n_ubatch)
-    layout = Layout(n_ctx, n_slots, type_kv, n_ubatch, 0, (), None, spec_n_max=0)
+    real = _llama_cpp_buffers(path, n_ctx, n_slots, type_kv, n_ubatch, flash_attn)
+    layout = Layout(
+        n_ctx, n_slots, type_kv, n_ubatch, 0, (), None, spec_n_max=0, flash_attn=flash_attn
+    )
     host = Device("cpu", "host", 64 * GiB, 0, 50, 1)
     (row,) = memory_table(facts, None, layout, [host])
     for kind, estimate in (("model", row.weights), ("KV", row.kv), ("compute", row.compute)):

@@ -77,7 +77,14 @@ def find_llama_server(explicit: str | None = None) -> Path:
 def llama_server_spec(
     binary: Path, serve: ServeSettings, mode: str, port: int | None = None
 ) -> ServerSpec:
-    """``llama-server`` as llama-vscode's presets run it, with one speculation mode."""
+    """``llama-server`` as llama-vscode's presets run it, with one speculation mode.
+
+    ``MODE+fa-off`` runs that mode with flash attention off (llama-server's own default is
+    auto, which turns it on for the CPU): the same attention path localspec takes there.
+    """
+    mode, _, variant = mode.partition("+")
+    if variant not in ("", "fa-off"):
+        raise ValueError(f"unknown llama-server variant +{variant} (known: +fa-off)")
     port = port or free_port()
     argv = [
         str(binary),
@@ -112,7 +119,9 @@ def llama_server_spec(
         argv += ["--spec-type", "ngram-simple"]
     elif mode != "plain":
         argv += ["--spec-type", mode]
-    return ServerSpec(f"llama-server/{mode}", argv, port)
+    if variant:
+        argv += ["--flash-attn", "off"]
+    return ServerSpec(f"llama-server/{mode}{'+' + variant if variant else ''}", argv, port)
 
 
 def localspec_spec(

@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--vs-llama-server",
         metavar="MODES",
         help="start $LLAMA_SERVER_BIN with the same files in these comma-separated modes: "
-        "plain, ngram, draft, or any llama-server --spec-type",
+        "plain, ngram, draft, or any llama-server --spec-type; MODE+fa-off turns its flash "
+        "attention off",
     )
     srv.add_argument(
         "--no-localspec", action="store_true", help="do not start localspec (anchors only)"

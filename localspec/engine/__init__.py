@@ -9,6 +9,7 @@ from localspec.engine.errors import (
     PromptTooLongError,
 )
 from localspec.engine.types import (
+    Cancel,
     DraftStats,
     EngineSettings,
     GenerationRequest,
@@ -22,6 +23,7 @@ from localspec.engine.types import (
 from localspec.engine.vocab import FimTokens
 
 __all__ = [
+    "Cancel",
     "DecodeError",
     "DraftStats",
     "Engine",

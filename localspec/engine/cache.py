@@ -9,12 +9,12 @@ the evaluation reaches its position. With a unified KV buffer, parking re-tags c
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from localspec.engine.cache_plan import ReusePlan, Run, plan_reuse, refresh_window
 from localspec.engine.llama import Context
+from localspec.engine.types import Cancel
 
 
 @dataclass
@@ -65,7 +65,7 @@ class SlotCaches:
         max_drift: int = 1 << 30,
         tail_refresh: int = 0,
         tail_roll: int = 0,
-        cancel: threading.Event | None = None,
+        cancel: Cancel | None = None,
         chunk: int | None = None,
     ) -> PrefillResult:
         """Make the slot hold ``prompt`` (logits of its last token ready); reuse what it can."""

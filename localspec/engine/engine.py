@@ -10,7 +10,6 @@ the output is the target's own output.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
@@ -24,6 +23,7 @@ from localspec.engine.policy import SpecPolicy, ngram_source
 from localspec.engine.sampling import Sampler
 from localspec.engine.stops import StopRules
 from localspec.engine.types import (
+    Cancel,
     DraftStats,
     EngineSettings,
     GenerationRequest,
@@ -97,6 +97,7 @@ class Engine:
             raise
         self.n_ctx = settings.target.n_ctx
         self.n_batch = self._tctx.n_batch
+        self.flash_attn = self._tctx.flash_attn  # as resolved for where the target runs
         self.n_ctx_train = self._target.n_ctx_train
         self.model_path = self._target.path
         self.draft_path = self._draft.path if self._draft is not None else None
@@ -200,9 +201,14 @@ class Engine:
         self,
         req: GenerationRequest,
         *,
-        cancel: threading.Event | None = None,
+        cancel: Cancel | None = None,
         on_token: TokenCallback | None = None,
+        prefill_cancel: Cancel | None = None,
     ) -> GenerationResult:
+        """Evaluate ``req.prompt`` and generate. ``prefill_cancel`` (default ``cancel``) stops
+        the prompt's evaluation: a server passes a laxer rule, since a keystroke's prompt heads
+        the next keystroke's too and evaluating it on after its client left is work the next
+        request would otherwise do. Nothing is generated once ``cancel`` is set."""
         if self._closed:
             raise EngineError("engine is closed")
         self._check_slot(req.slot)
@@ -216,7 +222,7 @@ class Engine:
         bad = [t for t in req.prompt if not 0 <= t < self.vocab.n_vocab]
         if bad:
             raise ValueError(f"token id {bad[0]} out of range (n_vocab {self.vocab.n_vocab})")
-        run = _Run(self, req, cancel, on_token)
+        run = _Run(self, req, cancel, on_token, prefill_cancel)
         try:
             return run.execute()
         except DecodeError:
@@ -234,12 +240,14 @@ class _Run:
         self,
         engine: Engine,
         req: GenerationRequest,
-        cancel: threading.Event | None,
+        cancel: Cancel | None,
         on_token: TokenCallback | None,
+        prefill_cancel: Cancel | None = None,
     ) -> None:
         self.e = engine
         self.req = req
         self.cancel = cancel
+        self.prefill_cancel = cancel if prefill_cancel is None else prefill_cancel
         self.on_token = on_token
         self.slot = req.slot
         spec = engine.settings.spec
@@ -317,7 +325,7 @@ class _Run:
             max_drift=settings.tail_max_drift,
             tail_refresh=settings.tail_refresh,
             tail_roll=settings.tail_roll,
-            cancel=self.cancel,
+            cancel=self.prefill_cancel,
             chunk=settings.prefill_chunk,
         )
         res.n_cached, res.n_evaluated, res.n_shifted = pre.n_cached, pre.n_evaluated, pre.n_moved
@@ -325,7 +333,7 @@ class _Run:
         res.prompt_ms = (t1 - t0) * 1000.0
         if not pre.cancelled and not self.pipelined:  # a pipelined draft shares the cores
             self.policy.observe_target_prefill(pre.n_evaluated, res.prompt_ms)
-        if pre.cancelled:
+        if pre.cancelled or (self.cancel is not None and self.cancel.is_set()):
             res.cancelled = True
         elif req.n_predict == 0:
             res.stop_type = "limit"

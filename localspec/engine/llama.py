@@ -18,7 +18,7 @@ import llama_cpp.llama_cpp as C
 import numpy as np
 
 from localspec.engine.errors import DecodeError, ModelLoadError
-from localspec.engine.types import ModelSettings
+from localspec.engine.types import ModelSettings, default_flash_attn
 
 _KV_TYPES = {
     "f32": C.GGML_TYPE_F32,
@@ -156,14 +156,14 @@ class Context:
         self.n_threads = threads
         self.n_threads_batch = params.n_threads_batch
         params.no_perf = True
-        if settings.flash_attn is None:
-            params.flash_attn_type = C.LLAMA_FLASH_ATTN_TYPE_AUTO
-        else:
-            params.flash_attn_type = (
-                C.LLAMA_FLASH_ATTN_TYPE_ENABLED
-                if settings.flash_attn
-                else C.LLAMA_FLASH_ATTN_TYPE_DISABLED
-            )
+        flash_attn = settings.flash_attn
+        if flash_attn is None:
+            on_gpu = settings.n_gpu_layers != 0 and bool(C.llama_supports_gpu_offload())
+            flash_attn = default_flash_attn(on_gpu, settings.type_k, settings.type_v)
+        self.flash_attn = flash_attn
+        params.flash_attn_type = (
+            C.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else C.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
         for name in ("type_k", "type_v"):
             value = getattr(settings, name)
             if value not in _KV_TYPES:

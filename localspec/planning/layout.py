@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from localspec.engine.types import default_flash_attn
 from localspec.hardware import HardwareFacts
 from localspec.planning.memory import (
     CTX_STEP,
@@ -44,6 +45,12 @@ class SearchContext:
 
     def full_ngl(self, m: ModelFacts) -> int:
         return m.n_layer + 1 if self.n_gpus else 0
+
+    def attention(self, type_kv: str) -> tuple[bool, ...]:
+        """Flash attention settings to try, best first: off on a CPU (faster verify steps)
+        unless its score matrix is what keeps the layout from fitting, then on."""
+        preferred = default_flash_attn(self.n_gpus > 0, type_kv, type_kv)
+        return (True,) if preferred else (False, True)
 
     def ctx_max(self, m: ModelFacts) -> int:
         return min(self.ctx_max_setting, m.n_ctx_train)

@@ -94,14 +94,19 @@ def padded_ctx(n_ctx: int) -> int:
     return -(-n_ctx // CTX_STEP) * CTX_STEP
 
 
-def compute_bytes(m: ModelFacts, n_ubatch: int, *, layers: bool, output: bool) -> int:
-    """llama.cpp's compute buffer (graph allocator peak) for one device, flash attention on.
+def compute_bytes(
+    m: ModelFacts, n_ubatch: int, *, layers: bool, output: bool, n_kv: int = 0
+) -> int:
+    """llama.cpp's compute buffer (graph allocator peak) for one device.
 
-    The output stage holds a ubatch of f32 logits; a layer stage holds the FFN activations.
-    Calibrated on the fixture models (tests/test_plan.py checks it against llama.cpp's log).
+    The output stage holds a ubatch of f32 logits; a layer stage holds the FFN activations,
+    and without flash attention (``n_kv`` > 0: the cells attended) also the f32 KQ scores of
+    every head plus one more such row block. Calibrated on the fixture models
+    (tests/test_plan.py checks it against llama.cpp's log, flash attention on and off).
     """
     logits = 4 * n_ubatch * (m.n_vocab + 2 * m.n_embd) if output else 0
-    layer = 4 * n_ubatch * (3 * m.n_embd + 2 * m.n_ff) if layers else 0
+    scores = 4 * n_ubatch * n_kv * (m.n_head + 1)
+    layer = 4 * n_ubatch * (3 * m.n_embd + 2 * m.n_ff) + scores if layers else 0
     return max(logits, layer, 4 * n_ubatch * m.n_embd * 2)
 
 
@@ -140,7 +145,11 @@ def model_usage(
         has_layers, has_out = dev in holds_layers, dev == out_dev
         if has_layers or has_out:
             usage[dev].compute += compute_bytes(
-                m, layout.n_ubatch, layers=has_layers, output=has_out
+                m,
+                layout.n_ubatch,
+                layers=has_layers,
+                output=has_out,
+                n_kv=0 if layout.flash_attn else cells,
             )
     usage[host].compute += output_buffer_bytes(m, layout.n_slots, layout.spec_n_max)
     if host not in holds_layers and out_dev != host:

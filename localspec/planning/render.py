@@ -33,7 +33,7 @@ def render_plan(plan: Plan) -> str:
         ),
         f"context:  {plan.n_ctx} tokens x {plan.n_slots} slot(s), KV {plan.type_k}/{plan.type_v}, "
         f"batch {plan.n_batch}/{plan.n_ubatch}, flash attention "
-        f"{'on' if plan.flash_attn else 'auto'}, threads {plan.n_threads}/{plan.n_threads_batch}",
+        f"{'on' if plan.flash_attn else 'off'}, threads {plan.n_threads}/{plan.n_threads_batch}",
     ]
     if plan.tensor_split:
         lines.append("split:    " + " / ".join(f"{s:.2f}" for s in plan.tensor_split))

@@ -122,17 +122,21 @@ def _search_whole(c: SearchContext, group: Sequence[Candidate], found: _Search) 
         for kv, ctx in ladder(c, head.target):
             for ubatch in sorted({c.n_ubatch_full, 512}, reverse=True):
                 for cand in group:
-                    layout = Layout(
-                        ctx,
-                        slots,
-                        kv,
-                        ubatch,
-                        c.full_ngl(cand.target),
-                        (),
-                        draft_dev,
-                        c.settings.spec_n_max,
-                    )
-                    layout, rows = fit_rows(c, cand, layout)
+                    for flash_attn in c.attention(kv):
+                        layout = Layout(
+                            ctx,
+                            slots,
+                            kv,
+                            ubatch,
+                            c.full_ngl(cand.target),
+                            (),
+                            draft_dev,
+                            c.settings.spec_n_max,
+                            flash_attn,
+                        )
+                        layout, rows = fit_rows(c, cand, layout)
+                        if fits(rows):
+                            break
                     if not fits(rows):
                         continue
                     fit = _finish(c, cand, layout, whole=True)
@@ -178,6 +182,7 @@ def _why_not(c: SearchContext, group: Sequence[Candidate], found: _Search) -> st
         (),
         draft_placements(c, smallest)[0],
         c.settings.spec_n_max,
+        c.attention(kv)[-1],
     )
     _, rows = fit_rows(c, smallest, layout)
     over = [r for r in rows if not r.fits]
@@ -204,17 +209,21 @@ def _search_spill(c: SearchContext, candidates: Sequence[Candidate]) -> _Fit | N
             kv, ctx = ladder(c, group[0].target)[-1]
             for cand in reversed(group):  # the smallest quant spills the fewest layers
                 for ngl in range(c.full_ngl(cand.target) - 1, -1, -1):
-                    layout = Layout(
-                        ctx,
-                        c.settings.n_slots or 1,
-                        kv,
-                        512,
-                        ngl,
-                        (),
-                        draft_dev,
-                        c.settings.spec_n_max,
-                    )
-                    layout, rows = fit_rows(c, cand, layout)
+                    for flash_attn in c.attention(kv):
+                        layout = Layout(
+                            ctx,
+                            c.settings.n_slots or 1,
+                            kv,
+                            512,
+                            ngl,
+                            (),
+                            draft_dev,
+                            c.settings.spec_n_max,
+                            flash_attn,
+                        )
+                        layout, rows = fit_rows(c, cand, layout)
+                        if fits(rows):
+                            break
                     if not fits(rows):
                         continue
                     fit = _finish(c, cand, layout, whole=False)
@@ -334,9 +343,7 @@ def _to_plan(
         type_v=layout.type_kv,
         n_batch=max(layout.n_ubatch, layout.n_slots),
         n_ubatch=layout.n_ubatch,
-        # The memory model assumes flash attention (no n_ctx x n_ubatch score matrix), and a
-        # quantized V cache requires it; every llama.cpp backend localspec targets has it.
-        flash_attn=True,
+        flash_attn=layout.flash_attn,
         n_threads=n_threads,
         n_threads_batch=n_threads_batch,
         tensor_split=layout.split if c.n_gpus > 1 else None,

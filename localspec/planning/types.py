@@ -95,6 +95,7 @@ class Layout:
     split: tuple[float, ...]  # proportions over the GPUs (empty: no GPU)
     draft_device: int | None  # index into the device list; None: no draft model
     spec_n_max: int = 16
+    flash_attn: bool = True  # off: llama.cpp's KQ matmul, with an n_kv x n_ubatch score matrix
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
-from localspec.engine.types import GenerationRequest, GenerationResult, TokenEvent
+from localspec.engine.types import Cancel, GenerationRequest, GenerationResult, TokenEvent
 from localspec.server.errors import ContextExceeded, Unavailable
 from localspec.server.logs import REQUESTS
 from localspec.server.params import TaskParams
@@ -45,8 +45,9 @@ class EngineLike(Protocol):
         self,
         req: GenerationRequest,
         *,
-        cancel: threading.Event | None = None,
+        cancel: Cancel | None = None,
         on_token: Callable[[TokenEvent], None] | None = None,
+        prefill_cancel: Cancel | None = None,
     ) -> GenerationResult: ...
 
 
@@ -197,6 +198,15 @@ class Worker:
                 _finish(job, JobResult([], cancelled=reason))
                 self.n_cancelled += 1
 
+    def others_wait(self) -> bool:
+        """A live job or a tokenizer call is queued (or the worker is stopping)."""
+        with self._cond:
+            return (
+                self.state == "stopping"
+                or bool(self._calls)
+                or any(not q.cancel.is_set() for q in self._queue)
+            )
+
     def _supersede(self, job: Job) -> None:
         """A newer job pinned to a slot replaces older queued ones for that slot.
 
@@ -341,7 +351,12 @@ class Worker:
                     on_token = _bind(job.on_token, index)
                     t0 = time.perf_counter()
                     try:
-                        result = engine.generate(req, cancel=job.cancel, on_token=on_token)
+                        result = engine.generate(
+                            req,
+                            cancel=job.cancel,
+                            on_token=on_token,
+                            prefill_cancel=_UntilOthersWait(job, self),
+                        )
                     except BaseException:
                         self._reset_slot(slot)  # its cache may be half-written: start it afresh
                         raise
@@ -410,6 +425,23 @@ def _finish(job: Job, result: JobResult) -> None:
     if not job.future.done():
         result.t_done = time.perf_counter()
         job.future.set_result(result)
+
+
+@dataclass
+class _UntilOthersWait:
+    """The prompt of a job whose client left is evaluated on, as a cache fill, until someone
+    else waits: the next keystroke's prompt starts with the same tokens (everything but the
+    cursor line, which sits at the end), so this is work it would otherwise queue behind and
+    redo, and the engine would idle until it came. A job the worker itself stopped
+    (``stopped_by``) stops at once. Checked between prompt chunks, never during generation."""
+
+    job: Job
+    worker: Worker
+
+    def is_set(self) -> bool:
+        if not self.job.cancel.is_set():
+            return False
+        return bool(self.job.stopped_by) or self.worker.others_wait()
 
 
 def _log_cut_short(job: Job, result: JobResult) -> None:
