@@ -539,3 +539,25 @@ def test_infill_layout_flag_reaches_the_server(
     settings = common.load_settings(args, quiet=True).settings
     served = up.Served(types.SimpleNamespace(n_slots=1), "m.gguf")
     assert up._server_settings(settings, None, served).typed_in_middle is typed_in_middle
+
+
+@pytest.mark.parametrize(
+    ("argv", "flash_attn"),
+    [([], None), (["--flash-attn", "on"], True), (["--flash-attn", "off"], False)],
+)
+def test_flash_attn_flag_reaches_both_local_models(
+    argv: list[str], flash_attn: bool | None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """None leaves the choice to the engine (off on this CPU build, see test_engine_load)."""
+    from localspec.commands import common, up
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    target, draft = tmp_path / "t.gguf", tmp_path / "d.gguf"
+    target.write_bytes(b"GGUF")
+    draft.write_bytes(b"GGUF")
+    args = cli.build_parser().parse_args(
+        ["up", "--target", str(target), "--draft", str(draft), *argv]
+    )
+    settings = common.load_settings(args, quiet=True).settings
+    engine = up._local_models(args, settings).engine
+    assert engine.target.flash_attn is flash_attn and engine.draft.flash_attn is flash_attn

@@ -51,6 +51,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         help="layers to offload with --target (default: all; ignored by CPU builds)",
     )
+    p.add_argument(
+        "--flash-attn",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="with --target: flash attention (default auto: on for GPU layers and quantized "
+        "KV, off on the CPU, where verifying drafts is faster without it)",
+    )
     p.add_argument("--detach", action="store_true", help="run in the background")
     p.add_argument(
         "--wait-timeout",
@@ -114,6 +121,7 @@ def _warn_readable_inline_key(resolved: st.ResolvedSettings) -> None:
 
 def _detach(args: argparse.Namespace, host: str, port: int) -> int:
     child_argv = ["up", *c.flag_argv(args), "--gpu-layers", str(args.gpu_layers)]
+    child_argv += ["--flash-attn", args.flash_attn]
     for name in ("target", "draft"):
         path = getattr(args, name)
         if path is not None:
@@ -203,6 +211,7 @@ def _local_models(args: argparse.Namespace, settings: st.Settings) -> Served:
             ModelSettings(
                 path=str(path),
                 n_gpu_layers=args.gpu_layers,
+                flash_attn={"auto": None, "on": True, "off": False}[args.flash_attn],
                 n_ctx=settings.limits.context or 4096,
                 n_threads=settings.limits.threads,
                 n_threads_batch=settings.limits.threads,
