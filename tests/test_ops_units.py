@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -37,13 +39,7 @@ class BlockingEngine:
 
 def test_calls_and_jobs_waiting_behind_a_generation_are_bounded() -> None:
     engine = BlockingEngine()
-    worker = Worker(lambda: engine, queue_limit=2)
-    worker.start()
-    try:
-        for _ in range(200):
-            if worker.state == "ready":
-                break
-            threading.Event().wait(0.01)
+    with _serving(engine, queue_limit=2) as worker:
         params = task_params(CompletionRequest(prompt="a"), n_ctx=64, n_cmpl_max=1)
         running = Job(params, lambda _e: [1, 2])
         worker.submit(running)
@@ -59,9 +55,6 @@ def test_calls_and_jobs_waiting_behind_a_generation_are_bounded() -> None:
         engine.release.set()
         assert [c.result(10) for c in calls] == ["ok"] * MIN_CALL_QUEUE
         assert running.future.result(10).completions
-    finally:
-        engine.release.set()
-        worker.stop()
 
 
 def test_request_log_outcomes_and_text_line() -> None:
@@ -109,6 +102,19 @@ def _ready(worker: Worker) -> None:
     raise AssertionError("worker did not start")
 
 
+@contextlib.contextmanager
+def _serving(engine: BlockingEngine, queue_limit: int) -> Iterator[Worker]:
+    """A started, ready worker on ``engine``; the engine released and the worker stopped after."""
+    worker = Worker(lambda: engine, queue_limit=queue_limit)
+    worker.start()
+    try:
+        _ready(worker)
+        yield worker
+    finally:
+        engine.release.set()
+        worker.stop()
+
+
 def _job(n_predict: int, slot: int) -> Job:
     body = CompletionRequest(prompt="a", n_predict=n_predict, id_slot=slot)
     return Job(task_params(body, n_ctx=64, n_cmpl_max=1), lambda _e: [1, 2])
@@ -119,10 +125,7 @@ def test_a_completion_stops_a_running_warmup_on_its_slot_only() -> None:
     takes over at once rather than waiting behind it. A warm-up never stops a completion, and
     another slot's completion leaves the warm-up alone."""
     engine = CancellableEngine()
-    worker = Worker(lambda: engine, queue_limit=4)
-    worker.start()
-    try:
-        _ready(worker)
+    with _serving(engine, queue_limit=4) as worker:
         warm = _job(0, slot=0)
         worker.submit(warm)
         assert engine.started.wait(10)
@@ -142,9 +145,6 @@ def test_a_completion_stops_a_running_warmup_on_its_slot_only() -> None:
         engine.release.set()
         assert key.future.result(10).cancelled is None
         assert other.future.result(10).cancelled is None
-    finally:
-        engine.release.set()
-        worker.stop()
 
 
 class PrefillingEngine(BlockingEngine):
@@ -166,10 +166,7 @@ def test_a_left_clients_prompt_is_evaluated_on_until_someone_else_waits() -> Non
     the engine would otherwise idle, and stops for a live job, a tokenizer call, or the worker
     stopping it (a superseded warm-up)."""
     engine = PrefillingEngine()
-    worker = Worker(lambda: engine, queue_limit=4)
-    worker.start()
-    try:
-        _ready(worker)
+    with _serving(engine, queue_limit=4) as worker:
         key = _job(4, slot=0)
         worker.submit(key)
         assert engine.started.wait(10)
@@ -188,6 +185,3 @@ def test_a_left_clients_prompt_is_evaluated_on_until_someone_else_waits() -> Non
         assert not rule.is_set()
         key.stopped_by = "superseded by a completion for the same slot"
         assert rule.is_set()
-    finally:
-        engine.release.set()
-        worker.stop()

@@ -129,6 +129,17 @@ def fit_rows(
     return layout, rows
 
 
+def fit_first_attention(
+    c: SearchContext, cand: Candidate, layout: Layout
+) -> tuple[Layout, list[DeviceMemory]] | None:
+    """``layout`` with the first attention setting (``c.attention``) under which it fits."""
+    for flash_attn in c.attention(layout.type_kv):
+        fitted, rows = fit_rows(c, cand, replace(layout, flash_attn=flash_attn))
+        if fits(rows):
+            return fitted, rows
+    return None
+
+
 def ladder(c: SearchContext, m: ModelFacts) -> list[tuple[str, int]]:
     """(KV type, context) steps tried before spilling layers: full context at f16, then
     quantized KV, then the context halved toward the floor."""

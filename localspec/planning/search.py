@@ -14,11 +14,12 @@ from localspec.planning.capacity import size_slots
 from localspec.planning.layout import (
     SearchContext,
     draft_placements,
+    fit_first_attention,
     fit_rows,
     ladder,
     largest_ctx,
 )
-from localspec.planning.memory import devices_for, draft_offload, fits, padded_ctx
+from localspec.planning.memory import devices_for, draft_offload, padded_ctx
 from localspec.planning.render import gib
 from localspec.planning.result import Capacity, Plan, Rejection
 from localspec.planning.settings import PlanSettings, plan_settings_from
@@ -122,24 +123,20 @@ def _search_whole(c: SearchContext, group: Sequence[Candidate], found: _Search) 
         for kv, ctx in ladder(c, head.target):
             for ubatch in sorted({c.n_ubatch_full, 512}, reverse=True):
                 for cand in group:
-                    for flash_attn in c.attention(kv):
-                        layout = Layout(
-                            ctx,
-                            slots,
-                            kv,
-                            ubatch,
-                            c.full_ngl(cand.target),
-                            (),
-                            draft_dev,
-                            c.settings.spec_n_max,
-                            flash_attn,
-                        )
-                        layout, rows = fit_rows(c, cand, layout)
-                        if fits(rows):
-                            break
-                    if not fits(rows):
+                    layout = Layout(
+                        ctx,
+                        slots,
+                        kv,
+                        ubatch,
+                        c.full_ngl(cand.target),
+                        (),
+                        draft_dev,
+                        c.settings.spec_n_max,
+                    )
+                    fitted = fit_first_attention(c, cand, layout)
+                    if fitted is None:
                         continue
-                    fit = _finish(c, cand, layout, whole=True)
+                    fit = _finish(c, cand, fitted[0], whole=True)
                     if fit is None:
                         continue
                     if not c.datacenter and 1 / fit.target_s < c.min_tps:
@@ -209,24 +206,20 @@ def _search_spill(c: SearchContext, candidates: Sequence[Candidate]) -> _Fit | N
             kv, ctx = ladder(c, group[0].target)[-1]
             for cand in reversed(group):  # the smallest quant spills the fewest layers
                 for ngl in range(c.full_ngl(cand.target) - 1, -1, -1):
-                    for flash_attn in c.attention(kv):
-                        layout = Layout(
-                            ctx,
-                            c.settings.n_slots or 1,
-                            kv,
-                            512,
-                            ngl,
-                            (),
-                            draft_dev,
-                            c.settings.spec_n_max,
-                            flash_attn,
-                        )
-                        layout, rows = fit_rows(c, cand, layout)
-                        if fits(rows):
-                            break
-                    if not fits(rows):
+                    layout = Layout(
+                        ctx,
+                        c.settings.n_slots or 1,
+                        kv,
+                        512,
+                        ngl,
+                        (),
+                        draft_dev,
+                        c.settings.spec_n_max,
+                    )
+                    fitted = fit_first_attention(c, cand, layout)
+                    if fitted is None:
                         continue
-                    fit = _finish(c, cand, layout, whole=False)
+                    fit = _finish(c, cand, fitted[0], whole=False)
                     if fit is not None and _draft_pays(fit):
                         return fit
                     break
