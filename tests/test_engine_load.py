@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,14 +23,12 @@ from localspec.engine import (
 QWEN_FIM = (151659, 151661, 151660, 151662, 151663, 151664)
 
 
-def settings(target: Path, draft: Path | None = None, **kw: object) -> EngineSettings:
-    return EngineSettings(
-        target=ModelSettings(str(target), n_ctx=512, n_batch=256, n_ubatch=256, n_threads=1),
-        draft=None
-        if draft is None
-        else ModelSettings(str(draft), n_ctx=512, n_batch=256, n_ubatch=256, n_threads=1),
-        **kw,
-    )
+def small(path: Path, **model: Any) -> ModelSettings:
+    return ModelSettings(str(path), n_ctx=512, n_batch=256, n_ubatch=256, n_threads=1, **model)
+
+
+def settings(target: Path, draft: Path | None = None, **kw: Any) -> EngineSettings:
+    return EngineSettings(target=small(target), draft=None if draft is None else small(draft), **kw)
 
 
 @pytest.fixture(scope="module")
@@ -149,19 +148,11 @@ def test_flash_attention_is_off_on_the_cpu_unless_the_kv_cache_is_quantized(
     """This build has no GPU: the KQ matmul path (faster drafts to verify); a quantized V
     cache needs flash attention, so it stays on there."""
     assert qwen_pair.flash_attn is False
-    quantized = EngineSettings(
-        target=ModelSettings(
-            str(smollm_q4), n_ctx=512, n_batch=256, n_ubatch=256, n_threads=1,
-            type_k="q8_0", type_v="q8_0",  # blocks of 32: SmolLM2's 64-wide heads, not Qwen's 16
-        )
-    )  # fmt: skip
+    # blocks of 32: SmolLM2's 64-wide heads, not Qwen's 16
+    quantized = EngineSettings(target=small(smollm_q4, type_k="q8_0", type_v="q8_0"))
     with Engine.load(quantized) as eng:
         assert eng.flash_attn is True
-    forced = EngineSettings(
-        target=ModelSettings(
-            str(qwen_target), n_ctx=512, n_batch=256, n_ubatch=256, n_threads=1, flash_attn=True
-        )
-    )
+    forced = EngineSettings(target=small(qwen_target, flash_attn=True))
     with Engine.load(forced) as eng:
         assert eng.flash_attn is True
 

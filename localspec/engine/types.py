@@ -11,15 +11,13 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 SpecMode = Literal["off", "draft", "ngram", "hybrid", "auto"]
+StopType = Literal["eos", "word", "limit", "none"]
 
 
 class Cancel(Protocol):
     """What stops a generation between steps: a threading.Event, or a caller's own rule."""
 
     def is_set(self) -> bool: ...
-
-
-StopType = Literal["eos", "word", "limit", "none"]
 
 
 @dataclass(frozen=True)
