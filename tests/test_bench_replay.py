@@ -363,6 +363,7 @@ def test_interleaved_replay_with_cold_checks() -> None:
         assert s.cold_identical == pytest.approx(1 - n_differ / n_keys)
         assert s.acceptance == pytest.approx(0.75)
     assert summaries[1].agree_with_first == 1.0
+    assert summaries[1].cold_agree_with_first == 1.0  # same stub, same cold answers
     # all prompt work: the servers' own counters around each location (keys and warm-ups,
     # not the setup fill nor the cold re-evaluations after the location)
     typed = [b for bu in schedule.bursts for b in (*bu.warmups, *(k.body for k in bu.keys))]
@@ -423,6 +424,7 @@ def test_summary_pairs_latency_and_ratios() -> None:
         ),
     ]
     fast, slow = report.summarize(outcomes, ["fast", "slow"])
+    fast_cold = outcomes[2].cold
     assert (fast.completed, slow.completed, slow.aborted) == (3, 2, 1)
     assert fast.p50_ms == 20 and slow.p50_ms == 200
     assert fast.paired_p50_ms == 20  # keys 0 and 2 only: key 1 was aborted on "slow"
@@ -432,6 +434,10 @@ def test_summary_pairs_latency_and_ratios() -> None:
     assert slow.before_gen_p50_ms is None  # no generation times reported
     assert fast.cold_identical == 1.0 and slow.cold_identical == 0.0
     assert slow.agree_with_first == 0.0
+    assert fast.cold_agree_with_first is None  # the first server is the reference
+    assert slow.cold_agree_with_first == 0.0  # "z" (slow's cold) vs "x" (fast's cold)
+    same_cold = [o if o.server == "fast" else replace(o, cold=fast_cold) for o in outcomes]
+    assert report.summarize(same_cold, ["fast", "slow"])[1].cold_agree_with_first == 1.0
     rel = report.ratios([fast, slow])["slow"]
     assert rel["paired_p50_ms"] == pytest.approx(0.1) and rel["prompt_n_mean"] == 0.2
     text = report.table([fast, slow])

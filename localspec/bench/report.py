@@ -54,6 +54,10 @@ class Summary:
     cold_identical: float | None = None
     cold_consistent: float | None = None
     agree_with_first: float | None = None  # final answers equal to the first server's
+    # cold answers equal to the first server's cold answer to the same request: with the same
+    # prompt layout and model, the share a change of arithmetic alone (kernels, batch sizes)
+    # leaves alone: the ceiling "identical to cold cache" can reach with this model
+    cold_agree_with_first: float | None = None
 
 
 KEYS = ("type", "pause", "final")
@@ -128,6 +132,16 @@ def summarize(outcomes: Sequence[Outcome], servers: Sequence[str]) -> list[Summa
                 and by_key[(first, o.burst, o.key)].status == "ok"
             ]
             s.agree_with_first = share(sum(a == b for a, b in pairs), len(pairs))
+            cold_pairs = [
+                (o.cold.content, theirs.cold.content)
+                for o in ok
+                if o.cold is not None
+                and o.cold.status == "ok"
+                and (theirs := by_key.get((first, o.burst, o.key))) is not None
+                and theirs.cold is not None
+                and theirs.cold.status == "ok"
+            ]
+            s.cold_agree_with_first = share(sum(a == b for a, b in cold_pairs), len(cold_pairs))
         summaries.append(s)
     return summaries
 
@@ -189,6 +203,7 @@ ROWS: tuple[tuple[str, str, str], ...] = (
     ("identical to cold cache", "cold_identical", ".0%"),
     ("consistent with cold cache", "cold_consistent", ".0%"),
     ("end-of-line answers = first", "agree_with_first", ".0%"),
+    ("cold answers = first's cold", "cold_agree_with_first", ".0%"),
 )
 
 
