@@ -97,6 +97,15 @@ class ServerSection(_Section):
     request_timeout_s: float = Field(600.0, gt=0, description="cancel a request after this")
     metrics: bool = Field(True, description="serve Prometheus metrics at /metrics")
     cors_origins: list[str] = Field(default_factory=list, description="allowed CORS origins")
+    n_cmpl_max: int = Field(16, ge=1, le=256, description="most completions one request may ask")
+    max_body_bytes: int = Field(
+        8 * 1024 * 1024, ge=1024, description="larger request bodies are refused (413)"
+    )
+    spm_infill: bool = Field(
+        False,
+        description="/infill puts the suffix block before the prefix (llama-server's "
+        "--spm-infill, for models trained suffix-prefix-middle)",
+    )
 
 
 class LimitsSettings(_Section):

@@ -15,11 +15,13 @@ import time
 import types
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from localspec import cli
+from localspec.settings import SettingsError
 
 INFILL = {"input_prefix": "def add(a, b):\n    return ", "input_suffix": "\n", "n_predict": 4}
 
@@ -539,6 +541,32 @@ def test_infill_layout_flag_reaches_the_server(
     settings = common.load_settings(args, quiet=True).settings
     served = up.Served(types.SimpleNamespace(n_slots=1), "m.gguf")
     assert up._server_settings(settings, None, served).typed_in_middle is typed_in_middle
+
+
+def test_server_limits_and_spm_reach_the_server(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from localspec.commands import common, up
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    served = up.Served(types.SimpleNamespace(n_slots=1), "m.gguf")
+
+    def server_for(*argv: str) -> Any:
+        args = cli.build_parser().parse_args(["up", *argv])
+        return up._server_settings(common.load_settings(args, quiet=True).settings, None, served)
+
+    default = server_for()
+    assert (default.spm_infill, default.n_cmpl_max, default.max_body_bytes) == (
+        False,
+        16,
+        8 * 1024 * 1024,
+    )
+    changed = server_for(
+        "--spm-infill", "--set", "server.n_cmpl_max=4", "--set", "server.max_body_bytes=4096"
+    )
+    assert (changed.spm_infill, changed.n_cmpl_max, changed.max_body_bytes) == (True, 4, 4096)
+    with pytest.raises(SettingsError, match="max_body_bytes"):
+        server_for("--set", "server.max_body_bytes=10")
 
 
 @pytest.mark.parametrize(

@@ -85,6 +85,7 @@ SERVE_FLAGS = (
         None,
         ("typed-in-middle", "llama-server"),
     ),
+    SettingFlag("--spm-infill", "server.spm_infill", bool, "/infill: suffix block before prefix"),
     SettingFlag("--offline", "hub.offline", bool, "never use the network"),
     SettingFlag(
         "--log-level", "log.level", str, "log level", None, ("debug", "info", "warning", "error")

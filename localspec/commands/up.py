@@ -286,6 +286,9 @@ def _server_settings(settings: st.Settings, api_key: str | None, served: Served)
         metrics=server.metrics,
         cors_origins=tuple(server.cors_origins),
         model_alias=served.alias,
+        n_cmpl_max=server.n_cmpl_max,
+        max_body_bytes=server.max_body_bytes,
+        spm_infill=server.spm_infill,
         typed_in_middle=settings.cache.infill_layout == "typed-in-middle",
     )
 
