@@ -164,3 +164,39 @@ def test_seeded_sampling_is_the_same_with_and_without_speculation(
         )
     )
     assert other.tokens != outs["off"][0]
+
+
+def test_n_probs_are_the_targets_own_distribution_at_every_emitted_token(
+    qwen_engine: Engine, qwen_target: Path
+) -> None:
+    """Drafted and verified tokens report the logits of their own batch position: each
+    report equals a cold softmax of the target's logits at that position."""
+    scorer = Scorer(qwen_target)
+    try:
+        for text in code_prompts(3, lines=8):
+            prompt = qwen_engine.vocab.tokenize(text)[-200:]
+            res = qwen_engine.generate(
+                GenerationRequest(slot=0, prompt=prompt, n_predict=12, sampling=GREEDY, n_probs=3)
+            )
+            assert len(res.probs) == len(res.tokens) and res.draft_n > 0
+            scorer.ctx.seq_rm(0, -1, -1)
+            seq = prompt + res.tokens[:-1]
+            first = len(prompt) - 1
+            scorer.ctx.decode(seq, 0, 0, logits=list(range(first, len(seq))))
+            for i, (tok, probs) in enumerate(zip(res.tokens, res.probs, strict=True)):
+                row = np.array(scorer.ctx.logits(first + i), dtype=np.float64)
+                cold = np.exp(row - row.max())
+                cold /= cold.sum()
+                assert len(probs.top) == 3
+                assert [t for t, _ in probs.top] == sorted(
+                    (t for t, _ in probs.top), key=lambda t: -cold[t]
+                ) or abs(probs.top[0][1] - probs.top[1][1]) < 1e-3  # a near tie may swap
+                assert probs.prob == pytest.approx(cold[tok], abs=2e-3)
+                for t, p in probs.top:
+                    assert p == pytest.approx(cold[t], abs=2e-3)
+                assert probs.top[0][1] >= probs.top[1][1] >= probs.top[2][1]
+                assert tok == probs.top[0][0] or probs.top[0][1] - probs.prob < 1e-3  # greedy
+    finally:
+        scorer.close()
+    plain = qwen_engine.generate(GenerationRequest(slot=0, prompt=prompt, n_predict=4))
+    assert plain.probs == []  # nothing unless asked

@@ -621,6 +621,41 @@ def test_streaming_matches_the_plain_answer(smollm: Live) -> None:
     assert events[-1]["content"] == "" and events[-1]["timings"]["predicted_n"] == 12
 
 
+def test_n_probs_reports_each_tokens_candidates(smollm: Live) -> None:
+    """llama-server's pre-sampling n_probs: per generated token its log-probability and the
+    likeliest tokens; the answer itself is the one given without n_probs."""
+    import math
+
+    with smollm.client() as c:
+        plain = _complete(c, CODE, n_predict=12)
+        probed = _complete(c, CODE, n_predict=12, n_probs=3)
+        body = {"prompt": CODE, "top_k": 1, "n_predict": 12, "n_probs": 3, "stream": True}
+        with c.stream("POST", "/completion", json=body) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+        refused = [
+            c.post("/completion", json={"prompt": CODE, "n_probs": 2, "post_sampling_probs": True}),
+            c.post("/completion", json={"prompt": CODE, "n_probs": 100_000}),
+        ]
+    assert probed["content"] == plain["content"] and "completion_probabilities" not in plain
+    assert probed["generation_settings"]["n_probs"] == 3
+    report = probed["completion_probabilities"]
+    assert [e["id"] for e in report] == probed["tokens"] and len(report) == 12
+    assert b"".join(bytes(e["bytes"]) for e in report).decode() == probed["content"]
+    for entry in report:
+        top = entry["top_logprobs"]
+        assert len(top) == 3 and top[0]["logprob"] >= top[1]["logprob"] >= top[2]["logprob"]
+        assert sum(math.exp(t["logprob"]) for t in top) <= 1.0 + 1e-6
+        assert entry["id"] == top[0]["id"]  # greedy: the likeliest token
+        assert entry["logprob"] == pytest.approx(top[0]["logprob"])
+        assert all(t["token"] == bytes(t["bytes"]).decode("utf-8", "ignore") for t in top)
+    streamed = [e for e in events if not e["stop"]]
+    assert [e["completion_probabilities"] for e in streamed] == [[entry] for entry in report]
+    assert "completion_probabilities" not in events[-1]  # sent with the pieces already
+    for r in refused:
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert "post_sampling_probs" in refused[0].json()["error"]["message"]
+
+
 def test_request_timeout_cancels_and_answers_503(qwen: Live, qc: httpx.Client) -> None:
     svc = qwen.service
     original = svc.settings

@@ -31,6 +31,7 @@ from localspec.engine.types import (
     SpecSettings,
     TokenCallback,
     TokenEvent,
+    TokenProbs,
 )
 from localspec.engine.vocab import Vocab, check_pair
 
@@ -413,7 +414,7 @@ class _Run:
         last = self.sampler.sample(-1)
         res.t_sample_ms += (time.perf_counter() - ts) * 1000.0
         events: list[TokenEvent] = []
-        stop = self._emit(last, len(tcache.tokens[slot]), events)
+        stop = self._emit(last, len(tcache.tokens[slot]), events, self._probs(-1, last))
         if self.pipe is not None:
             self.pipe.confirm([last])
         self._deliver(events)
@@ -436,9 +437,11 @@ class _Run:
             ts = time.perf_counter()
             accepted = 0
             new_tokens: list[int] = []
+            new_probs: list[TokenProbs | None] = []
             for j in range(len(batch)):
                 tok = self.sampler.sample(j if draft else -1)
                 new_tokens.append(tok)
+                new_probs.append(self._probs(j if draft else -1, tok))
                 if j < len(draft) and tok == draft[j]:
                     accepted += 1
                     continue
@@ -453,9 +456,9 @@ class _Run:
             self.policy.tick()
             events = []
             n_emitted = 0
-            for tok in new_tokens:
+            for tok, probs in zip(new_tokens, new_probs, strict=True):
                 n_emitted += 1
-                stop = self._emit(tok, n_before + n_emitted, events)
+                stop = self._emit(tok, n_before + n_emitted, events, probs)
                 if stop:
                     break
             if self.pipe is not None:
@@ -473,9 +476,18 @@ class _Run:
         res.stop_type = stops.stop_type if not res.cancelled else "none"
         res.stopping_word = stops.stopping_word
 
-    def _emit(self, tok: int, n_kv_before: int, events: list[TokenEvent]) -> bool:
+    def _probs(self, idx: int, tok: int) -> TokenProbs | None:
+        """The request's n_probs report for ``tok`` (None when it asked for none)."""
+        n = self.req.n_probs
+        return self.sampler.probs(idx, tok, n, self.e.vocab.n_vocab) if n > 0 else None
+
+    def _emit(
+        self, tok: int, n_kv_before: int, events: list[TokenEvent], probs: TokenProbs | None
+    ) -> bool:
         """Account one emitted token (stop rules); the text goes to ``events``."""
         self.out.append(tok)
+        if probs is not None:
+            self.result.probs.append(probs)
         if self.ngram is not None:
             self.ngram.extend((tok,))
         e = self.e
@@ -487,7 +499,7 @@ class _Run:
         text = outcome.text
         if outcome.stop:
             text += self.stops.flush()
-        events.append(TokenEvent(tok, text))
+        events.append(TokenEvent(tok, text, probs))
         return outcome.stop
 
     def _deliver(self, events: list[TokenEvent]) -> None:

@@ -11,9 +11,10 @@ from __future__ import annotations
 import time
 
 import llama_cpp.llama_cpp as C
+import numpy as np
 
 from localspec.engine.llama import Clock, Context
-from localspec.engine.types import SamplingParams
+from localspec.engine.types import SamplingParams, TokenProbs
 
 # llama-server's canonical names and aliases (common_sampler_types_from_names)
 _CANONICAL = (
@@ -77,6 +78,17 @@ class Sampler:
         tok = int(C.llama_sampler_sample(self.chain, self.ctx.handle, idx))
         self.clock.inside_ms += (time.perf_counter() - t0) * 1000.0
         return tok
+
+    def probs(self, idx: int, token: int, n_probs: int, n_vocab: int) -> TokenProbs:
+        """``token``'s probability and the ``n_probs`` likeliest tokens, from the raw logits at
+        batch index ``idx`` (a softmax over the whole vocabulary, as llama-server's n_probs)."""
+        logits = np.ctypeslib.as_array(C.llama_get_logits_ith(self.ctx.handle, idx), (n_vocab,))
+        shifted = np.exp(logits - logits.max(), dtype=np.float64)
+        p = shifted / shifted.sum()
+        n = min(n_probs, n_vocab)
+        top = np.argpartition(-logits, n - 1)[:n]
+        top = top[np.argsort(-logits[top], kind="stable")]
+        return TokenProbs(float(p[token]), tuple((int(t), float(p[t])) for t in top))
 
     def close(self) -> None:
         if self.chain:

@@ -126,6 +126,17 @@ class GenerationRequest:
     spec_n_max: int | None = None  # None: the engine's setting; 0 disables speculation
     spec_n_min: int | None = None
     spec_p_min: float | None = None
+    n_probs: int = 0  # > 0: report each emitted token's top-n candidates (llama-server n_probs)
+
+
+@dataclass(frozen=True)
+class TokenProbs:
+    """An emitted token's probability and the ``n_probs`` likeliest tokens at its position,
+    from the target's raw logits (llama-server's pre-sampling ``n_probs``): what the model
+    thought before the request's samplers cut and reshaped the distribution."""
+
+    prob: float
+    top: tuple[tuple[int, float], ...]  # (token, probability), likeliest first
 
 
 @dataclass
@@ -134,6 +145,7 @@ class TokenEvent:
 
     token: int
     text: str
+    probs: TokenProbs | None = None  # when the request asked for n_probs
 
 
 @dataclass
@@ -169,6 +181,7 @@ class GenerationResult:
     t_outside_ms: float = 0.0  # wall time not spent inside llama.cpp calls
     cancelled: bool = False
     pipelined: bool = False  # the draft model ran on its own thread
+    probs: list[TokenProbs] = field(default_factory=list)  # per token, when n_probs > 0
     draft_n_decoded: int = 0  # draft tokens the draft model decoded (pipelined: incl. wasted)
     # one entry per speculative step: (source, drafted, accepted); for stats and tests
     spec_steps: list[tuple[str, int, int]] = field(default_factory=list)

@@ -54,7 +54,6 @@ class Vocab:
         eog |= {t for t in (self.fim.pad, self.fim.rep, self.fim.sep) if t is not None}
         self.eog: frozenset[int] = frozenset(eog)
         self._pieces: dict[int, bytes] = {}
-        self._buf = ctypes.create_string_buffer(256)
 
     def tokenize(self, text: str, *, special: bool = False) -> list[int]:
         """Never adds BOS; ``special=False`` keeps literal control-token text as plain text."""
@@ -76,13 +75,13 @@ class Vocab:
         cached = self._pieces.get(key)
         if cached is not None:
             return cached
-        n = C.llama_token_to_piece(self.handle, token, self._buf, len(self._buf), 0, special)
+        # a buffer per miss: the engine's thread and the server's (n_probs candidates) both ask
+        buf = ctypes.create_string_buffer(256)
+        n = C.llama_token_to_piece(self.handle, token, buf, len(buf), 0, special)
         if n < 0:
             buf = ctypes.create_string_buffer(-n)
             n = C.llama_token_to_piece(self.handle, token, buf, len(buf), 0, special)
-            out = buf.raw[:n]
-        else:
-            out = self._buf.raw[:n]
+        out = buf.raw[:n]
         self._pieces[key] = out
         return out
 

@@ -143,6 +143,11 @@ def task_params(
             f"Field 'n_cmpl': Value must be between 1 <= value <= {n_cmpl_max}, "
             f"but got {body.n_cmpl}"
         )
+    if body.post_sampling_probs and body.n_probs:
+        raise InvalidRequest(
+            "post_sampling_probs is not supported: n_probs reports the model's probabilities "
+            "before sampling"
+        )
     sampling = sampling_params(body, default_sampling or SamplingParams())
     n_predict = n_predict_default if body.n_predict is None else body.n_predict
     stop = stop_strings(body.stop)
@@ -159,6 +164,7 @@ def task_params(
         spec_n_max=body.speculative_n_max,
         spec_n_min=body.speculative_n_min,
         spec_p_min=body.speculative_p_min,
+        n_probs=body.n_probs or 0,
     )
     stream = bool(body.stream)
     settings_json: dict[str, Any] = {
@@ -178,6 +184,7 @@ def task_params(
         "cache_prompt": request.cache_prompt,
         "stream": stream,
         "n_cmpl": body.n_cmpl or 1,
+        "n_probs": request.n_probs,
         "speculative.n_max": request.spec_n_max,
         "speculative.n_min": request.spec_n_min,
         "speculative.p_min": request.spec_p_min,

@@ -7,16 +7,20 @@ spaces (``separators=(",", ":")``), UTF-8 as is.
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import pydantic_core
 from starlette.responses import Response
 
-from localspec.engine.types import GenerationResult
+from localspec.engine.types import GenerationResult, TokenProbs
+
+Piece = Callable[[int], bytes]  # a token's bytes (the vocabulary's piece)
+LOWEST_LOGPROB = -3.4028234663852886e38  # llama-server's log(0): the lowest float, not -inf
 
 
 def dumps(obj: Any) -> bytes:
@@ -103,11 +107,57 @@ def timings(result: GenerationResult) -> dict[str, Any]:
     }
 
 
+def _valid_text(data: bytes) -> str:
+    """The bytes as text, without an incomplete UTF-8 sequence at the end (a token may hold
+    only the first bytes of a character), as llama-server's ``validate_utf8``."""
+    for end in range(len(data), max(-1, len(data) - 4), -1):
+        try:
+            return data[:end].decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+    return data.decode("utf-8", errors="replace")
+
+
+def _candidate(token: int, prob: float, piece: Piece) -> dict[str, Any]:
+    data = piece(token)
+    return {
+        "id": token,
+        "token": _valid_text(data),
+        "bytes": list(data),
+        "logprob": math.log(prob) if prob > 0 else LOWEST_LOGPROB,
+    }
+
+
+def completion_probabilities(
+    tokens: Sequence[int], probs: Sequence[TokenProbs], piece: Piece
+) -> list[dict[str, Any]]:
+    """llama-server's ``completion_probabilities`` (n_probs, before sampling): per generated
+    token its id, text, bytes and log-probability, and ``top_logprobs`` likeliest first."""
+    return [
+        {
+            **_candidate(tok, p.prob, piece),
+            "top_logprobs": [_candidate(t, q, piece) for t, q in p.top],
+        }
+        for tok, p in zip(tokens, probs, strict=False)
+    ]
+
+
 def final_object(
-    done: Completion, *, model: str, settings_json: dict[str, Any], stream: bool = False
+    done: Completion,
+    *,
+    model: str,
+    settings_json: dict[str, Any],
+    stream: bool = False,
+    piece: Piece | None = None,
 ) -> dict[str, Any]:
-    """llama-server's final completion object (``stop: true``); content is empty when streamed."""
+    """llama-server's final completion object (``stop: true``); content is empty when streamed,
+    and the token probabilities (n_probs, given ``piece``) went out with the streamed pieces."""
     r = done.result
+    probs = (
+        {"completion_probabilities": completion_probabilities(r.tokens, r.probs, piece)}
+        if r.probs and piece is not None and not stream
+        else {}
+    )
     return {
         "index": done.index,
         "content": "" if stream else r.text,
@@ -124,15 +174,23 @@ def final_object(
         "stop_type": r.stop_type,
         "stopping_word": r.stopping_word,
         "tokens_cached": done.tokens_cached,
+        **probs,
         "timings": timings(r),
     }
 
 
 def partial_object(
-    *, index: int, content: str, tokens: list[int], id_slot: int, n_decoded: int, n_prompt: int
+    *,
+    index: int,
+    content: str,
+    tokens: list[int],
+    id_slot: int,
+    n_decoded: int,
+    n_prompt: int,
+    probs: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """One streamed piece (``stop: false``)."""
-    return {
+    """One streamed piece (``stop: false``), with its token's probabilities when asked."""
+    out = {
         "index": index,
         "content": content,
         "tokens": tokens,
@@ -141,6 +199,9 @@ def partial_object(
         "tokens_predicted": n_decoded,
         "tokens_evaluated": n_prompt,
     }
+    if probs:
+        out["completion_probabilities"] = probs
+    return out
 
 
 def finish_reason(result: GenerationResult) -> str:

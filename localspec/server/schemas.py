@@ -27,6 +27,7 @@ INT32_MAX = 2**31 - 1
 MAX_EXTRA_CHUNKS = 1024  # llama-vscode's ring buffer holds 16 by default
 MAX_STOP_STRINGS = 256
 SPEC_N_MAX_LIMIT = 256  # drafts longer than this never pay; bounds the policy's work
+N_PROBS_LIMIT = 256  # candidates reported per token: bounds the answer's size
 
 
 def _valid_unicode(text: str) -> str:
@@ -117,6 +118,16 @@ class GenerationFields(_Body):
         None, ge=0, le=SPEC_N_MAX_LIMIT, alias="speculative.n_min"
     )
     speculative_p_min: float | None = Field(None, ge=0.0, le=1.0, alias="speculative.p_min")
+    n_probs: int | None = Field(
+        None,
+        ge=0,
+        le=N_PROBS_LIMIT,
+        description="Report each generated token's probability and the n likeliest tokens "
+        "(before sampling) as completion_probabilities (/completion, /infill).",
+    )
+    post_sampling_probs: bool | None = Field(
+        None, description="Not supported: n_probs reports probabilities before sampling."
+    )
     model: Any = Field(None, description="Accepted and ignored: one model pair is served.")
     lora: Any = Field(None, description="Accepted and ignored.")
 

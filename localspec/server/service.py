@@ -209,6 +209,7 @@ class Service:
                         model=self.model_name,
                         settings_json=params.settings_json,
                         stream=stream,
+                        piece=self.engine.vocab.piece,
                     )
                 )
                 for done in result.completions
@@ -237,6 +238,11 @@ class Service:
                 id_slot=job.slot,
                 n_decoded=counts[index],
                 n_prompt=job.n_prompt,
+                probs=results.completion_probabilities(
+                    [event.token], [event.probs], self.engine.vocab.piece
+                )
+                if event.probs is not None
+                else None,
             )
 
         return await dispatch.respond_stream(
