@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import threading
 from collections.abc import Iterator
 from dataclasses import replace
@@ -23,6 +24,7 @@ from localspec.bench.driver import (
     Outcome,
     Target,
     answers_consistent,
+    divergence,
     replay,
     run_burst,
 )
@@ -177,6 +179,25 @@ def test_bad_settings_are_refused(tmp_path: Path) -> None:
 # --- the driver, against a stub that sees aborts on the wire ---------------------------------
 
 
+def _candidate(text: str, prob: float) -> dict[str, Any]:
+    return {"id": 0, "token": text, "bytes": list(text.encode()), "logprob": math.log(prob)}
+
+
+def _report(content: str) -> list[dict[str, Any]]:
+    """The stub's n_probs report: "different" (a cold answer that disagrees) parts from the
+    warm "<...>" on a near tie (0.5 vs 0.4, warm took the runner-up "<"); any other answer
+    is one confident token (0.9 vs 0.05)."""
+    if content == "different":
+        return [
+            {**_candidate("diff", 0.5), "top_logprobs": [_candidate("diff", 0.5),
+                                                         _candidate("<", 0.4)]},
+            {**_candidate("erent", 0.9), "top_logprobs": [_candidate("erent", 0.9),
+                                                          _candidate("x", 0.05)]},
+        ]  # fmt: skip
+    return [{**_candidate(content, 0.9), "top_logprobs": [_candidate(content, 0.9),
+                                                          _candidate("?", 0.05)]}]  # fmt: skip
+
+
 class Stub:
     """An HTTP/1.1 /infill server on loopback: answers after ``delay(body)`` seconds, or
     records an abort when the client closes the connection first."""
@@ -242,6 +263,8 @@ class Stub:
                 }
                 if body.get("cache_prompt") is False and body["prompt"].endswith("2"):
                     answer["content"] = "different"  # the cold cache disagrees here
+                if body.get("n_probs"):
+                    answer["completion_probabilities"] = _report(answer["content"])
                 data = json.dumps(answer).encode()
                 writer.write(
                     b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
@@ -354,13 +377,18 @@ def test_interleaved_replay_with_cold_checks() -> None:
     keyed = [o for o in outcomes if o.key >= 0 and o.kind != "warmup"]
     assert len(keyed) == 2 * n_keys and all(o.status == "ok" for o in keyed)
     colds = [body for _, body in log_a if body.get("cache_prompt") is False]
-    assert len(colds) == n_keys
+    assert len(colds) == n_keys and all(body["n_probs"] == 2 for body in colds)
     summaries = report.summarize(outcomes, ["A", "B"])
     for s in summaries:
         assert s.sent == n_keys and s.completed == n_keys and s.aborted == 0
         assert s.cold_checked == n_keys
         n_differ = sum(1 for o in keyed if o.server == s.server and o.cold and not o.cold.identical)
         assert s.cold_identical == pytest.approx(1 - n_differ / n_keys)
+        # every disagreement parts on the stub's near tie, the runner-up taken
+        assert n_differ > 0 and s.cold_parted == n_differ
+        assert s.parted_margin_p50 == s.parted_margin_max == pytest.approx(0.1)
+        assert s.parted_runner_up == 1.0
+        assert s.cold_margin_p50 == pytest.approx(0.85)
         assert s.acceptance == pytest.approx(0.75)
     assert summaries[1].agree_with_first == 1.0
     assert summaries[1].cold_agree_with_first == 1.0  # same stub, same cold answers
@@ -391,6 +419,23 @@ def test_consistency_rule() -> None:
     assert answers_consistent("abcd", "eos", "ab", "limit")
     assert not answers_consistent("ab", "eos", "abcd", "eos")
     assert not answers_consistent("ax", "limit", "abcd", "eos")
+
+
+def test_divergence_finds_where_an_answer_leaves_the_cold_tokens() -> None:
+    def entry(text: str, *alts: tuple[str, float], p: float = 0.6) -> dict[str, Any]:
+        top = [_candidate(text, p), *(_candidate(t, q) for t, q in alts)]
+        return {**_candidate(text, p), "top_logprobs": top}
+
+    cold = [entry("def"), entry(" f", (" g", 0.3)), entry("(x)", ("(y)", 0.2), p=0.7)]
+    assert divergence("def f(x)", cold) is None  # the same path
+    assert divergence("def f", cold) is None  # cut shorter
+    assert divergence("def f(", cold) is None  # cut inside a token
+    assert divergence("def f(x) + more", cold) is None  # the cold answer was cut shorter
+    assert divergence("def g()", cold) == (pytest.approx(0.3), True)  # the runner-up
+    assert divergence("def f[x]", cold) == (pytest.approx(0.5), False)  # a third choice
+    ended = [entry("a"), entry("", ("b", 0.35), p=0.4)]  # the cold answer ends (EOG)
+    assert divergence("ab", ended) == (pytest.approx(0.05), True)
+    assert divergence("zz", [{**_candidate("a", 0.9), "top_logprobs": []}]) is None
 
 
 def _outcome(server: str, key: int, ms: float, status: str = "ok", **kw: Any) -> Outcome:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
+import statistics
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field
@@ -56,6 +58,8 @@ class Outcome:
     draft_n_accepted: int | None = None
     server_timing: dict[str, float] = field(default_factory=dict)
     error: str = ""
+    # n_probs' report (completion_probabilities), kept for the cold probes only
+    probabilities: list[dict[str, Any]] | None = None
     cold: ColdCheck | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -74,6 +78,12 @@ class ColdCheck:
     identical: bool = False  # byte-identical answer
     consistent: bool = False  # identical, or one is a prefix of the other cut by a limit
     error: str = ""
+    # Where the answers part (the cold answer's top two candidates, n_probs), the cold
+    # model's own confidence: top-1 minus top-2 probability. Near 0: the two evaluations
+    # disagree on a near tie, which any difference in rounding decides.
+    margin: float | None = None
+    runner_up: bool | None = None  # the answer took the cold model's second choice there
+    typical_margin: float | None = None  # the cold answer's median margin over its tokens
 
 
 def _parse_server_timing(header: str | None) -> dict[str, float]:
@@ -105,6 +115,8 @@ def _fill(outcome: Outcome, answer: Any) -> None:
     outcome.predicted_ms = timings.get("predicted_ms")
     outcome.draft_n = timings.get("draft_n")
     outcome.draft_n_accepted = timings.get("draft_n_accepted")
+    probs = answer.get("completion_probabilities")
+    outcome.probabilities = probs if isinstance(probs, list) else None
 
 
 def answers_consistent(a: str, a_stop: str, b: str, b_stop: str) -> bool:
@@ -118,6 +130,38 @@ def answers_consistent(a: str, a_stop: str, b: str, b_stop: str) -> bool:
     if len(a) > len(b):
         a, a_stop, b, b_stop = b, b_stop, a, a_stop
     return a_stop == "limit" and b.startswith(a)
+
+
+def _margin(entry: dict[str, Any]) -> float | None:
+    top = entry.get("top_logprobs") or []
+    if len(top) < 2:
+        return None
+    return math.exp(top[0]["logprob"]) - math.exp(top[1]["logprob"])
+
+
+def divergence(answer: str, cold: Sequence[dict[str, Any]]) -> tuple[float, bool] | None:
+    """Where ``answer`` leaves the cold answer, token by token (``cold`` is its n_probs
+    report): the cold model's margin there and whether ``answer`` took its second choice.
+    None when ``answer`` follows the cold tokens to its end, or the report has no runner-up.
+    """
+    want = answer.encode("utf-8")
+    done = b""
+    for i, entry in enumerate(cold):
+        rest = want[len(done) :]
+        piece = bytes(entry.get("bytes") or [])
+        if not rest or (piece and piece.startswith(rest)):
+            return None  # the answer ends on the cold path (cut shorter)
+        if piece and rest.startswith(piece):
+            done += piece
+            continue
+        if not piece and i < len(cold) - 1:
+            continue  # a control token renders nothing mid-answer
+        margin = _margin(entry)  # parted here (or the cold answer ended where this goes on)
+        if margin is None:
+            return None
+        second = bytes(entry["top_logprobs"][1].get("bytes") or [])
+        return margin, bool(second) and rest.startswith(second)
+    return None
 
 
 class Target:
@@ -260,9 +304,12 @@ async def cold_check(
     for out in outcomes:
         if out.server != target.name or not _wants_cold(out, mode):
             continue
-        body = {**burst.keys[out.key].body, "cache_prompt": False}
+        body = {**burst.keys[out.key].body, "cache_prompt": False, "n_probs": 2}
         probe = Outcome(target.name, burst.index, out.key, out.kind, "ok", 0.0)
         await target.post(body, probe)
+        report = probe.probabilities or []
+        parted = divergence(out.content, report) if probe.content != out.content else None
+        margins = [m for m in map(_margin, report) if m is not None]
         out.cold = ColdCheck(
             status=probe.status,
             latency_ms=probe.latency_ms,
@@ -273,6 +320,9 @@ async def cold_check(
             consistent=probe.status == "ok"
             and answers_consistent(out.content, out.stop_type, probe.content, probe.stop_type),
             error=probe.error,
+            margin=parted[0] if parted else None,
+            runner_up=parted[1] if parted else None,
+            typical_margin=statistics.median(margins) if margins else None,
         )
 
 

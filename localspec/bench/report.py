@@ -53,6 +53,13 @@ class Summary:
     cold_checked: int = 0
     cold_identical: float | None = None
     cold_consistent: float | None = None
+    # where answers part from their cold ones (cold probes with n_probs): the cold model's
+    # top-1 minus top-2 probability there, against its usual margin over all its tokens
+    cold_parted: int = 0
+    parted_margin_p50: float | None = None
+    parted_margin_max: float | None = None
+    parted_runner_up: float | None = None  # share that took the cold model's second choice
+    cold_margin_p50: float | None = None
     agree_with_first: float | None = None  # final answers equal to the first server's
     # cold answers equal to the first server's cold answer to the same request: with the same
     # prompt layout and model, the share a change of arithmetic alone (kernels, batch sizes)
@@ -124,6 +131,13 @@ def summarize(outcomes: Sequence[Outcome], servers: Sequence[str]) -> list[Summa
         s.cold_checked = len(colds)
         s.cold_identical = share(sum(c.identical for c in colds), len(colds))
         s.cold_consistent = share(sum(c.consistent for c in colds), len(colds))
+        parted = [c for c in colds if c.margin is not None]
+        s.cold_parted = len(parted)
+        s.parted_margin_p50 = percentile([c.margin for c in parted if c.margin is not None], 50)
+        s.parted_margin_max = max((c.margin for c in parted if c.margin is not None), default=None)
+        s.parted_runner_up = share(sum(bool(c.runner_up) for c in parted), len(parted))
+        typical = [c.typical_margin for c in colds if c.typical_margin is not None]
+        s.cold_margin_p50 = percentile(typical, 50)
         if name != first:
             pairs = [
                 (o.content, by_key[(first, o.burst, o.key)].content)
@@ -202,6 +216,11 @@ ROWS: tuple[tuple[str, str, str], ...] = (
     ("cold-cache checks", "cold_checked", "d"),
     ("identical to cold cache", "cold_identical", ".0%"),
     ("consistent with cold cache", "cold_consistent", ".0%"),
+    ("parted from cold (n_probs)", "cold_parted", "d"),
+    ("  cold top-2 margin there p50", "parted_margin_p50", ".3f"),
+    ("  ... max", "parted_margin_max", ".3f"),
+    ("  took cold's 2nd choice", "parted_runner_up", ".0%"),
+    ("cold top-2 margin, all tokens p50", "cold_margin_p50", ".3f"),
     ("end-of-line answers = first", "agree_with_first", ".0%"),
     ("cold answers = first's cold", "cold_agree_with_first", ".0%"),
 )
