@@ -454,7 +454,19 @@ def test_summary_pairs_latency_and_ratios() -> None:
             prompt_n=6,
             predicted_ms=28.0,
             content="x",
-            cold=ColdCheck("ok", 50, "x", identical=True, consistent=True),
+            cold=ColdCheck(
+                "ok",
+                50,
+                "x",
+                identical=True,
+                consistent=True,
+                probabilities=[
+                    {
+                        **_candidate("x", 0.7),
+                        "top_logprobs": [_candidate("x", 0.7), _candidate("z", 0.2)],
+                    }
+                ],
+            ),
         ),
         _outcome("slow", 0, 100, prompt_n=10),
         _outcome("slow", 1, 150, "aborted"),
@@ -481,6 +493,7 @@ def test_summary_pairs_latency_and_ratios() -> None:
     assert slow.agree_with_first == 0.0
     assert fast.cold_agree_with_first is None  # the first server is the reference
     assert slow.cold_agree_with_first == 0.0  # "z" (slow's cold) vs "x" (fast's cold)
+    assert slow.cold_vs_first_margin_p50 == slow.cold_vs_first_margin_max == pytest.approx(0.5)
     same_cold = [o if o.server == "fast" else replace(o, cold=fast_cold) for o in outcomes]
     assert report.summarize(same_cold, ["fast", "slow"])[1].cold_agree_with_first == 1.0
     rel = report.ratios([fast, slow])["slow"]

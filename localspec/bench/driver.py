@@ -84,6 +84,7 @@ class ColdCheck:
     margin: float | None = None
     runner_up: bool | None = None  # the answer took the cold model's second choice there
     typical_margin: float | None = None  # the cold answer's median margin over its tokens
+    probabilities: list[dict[str, Any]] | None = None  # the cold answer's n_probs report
 
 
 def _parse_server_timing(header: str | None) -> dict[str, float]:
@@ -323,6 +324,7 @@ async def cold_check(
             margin=parted[0] if parted else None,
             runner_up=parted[1] if parted else None,
             typical_margin=statistics.median(margins) if margins else None,
+            probabilities=probe.probabilities,
         )
 
 

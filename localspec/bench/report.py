@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from localspec.bench.driver import Outcome
+from localspec.bench.driver import Outcome, divergence
 from localspec.bench.stats import fmt, mean, percentile, ratio, share
 
 
@@ -65,6 +65,9 @@ class Summary:
     # prompt layout and model, the share a change of arithmetic alone (kernels, batch sizes)
     # leaves alone: the ceiling "identical to cold cache" can reach with this model
     cold_agree_with_first: float | None = None
+    # where those cold answers part, the first server's cold top-2 margin (its n_probs report)
+    cold_vs_first_margin_p50: float | None = None
+    cold_vs_first_margin_max: float | None = None
 
 
 KEYS = ("type", "pause", "final")
@@ -147,7 +150,7 @@ def summarize(outcomes: Sequence[Outcome], servers: Sequence[str]) -> list[Summa
             ]
             s.agree_with_first = share(sum(a == b for a, b in pairs), len(pairs))
             cold_pairs = [
-                (o.cold.content, theirs.cold.content)
+                (o.cold, theirs.cold)
                 for o in ok
                 if o.cold is not None
                 and o.cold.status == "ok"
@@ -155,7 +158,17 @@ def summarize(outcomes: Sequence[Outcome], servers: Sequence[str]) -> list[Summa
                 and theirs.cold is not None
                 and theirs.cold.status == "ok"
             ]
-            s.cold_agree_with_first = share(sum(a == b for a, b in cold_pairs), len(cold_pairs))
+            s.cold_agree_with_first = share(
+                sum(a.content == b.content for a, b in cold_pairs), len(cold_pairs)
+            )
+            parted = [
+                divergence(a.content, b.probabilities)
+                for a, b in cold_pairs
+                if a.content != b.content and b.probabilities
+            ]
+            first_margins = [m for m, _ in filter(None, parted)]
+            s.cold_vs_first_margin_p50 = percentile(first_margins, 50)
+            s.cold_vs_first_margin_max = max(first_margins, default=None)
         summaries.append(s)
     return summaries
 
@@ -223,6 +236,8 @@ ROWS: tuple[tuple[str, str, str], ...] = (
     ("cold top-2 margin, all tokens p50", "cold_margin_p50", ".3f"),
     ("end-of-line answers = first", "agree_with_first", ".0%"),
     ("cold answers = first's cold", "cold_agree_with_first", ".0%"),
+    ("  parted: first's top-2 margin p50", "cold_vs_first_margin_p50", ".3f"),
+    ("  ... max", "cold_vs_first_margin_max", ".3f"),
 )
 
 
