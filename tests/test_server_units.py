@@ -7,11 +7,19 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from localspec.engine.types import DraftStats, GenerationResult, SamplingParams
+from localspec.engine.types import DraftStats, GenerationResult, SamplingParams, TokenProbs
 from localspec.server.auth import key_matches, presented_key
 from localspec.server.errors import InvalidRequest
 from localspec.server.params import RANDOM_SEED, sampler_chain, task_params
-from localspec.server.results import Completion, dumps, final_object, pick_fields, timings
+from localspec.server.results import (
+    LOWEST_LOGPROB,
+    Completion,
+    completion_probabilities,
+    dumps,
+    final_object,
+    pick_fields,
+    timings,
+)
 from localspec.server.schemas import InfillRequest
 from localspec.server.settings import ServerSettings
 from localspec.server.slots import SlotInfo, choose_slot, common_prefix
@@ -202,3 +210,32 @@ def test_token_cache_detokenizes_blocks_like_the_vocab() -> None:
     want = "".join(chr(t) for t in tokens)
     assert cache.detokenize(vocab, tokens) == want
     assert cache.detokenize(vocab, tokens[:-1]) == want[:-1]  # cached blocks, new tail
+
+
+def test_completion_probabilities_in_llama_server_shape() -> None:
+    """Text without a token's incomplete UTF-8 tail, the raw bytes, log(0) as the lowest
+    float (JSON has no -inf); the final answer carries them unless they were streamed."""
+    pieces = {1: "é".encode()[:1], 2: b"ok", 3: b""}
+    report = completion_probabilities(
+        [1, 2], [TokenProbs(0.5, ((1, 0.5), (3, 0.0))), TokenProbs(1.0, ((2, 1.0),))],
+        pieces.__getitem__,
+    )  # fmt: skip
+    first = report[0]
+    assert (first["id"], first["token"], first["bytes"]) == (1, "", [0xC3])
+    assert first["logprob"] == pytest.approx(-0.6931, abs=1e-4)
+    assert first["top_logprobs"][1] == {
+        "id": 3,
+        "token": "",
+        "bytes": [],
+        "logprob": LOWEST_LOGPROB,
+    }
+    assert report[1]["token"] == "ok" and report[1]["logprob"] == 0.0
+    result = GenerationResult(tokens=[1, 2], text="ok", stop_type="limit")
+    result.probs = [TokenProbs(0.5, ((1, 0.5),)), TokenProbs(1.0, ((2, 1.0),))]
+    done = Completion(result, 0, 0, 0)
+    whole = final_object(done, model="m", settings_json={}, piece=pieces.__getitem__)
+    assert len(whole["completion_probabilities"]) == 2
+    streamed = final_object(
+        done, model="m", settings_json={}, stream=True, piece=pieces.__getitem__
+    )
+    assert "completion_probabilities" not in streamed

@@ -134,11 +134,11 @@ def summarize(outcomes: Sequence[Outcome], servers: Sequence[str]) -> list[Summa
         s.cold_checked = len(colds)
         s.cold_identical = share(sum(c.identical for c in colds), len(colds))
         s.cold_consistent = share(sum(c.consistent for c in colds), len(colds))
-        parted = [c for c in colds if c.margin is not None]
-        s.cold_parted = len(parted)
-        s.parted_margin_p50 = percentile([c.margin for c in parted if c.margin is not None], 50)
-        s.parted_margin_max = max((c.margin for c in parted if c.margin is not None), default=None)
-        s.parted_runner_up = share(sum(bool(c.runner_up) for c in parted), len(parted))
+        margins = [c.margin for c in colds if c.margin is not None]
+        s.cold_parted = len(margins)
+        s.parted_margin_p50 = percentile(margins, 50)
+        s.parted_margin_max = max(margins, default=None)
+        s.parted_runner_up = share(sum(bool(c.runner_up) for c in colds), len(margins))
         typical = [c.typical_margin for c in colds if c.typical_margin is not None]
         s.cold_margin_p50 = percentile(typical, 50)
         if name != first:

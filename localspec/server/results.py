@@ -17,6 +17,7 @@ from typing import Any
 import pydantic_core
 from starlette.responses import Response
 
+from localspec.engine.stops import incomplete_utf8_tail
 from localspec.engine.types import GenerationResult, TokenProbs
 
 Piece = Callable[[int], bytes]  # a token's bytes (the vocabulary's piece)
@@ -110,12 +111,7 @@ def timings(result: GenerationResult) -> dict[str, Any]:
 def _valid_text(data: bytes) -> str:
     """The bytes as text, without an incomplete UTF-8 sequence at the end (a token may hold
     only the first bytes of a character), as llama-server's ``validate_utf8``."""
-    for end in range(len(data), max(-1, len(data) - 4), -1):
-        try:
-            return data[:end].decode("utf-8")
-        except UnicodeDecodeError:
-            continue
-    return data.decode("utf-8", errors="replace")
+    return data[: len(data) - incomplete_utf8_tail(data)].decode("utf-8", errors="replace")
 
 
 def _candidate(token: int, prob: float, piece: Piece) -> dict[str, Any]:
