@@ -479,7 +479,7 @@ class _Run:
     def _probs(self, idx: int, tok: int) -> TokenProbs | None:
         """The request's n_probs report for ``tok`` (None when it asked for none)."""
         n = self.req.n_probs
-        return self.sampler.probs(idx, tok, n, self.e.vocab.n_vocab) if n > 0 else None
+        return self.sampler.probs(idx, tok, n) if n > 0 else None
 
     def _emit(
         self, tok: int, n_kv_before: int, events: list[TokenEvent], probs: TokenProbs | None

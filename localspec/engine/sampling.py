@@ -79,13 +79,13 @@ class Sampler:
         self.clock.inside_ms += (time.perf_counter() - t0) * 1000.0
         return tok
 
-    def probs(self, idx: int, token: int, n_probs: int, n_vocab: int) -> TokenProbs:
+    def probs(self, idx: int, token: int, n_probs: int) -> TokenProbs:
         """``token``'s probability and the ``n_probs`` likeliest tokens, from the raw logits at
         batch index ``idx`` (a softmax over the whole vocabulary, as llama-server's n_probs)."""
-        logits = np.ctypeslib.as_array(C.llama_get_logits_ith(self.ctx.handle, idx), (n_vocab,))
+        logits = self.ctx.logits(idx)
         shifted = np.exp(logits - logits.max(), dtype=np.float64)
         p = shifted / shifted.sum()
-        n = min(n_probs, n_vocab)
+        n = min(n_probs, len(logits))
         top = np.argpartition(-logits, n - 1)[:n]
         top = top[np.argsort(-logits[top], kind="stable")]
         return TokenProbs(float(p[token]), tuple((int(t), float(p[t])) for t in top))
