@@ -66,6 +66,11 @@ class Clock:
         self.inside_ms = 0.0
 
 
+# the largest llama.cpp state ``Context.compact`` copies through host memory (a 135M model's
+# 4096 cells are ~94 MiB; a 7B model's 8192 are ~460 MiB)
+COMPACT_MAX_BYTES = 512 * 2**20
+
+
 def physical_cores() -> int:
     try:
         import psutil
@@ -73,6 +78,15 @@ def physical_cores() -> int:
         return max(1, psutil.cpu_count(logical=False) or os.cpu_count() or 1)
     except Exception:  # psutil missing or unable to tell: fall back to logical cores
         return max(1, os.cpu_count() or 1)
+
+
+def _available_memory() -> int:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except Exception:  # psutil missing or unable to tell: trust the fixed cap alone
+        return 1 << 62
 
 
 def check_gguf_file(path: str) -> None:
@@ -194,6 +208,9 @@ class Context:
         self._nseq[:] = 1
         self._seq_filled = -1
         self._n_filled = 0
+        # a KV shift (seq_add) is applied to K at the next decode; until then a state save
+        # would store unrotated K under the new positions
+        self.shift_pending = False
 
     # --- decoding ---------------------------------------------------------------------
     def decode(
@@ -228,7 +245,9 @@ class Context:
         t0 = time.perf_counter()
         rc = C.llama_decode(self.handle, b)
         self.clock.inside_ms += (time.perf_counter() - t0) * 1000.0
-        if rc != 0:
+        if rc == 0:
+            self.shift_pending = False
+        else:
             raise DecodeError(
                 f"llama_decode failed (code {rc}) for {n} tokens at position {pos0} of "
                 f"sequence {seq}" + (": no free KV cells" if rc == 1 else "")
@@ -258,6 +277,7 @@ class Context:
     def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
         t0 = time.perf_counter()
         C.llama_memory_seq_add(self.mem, seq, p0, p1, delta)
+        self.shift_pending = True
         self.clock.inside_ms += (time.perf_counter() - t0) * 1000.0
 
     def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
@@ -270,6 +290,35 @@ class Context:
 
     def seq_pos_min(self, seq: int) -> int:
         return int(C.llama_memory_seq_pos_min(self.mem, seq))
+
+    def compact(self, max_bytes: int = COMPACT_MAX_BYTES) -> bool:
+        """Move every used KV cell to the front of the buffer, by a state save and restore.
+
+        llama.cpp attends over cells 0..(highest used cell), padded to 256, whichever sequence
+        holds them; without flash attention each of those cells costs every new token a dot
+        product, masked or not. A reuse plan keeps moved runs in their old cells, and the holes
+        left around them are paid for until new tokens fill them (docs/engine.md). Refused
+        (False) while a shift waits for the next decode, or when the state is larger than
+        ``max_bytes`` or a quarter of the free memory (the copy is transient host memory). A
+        failed restore leaves the KV empty and raises, so callers drop what they thought it
+        held."""
+        if self.shift_pending:
+            return False
+        t0 = time.perf_counter()
+        try:
+            size = int(C.llama_state_get_size(self.handle))
+            if size <= 0 or size > min(max_bytes, _available_memory() // 4):
+                return False
+            buf = (ctypes.c_uint8 * size)()
+            n = int(C.llama_state_get_data(self.handle, buf, size))
+            if n <= 0:
+                return False
+            if int(C.llama_state_set_data(self.handle, buf, n)) != n:
+                self.clear()
+                raise DecodeError("restoring the KV cache after compacting it failed")
+            return True
+        finally:
+            self.clock.inside_ms += (time.perf_counter() - t0) * 1000.0
 
     def clear(self) -> None:
         C.llama_memory_clear(self.mem, True)

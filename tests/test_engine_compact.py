@@ -1,0 +1,194 @@
+"""KV buffer compaction: moved runs leave holes that flash-attention-off decoding pays for.
+
+Compaction is a whole-state save and restore; these tests check that it changes no logit, that
+it waits for a pending KV shift (a save would store K without its rotation), when a prefill
+asks for it, and that a failed restore empties the cache instead of leaving it wrong.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from localspec.bench.speculative import code_prompts
+from localspec.engine import ModelSettings
+from localspec.engine import cache as cache_mod
+from localspec.engine import llama as llama_mod
+from localspec.engine.cache import SlotCaches
+from localspec.engine.errors import DecodeError
+from localspec.engine.llama import Clock, Context, Model
+from localspec.engine.vocab import Vocab
+
+N_CTX = 1024
+
+
+def ms(path: Path, *, flash_attn: bool = False) -> ModelSettings:
+    return ModelSettings(
+        str(path), n_ctx=N_CTX, n_batch=256, n_ubatch=256, n_threads=2, flash_attn=flash_attn
+    )
+
+
+@pytest.fixture(scope="module")
+def model(qwen_target: Path) -> Iterator[Model]:
+    m = Model(ms(qwen_target))
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="module")
+def toks(model: Model) -> list[int]:
+    out = Vocab(model.vocab_handle).tokenize("".join(code_prompts(12, lines=30)))
+    assert len(out) >= 1000
+    return out[:1000]
+
+
+def new_ctx(model: Model, *, flash_attn: bool = False) -> Context:
+    return Context(
+        model,
+        ms(Path(model.path), flash_attn=flash_attn),
+        n_seq=2,
+        n_ctx_total=N_CTX,
+        clock=Clock(),
+    )
+
+
+def fill(ctx: Context, tokens: list[int], pos0: int, seq: int) -> np.ndarray:
+    for i in range(0, len(tokens), 100):
+        ctx.decode(tokens[i : i + 100], pos0 + i, seq, logits="last")
+    return np.array(ctx.logits(-1))
+
+
+def moved_run(ctx: Context, toks: list[int]) -> None:
+    """800 tokens in seq 0, then [400, 700) moved to position 0 of seq 1 (shift pending)."""
+    fill(ctx, toks[:800], 0, 0)
+    ctx.seq_cp(0, 1, 400, 700)
+    ctx.seq_rm(0, -1, -1)
+    ctx.seq_add(1, 400, 700, -400)
+
+
+def test_compact_changes_no_logit_and_waits_for_a_pending_shift(
+    model: Model, toks: list[int]
+) -> None:
+    a, ref = new_ctx(model), new_ctx(model)
+    try:
+        for ctx in (a, ref):
+            moved_run(ctx, toks)
+        assert a.shift_pending
+        assert not a.compact()  # refused: the moved K is rotated by the next decode
+        for ctx in (a, ref):
+            ctx.decode(toks[800:801], 300, 1, logits="last")
+        assert not a.shift_pending
+        assert a.compact()
+        warm, want = fill(a, toks[801:1000], 301, 1), fill(ref, toks[801:1000], 301, 1)
+        np.testing.assert_allclose(warm, want, rtol=0, atol=1e-4)
+        assert int(np.argmax(warm)) == int(np.argmax(want))
+    finally:
+        a.close()
+        ref.close()
+
+
+def test_a_state_round_trip_with_a_shift_pending_would_lose_the_rotation(
+    model: Model, toks: list[int]
+) -> None:
+    """Why ``compact`` refuses while a shift is pending (llama.cpp applies seq_add's rotation
+    to K at the next decode, and a saved state carries the new positions without it)."""
+    a, ref = new_ctx(model), new_ctx(model)
+    try:
+        for ctx in (a, ref):
+            moved_run(ctx, toks)
+        size = int(llama_mod.C.llama_state_get_size(a.handle))
+        buf = (ctypes.c_uint8 * size)()
+        n = int(llama_mod.C.llama_state_get_data(a.handle, buf, size))
+        assert int(llama_mod.C.llama_state_set_data(a.handle, buf, n)) == n
+        lost, want = fill(a, toks[800:900], 300, 1), fill(ref, toks[800:900], 300, 1)
+        assert np.max(np.abs(lost - want)) > 1e-2
+    finally:
+        a.close()
+        ref.close()
+
+
+def prompts(toks: list[int]) -> tuple[list[int], list[int]]:
+    """A cached prompt and the next one: its middle run moved to the front, new text after."""
+    return toks[:800], toks[900:902] + toks[400:700] + toks[700:800][::-1] + toks[800:900]
+
+
+@pytest.mark.parametrize("flash_attn", [False, True])
+def test_prefill_compacts_before_evaluating_around_moved_runs(
+    model: Model, toks: list[int], flash_attn: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first, second = prompts(toks)
+    results = []
+    for compact in (True, False):
+        if not compact:
+            monkeypatch.setattr(cache_mod, "COMPACT_MIN_WORK", 1 << 60)
+        ctx = new_ctx(model, flash_attn=flash_attn)
+        try:
+            caches = SlotCaches(ctx, 1)
+            caches.prefill(0, first, min_chunk=256)
+            pre = caches.prefill(0, second, min_chunk=256, chunk=64)
+            assert pre.n_moved == 300 and pre.n_evaluated == len(second) - 300
+            assert caches.tokens[0] == second
+            # holes (800 - 300) x 202 evaluated tokens: due, unless flash attention is on
+            want = 1 if compact and not flash_attn else 0
+            assert caches.n_compacted == want
+            results.append(np.array(ctx.logits(-1)))
+            more = toks[950:990]
+            results.append(fill(ctx, more, len(second), 0))
+        finally:
+            ctx.close()
+    np.testing.assert_allclose(results[0], results[2], rtol=0, atol=1e-4)
+    np.testing.assert_allclose(results[1], results[3], rtol=0, atol=1e-4)
+
+
+def test_a_small_edit_does_not_compact(model: Model, toks: list[int]) -> None:
+    ctx = new_ctx(model)
+    try:
+        caches = SlotCaches(ctx, 1)
+        caches.prefill(0, toks[:800], min_chunk=256)
+        # 3 tokens deleted in front of a 300-token run: 3 holes, a few tokens to evaluate
+        caches.prefill(0, toks[:397] + toks[400:800], min_chunk=256)
+        assert caches.n_compacted == 0
+    finally:
+        ctx.close()
+
+
+def test_a_failed_restore_empties_every_slot_instead_of_leaving_it_wrong(
+    model: Model, toks: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first, second = prompts(toks)
+    ctx = new_ctx(model)
+    try:
+        caches = SlotCaches(ctx, 1)
+        caches.prefill(0, first, min_chunk=256)
+        monkeypatch.setattr(llama_mod.C, "llama_state_set_data", lambda *a: 0)
+        with pytest.raises(DecodeError, match="compacting"):
+            caches.prefill(0, second, min_chunk=256)
+        assert caches.tokens == [[]]
+        assert ctx.seq_pos_max(0) == -1 and ctx.seq_pos_max(1) == -1
+        monkeypatch.undo()
+        caches.prefill(0, second, min_chunk=256)
+        assert caches.tokens[0] == second
+        got = np.array(ctx.logits(-1))
+        cold = new_ctx(model)
+        try:
+            want = fill(cold, second, 0, 0)
+        finally:
+            cold.close()
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+    finally:
+        ctx.close()
+
+
+def test_compact_refuses_a_state_larger_than_its_cap(model: Model, toks: list[int]) -> None:
+    ctx = new_ctx(model)
+    try:
+        fill(ctx, toks[:100], 0, 0)
+        assert not ctx.compact(max_bytes=1024)
+        assert ctx.compact()
+        assert ctx.seq_pos_max(0) == 99
+    finally:
+        ctx.close()
