@@ -16,7 +16,6 @@ import pytest
 
 from localspec.bench.speculative import code_prompts
 from localspec.engine import ModelSettings
-from localspec.engine import cache as cache_mod
 from localspec.engine import llama as llama_mod
 from localspec.engine.cache import SlotCaches
 from localspec.engine.errors import DecodeError
@@ -118,16 +117,14 @@ def prompts(toks: list[int]) -> tuple[list[int], list[int]]:
 
 @pytest.mark.parametrize("flash_attn", [False, True])
 def test_prefill_compacts_before_evaluating_around_moved_runs(
-    model: Model, toks: list[int], flash_attn: bool, monkeypatch: pytest.MonkeyPatch
+    model: Model, toks: list[int], flash_attn: bool
 ) -> None:
     first, second = prompts(toks)
     results = []
     for compact in (True, False):
-        if not compact:
-            monkeypatch.setattr(cache_mod, "COMPACT_MIN_WORK", 1 << 60)
         ctx = new_ctx(model, flash_attn=flash_attn)
         try:
-            caches = SlotCaches(ctx, 1)
+            caches = SlotCaches(ctx, 1, compact_min_work=None if compact else 1 << 60)
             caches.prefill(0, first, min_chunk=256)
             pre = caches.prefill(0, second, min_chunk=256, chunk=64)
             assert pre.n_moved == 300 and pre.n_evaluated == len(second) - 300

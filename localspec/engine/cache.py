@@ -33,8 +33,10 @@ class PrefillResult:
 
 
 class SlotCaches:
-    def __init__(self, ctx: Context, n_slots: int) -> None:
+    def __init__(self, ctx: Context, n_slots: int, *, compact_min_work: int | None = None) -> None:
         self.ctx = ctx
+        # None: COMPACT_MIN_WORK, read at each prefill; a huge value turns compaction off
+        self.compact_min_work = compact_min_work
         self.n_slots = n_slots
         self.scratch = n_slots
         self.tokens: list[list[int]] = [[] for _ in range(n_slots)]
@@ -133,7 +135,8 @@ class SlotCaches:
         # moved runs stay in their old cells, amid the holes the dropped content leaves; with
         # flash attention off every new token would pay for those holes (Context.compact)
         holes = len(cached) - plan.n_reused if plan.runs else 0
-        compact_due = not ctx.flash_attn and holes * plan.n_evaluated >= COMPACT_MIN_WORK
+        min_work = COMPACT_MIN_WORK if self.compact_min_work is None else self.compact_min_work
+        compact_due = not ctx.flash_attn and holes * plan.n_evaluated >= min_work
         toks = list(prompt[: plan.n_prefix])
         self.tokens[slot] = toks
         step = max(1, min(chunk or ctx.n_batch, ctx.n_batch))
