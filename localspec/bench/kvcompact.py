@@ -93,7 +93,7 @@ def measure(model_path: Path, *, n_ctx: int, threads: int | None, repeats: int) 
     try:
         vocab = Vocab(model.vocab_handle)
         text = "".join(p.read_text(encoding="utf-8", errors="replace") for p in stdlib_files())
-        text = text[: 64 * n_ctx]  # ~16 characters a token leaves room for what it needs
+        text = text[: 64 * n_ctx]  # ~16 tokens of code per context cell; the scenario needs ~1.7
         sc = scenario(vocab.tokenize(text), n_ctx)
         runs: dict[str, list[dict]] = {"off": [], "on": []}
         for i in range(repeats):

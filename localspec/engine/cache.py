@@ -17,10 +17,10 @@ from localspec.engine.errors import DecodeError
 from localspec.engine.llama import Context
 from localspec.engine.types import Cancel
 
-# compact the KV buffer (Context.compact, ~17 ms for 4096 cells of a 135M model on 2 cores)
+# compact the KV buffer (Context.compact, ~30 ms for 3 800 cells of a 135M model on 2 cores)
 # before evaluating a moved prompt when (holes left by the old content) x (tokens to evaluate)
 # reaches this: each hole below the highest used cell costs ~1.2 us per evaluated token
-# without flash attention (docs/engine.md), so this is ~4x the break-even point
+# without flash attention (docs/engine.md), so this is ~2.5x the break-even point
 COMPACT_MIN_WORK = 64 * 1024
 
 

@@ -309,7 +309,9 @@ class Context:
             size = int(C.llama_state_get_size(self.handle))
             if size <= 0 or size > min(max_bytes, _available_memory() // 4):
                 return False
-            buf = (ctypes.c_uint8 * size)()
+            # np.empty, not a ctypes array: zero-filling ~100 MB first would double the copy
+            host = np.empty(size, dtype=np.uint8)
+            buf = host.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
             n = int(C.llama_state_get_data(self.handle, buf, size))
             if n <= 0:
                 return False
