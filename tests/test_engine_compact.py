@@ -189,3 +189,33 @@ def test_compact_refuses_a_state_larger_than_its_cap(model: Model, toks: list[in
         assert ctx.seq_pos_max(0) == 99
     finally:
         ctx.close()
+
+
+def test_compacting_for_one_slot_keeps_the_other_slots_kv(model: Model, toks: list[int]) -> None:
+    """The save and restore is of the whole context: every slot's cells move."""
+    settings = ms(Path(model.path))
+    ctx = Context(model, settings, n_seq=3, n_ctx_total=2 * N_CTX, clock=Clock())
+    try:
+        caches = SlotCaches(ctx, 2)
+        other = toks[100:400]
+        caches.prefill(1, other)
+        first, second = prompts(toks)
+        caches.prefill(0, first, min_chunk=256)
+        caches.prefill(0, second, min_chunk=256)
+        assert caches.n_compacted == 1
+        more = toks[950:990]
+        got = [fill(ctx, more, len(second), 0), fill(ctx, more, len(other), 1)]
+        assert caches.tokens[1] == other
+    finally:
+        ctx.close()
+    ref = Context(model, settings, n_seq=3, n_ctx_total=2 * N_CTX, clock=Clock())
+    try:
+        ref_caches = SlotCaches(ref, 2, compact_min_work=1 << 60)
+        ref_caches.prefill(1, other)
+        ref_caches.prefill(0, first, min_chunk=256)
+        ref_caches.prefill(0, second, min_chunk=256)
+        want = [fill(ref, more, len(second), 0), fill(ref, more, len(other), 1)]
+    finally:
+        ref.close()
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-4)
