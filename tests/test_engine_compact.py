@@ -17,7 +17,7 @@ import pytest
 from localspec.bench.speculative import code_prompts
 from localspec.engine import ModelSettings
 from localspec.engine import llama as llama_mod
-from localspec.engine.cache import SlotCaches
+from localspec.engine.cache import COMPACT_MIN_WORK, COMPACT_OFF, SlotCaches
 from localspec.engine.errors import DecodeError
 from localspec.engine.llama import Clock, Context, Model
 from localspec.engine.vocab import Vocab
@@ -124,7 +124,9 @@ def test_prefill_compacts_before_evaluating_around_moved_runs(
     for compact in (True, False):
         ctx = new_ctx(model, flash_attn=flash_attn)
         try:
-            caches = SlotCaches(ctx, 1, compact_min_work=None if compact else 1 << 60)
+            caches = SlotCaches(
+                ctx, 1, compact_min_work=COMPACT_MIN_WORK if compact else COMPACT_OFF
+            )
             caches.prefill(0, first, min_chunk=256)
             pre = caches.prefill(0, second, min_chunk=256, chunk=64)
             assert pre.n_moved == 300 and pre.n_evaluated == len(second) - 300
@@ -210,7 +212,7 @@ def test_compacting_for_one_slot_keeps_the_other_slots_kv(model: Model, toks: li
         ctx.close()
     ref = Context(model, settings, n_seq=3, n_ctx_total=2 * N_CTX, clock=Clock())
     try:
-        ref_caches = SlotCaches(ref, 2, compact_min_work=1 << 60)
+        ref_caches = SlotCaches(ref, 2, compact_min_work=COMPACT_OFF)
         ref_caches.prefill(1, other)
         ref_caches.prefill(0, first, min_chunk=256)
         ref_caches.prefill(0, second, min_chunk=256)

@@ -28,13 +28,12 @@ from typing import Any
 
 from localspec.bench.speculative import stdlib_files
 from localspec.bench.stats import fmt
-from localspec.engine.cache import SlotCaches
+from localspec.engine.cache import COMPACT_MIN_WORK, COMPACT_OFF, SlotCaches
 from localspec.engine.llama import Clock, Context, Model
 from localspec.engine.types import ModelSettings
 from localspec.engine.vocab import Vocab
 
 PHASES = ("ring warm-up", "keystrokes", "end-of-line prefill", "30 decoding steps")
-OFF = 1 << 62  # a compaction threshold no prefill reaches
 
 
 def scenario(tokens: list[int], n_ctx: int) -> dict[str, Any]:
@@ -68,7 +67,7 @@ def scenario(tokens: list[int], n_ctx: int) -> dict[str, Any]:
 def run_once(model: Model, settings: ModelSettings, sc: dict[str, Any], compact: bool) -> dict:
     ctx = Context(model, settings, n_seq=2, n_ctx_total=settings.n_ctx, clock=Clock())
     try:
-        caches = SlotCaches(ctx, 1, compact_min_work=None if compact else OFF)
+        caches = SlotCaches(ctx, 1, compact_min_work=COMPACT_MIN_WORK if compact else COMPACT_OFF)
         caches.prefill(0, sc["cached"], chunk=512)
         times: list[float] = []
         for name in ("warm_up", "keystrokes", "final"):

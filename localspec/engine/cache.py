@@ -22,6 +22,7 @@ from localspec.engine.types import Cancel
 # reaches this: each hole below the highest used cell costs ~1.2 us per evaluated token
 # without flash attention (docs/engine.md), so this is ~2.5x the break-even point
 COMPACT_MIN_WORK = 64 * 1024
+COMPACT_OFF = 1 << 62  # a threshold no prefill reaches
 
 
 @dataclass
@@ -33,10 +34,11 @@ class PrefillResult:
 
 
 class SlotCaches:
-    def __init__(self, ctx: Context, n_slots: int, *, compact_min_work: int | None = None) -> None:
+    def __init__(
+        self, ctx: Context, n_slots: int, *, compact_min_work: int = COMPACT_MIN_WORK
+    ) -> None:
         self.ctx = ctx
-        # None: COMPACT_MIN_WORK, read at each prefill; a huge value turns compaction off
-        self.compact_min_work = compact_min_work
+        self.compact_min_work = compact_min_work  # COMPACT_OFF: never compact
         self.n_slots = n_slots
         self.scratch = n_slots
         self.tokens: list[list[int]] = [[] for _ in range(n_slots)]
@@ -135,8 +137,7 @@ class SlotCaches:
         # moved runs stay in their old cells, amid the holes the dropped content leaves; with
         # flash attention off every new token would pay for those holes (Context.compact)
         holes = len(cached) - plan.n_reused if plan.runs else 0
-        min_work = COMPACT_MIN_WORK if self.compact_min_work is None else self.compact_min_work
-        compact_due = not ctx.flash_attn and holes * plan.n_evaluated >= min_work
+        compact_due = not ctx.flash_attn and holes * plan.n_evaluated >= self.compact_min_work
         toks = list(prompt[: plan.n_prefix])
         self.tokens[slot] = toks
         step = max(1, min(chunk or ctx.n_batch, ctx.n_batch))
