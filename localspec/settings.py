@@ -133,6 +133,12 @@ class CacheSettings(_Section):
     reuse_chunk: int = Field(
         256, ge=0, description="min chunk moved by KV shift (llama-server --cache-reuse); 0: off"
     )
+    exact_ms: float = Field(
+        100.0,
+        ge=0,
+        description="keep the KV exact (as a cold evaluation) instead of a KV shift when that "
+        "costs at most this many ms more per request; 0: always shift, as llama-server",
+    )
     infill_layout: Literal["typed-in-middle", "llama-server"] = Field(
         "typed-in-middle",
         description="where /infill puts the typed cursor line: after FIM_MID (each keystroke "

@@ -610,3 +610,10 @@ def test_llama_server_modes_take_a_flash_attention_off_variant() -> None:
     assert off.argv[off.argv.index("--flash-attn") + 1] == "off" and "-md" in off.argv
     with pytest.raises(ValueError, match=r"\+fa-on"):
         anchor.llama_server_spec(Path("llama-server"), serve, "plain+fa-on", port=1)
+
+
+def test_localspec_takes_the_exact_kv_budget_only_when_given() -> None:
+    serve = anchor.ServeSettings(target=Path("t.gguf"))
+    assert "--cache-exact-ms" not in anchor.localspec_spec(serve, port=1).argv
+    argv = anchor.localspec_spec(replace(serve, cache_exact_ms=0.0), port=1).argv
+    assert argv[argv.index("--cache-exact-ms") + 1] == "0.0"

@@ -47,6 +47,7 @@ def engine(qwen_target: Path, qwen_draft: Path) -> Engine:
         n_slots=2,
         cache_reuse=16,
         tail_reuse=8,
+        exact_ms=0.0,  # these tests are of the KV shift, which this tiny model can afford to skip
         spec=SpecSettings(mode="draft", n_max=4, p_min=0.0),
     )
     with Engine.load(s) as eng:
@@ -299,6 +300,7 @@ def test_tail_drift_is_bounded(qwen_target: Path, prompt_text: str, refresh: int
     s = EngineSettings(
         target=ms(qwen_target),
         cache_reuse=256,
+        exact_ms=0.0,
         tail_reuse=8,
         tail_max_drift=3,
         tail_refresh=refresh,
@@ -335,7 +337,7 @@ def test_rolling_refresh_recomputes_a_window_per_keystroke_instead_of_the_block(
     for roll in (0, 16):
         s = EngineSettings(
             target=ms(qwen_target), cache_reuse=256, tail_reuse=8, tail_max_drift=6,
-            tail_refresh=4, tail_roll=roll, spec=SpecSettings(mode="off"),
+            tail_refresh=4, tail_roll=roll, exact_ms=0.0, spec=SpecSettings(mode="off"),
         )  # fmt: skip
         with Engine.load(s) as eng:
             v, f = eng.vocab, eng.vocab.fim
@@ -393,7 +395,7 @@ def test_cancel_finishes_the_gaps_in_front_of_parked_runs_when_they_are_worth_mo
     """A ring chunk inserted in front of 400 cached tokens: a keystroke cancelled before the
     moved tokens were attached evaluates the 150-token gap (five pieces) and attaches them,
     instead of dropping 400 tokens of KV that the next keystroke would recompute."""
-    s = EngineSettings(target=ms(qwen_target), cache_reuse=64, prefill_chunk=32)
+    s = EngineSettings(target=ms(qwen_target), cache_reuse=64, prefill_chunk=32, exact_ms=0.0)
     with Engine.load(s) as eng:
         toks = eng.vocab.tokenize("".join(code_prompts(16, lines=14)))
         assert len(toks) >= 850

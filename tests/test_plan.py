@@ -622,7 +622,7 @@ def test_plan_from_localspec_settings(catalog: Catalog) -> None:
         limits={"context": 8192, "gpu_memory_gb": 20},
         server={"slots": 2},
         speculative={"n_max": 8},
-        cache={"reuse_chunk": 128},
+        cache={"reuse_chunk": 128, "exact_ms": 40},
     )
     facts = load_hardware_profile("rtx4090-24gb")
     plan = make_plan(catalog, facts, settings)
@@ -631,6 +631,7 @@ def test_plan_from_localspec_settings(catalog: Catalog) -> None:
     assert plan.memory[0].budget == int(20e9) - GiB
     engine = plan.engine_settings("t.gguf", "d.gguf")
     assert engine.spec.n_max == 8 and engine.cache_reuse == 128 and engine.n_slots == 2
+    assert engine.exact_ms == 40
     plan = make_plan(catalog, facts, _settings(speculative={"mode": "ngram"}))
     assert plan.draft is None and plan.engine_settings("t.gguf").spec.mode == "ngram"
     pinned_elsewhere = _settings(

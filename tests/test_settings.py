@@ -215,6 +215,7 @@ def test_every_key_named_in_the_brief_exists() -> None:
         "speculative.n_min",
         "speculative.p_min",
         "cache.reuse_chunk",
+        "cache.exact_ms",
         "cache.infill_layout",
         "log.level",
         "log.format",

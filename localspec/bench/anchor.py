@@ -37,6 +37,7 @@ class ServeSettings:
     threads: int = 2
     batch: int = 1024
     cache_reuse: int = 256
+    cache_exact_ms: float | None = None  # localspec only; None: its default
     draft_max: int = 16
     draft_p_min: float = 0.75
     n_predict: int = 128  # llama-server's default n_predict (the client's value)
@@ -143,6 +144,8 @@ def localspec_spec(
         argv += ["--draft", str(serve.draft)]
     if spec_mode:
         argv += ["--spec-mode", spec_mode]
+    if serve.cache_exact_ms is not None:
+        argv += ["--cache-exact-ms", str(serve.cache_exact_ms)]
     name = "localspec" if not spec_mode else f"localspec/{spec_mode}"
     return ServerSpec(name, argv, port)
 

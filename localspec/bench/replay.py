@@ -84,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--threads", type=int, default=None, help="llama.cpp threads (default: physical cores)"
     )
     srv.add_argument("--cache-reuse", type=int, default=256, help="KV-shift chunk (default 256)")
+    srv.add_argument(
+        "--cache-exact-ms",
+        type=float,
+        metavar="MS",
+        help="localspec's budget for exact KV instead of a KV shift (default: its settings)",
+    )
     srv.add_argument("--api-key", default=os.environ.get("LOCALSPEC_API_KEY"), help="for --url")
     srv.add_argument(
         "--load-timeout", type=float, default=600.0, help="seconds to wait for a server to load"
@@ -153,6 +159,7 @@ def server_specs(args: argparse.Namespace) -> list[anchor.ServerSpec]:
         ctx=args.ctx,
         threads=_threads(args.threads),
         cache_reuse=args.cache_reuse,
+        cache_exact_ms=args.cache_exact_ms,
     )
     if args.url is None and not args.no_localspec:
         specs.append(anchor.localspec_spec(serve, args.spec_mode))

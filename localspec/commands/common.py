@@ -78,6 +78,9 @@ SERVE_FLAGS = (
     SettingFlag("--draft-p-min", "speculative.p_min", float, "min draft token probability", "P"),
     SettingFlag("--cache-reuse", "cache.reuse_chunk", int, "min KV-shift chunk; 0: off", "N"),
     SettingFlag(
+        "--cache-exact-ms", "cache.exact_ms", float, "extra ms per request for exact KV", "MS"
+    ),
+    SettingFlag(
         "--infill-layout",
         "cache.infill_layout",
         str,

@@ -227,6 +227,7 @@ def _local_models(args: argparse.Namespace, settings: st.Settings) -> Served:
         n_slots=settings.server.slots or 1,
         spec=SpecSettings(mode=spec.mode, n_max=spec.n_max, n_min=spec.n_min, p_min=spec.p_min),
         cache_reuse=settings.cache.reuse_chunk,
+        exact_ms=settings.cache.exact_ms,
     )
     return Served(engine, args.target.name)
 

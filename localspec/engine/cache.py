@@ -9,6 +9,7 @@ the evaluation reaches its position. With a unified KV buffer, parking re-tags c
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -23,6 +24,8 @@ from localspec.engine.types import Cancel
 # without flash attention (docs/engine.md), so this is ~2.5x the break-even point
 COMPACT_MIN_WORK = 64 * 1024
 COMPACT_OFF = 1 << 62  # a threshold no prefill reaches
+# prefill pieces shorter than this cost mostly fixed overhead: no sample for the token price
+PRICE_MIN_PIECE = 32
 
 
 @dataclass
@@ -31,6 +34,7 @@ class PrefillResult:
     n_evaluated: int  # prompt tokens decoded now
     n_moved: int  # of n_cached, tokens moved by a KV shift (approximate reuse)
     cancelled: bool = False
+    n_exact: int = 0  # leading tokens of the slot's KV equal to a cold evaluation's
 
 
 class SlotCaches:
@@ -48,6 +52,10 @@ class SlotCaches:
         self.changes: list[list[int]] = [[] for _ in range(n_slots)]  # per keystroke, rolling
         self.roll_at: list[int] = [0] * n_slots  # offset of the next rolling refresh window
         self.n_compacted = 0  # KV buffer compactions done by prefills
+        # leading tokens of each slot whose KV a cold evaluation would compute bit for bit:
+        # everything from the first moved run on attended to KV computed after other text
+        self.exact: list[int] = [0] * n_slots
+        self.ms_per_token = -1.0  # measured prefill price (EMA over pieces); -1: unmeasured
 
     def plan(
         self,
@@ -79,8 +87,14 @@ class SlotCaches:
         tail_roll: int = 0,
         cancel: Cancel | None = None,
         chunk: int | None = None,
+        exact_ms: float = 0.0,
     ) -> PrefillResult:
-        """Make the slot hold ``prompt`` (logits of its last token ready); reuse what it can."""
+        """Make the slot hold ``prompt`` (logits of its last token ready); reuse what it can.
+
+        ``exact_ms``: when keeping the KV exact (prefix reuse of the exact part only, no KV
+        shift) costs at most this many milliseconds more than the reuse plan, at the measured
+        price per token, the exact plan is taken, and it also repays an earlier shift's
+        approximation still held in the prefix."""
         ctx, seq = self.ctx, slot
         plan = self.plan(
             slot, prompt, min_chunk=min_chunk, tail_min=tail_min, tail_refresh=tail_refresh
@@ -120,6 +134,12 @@ class SlotCaches:
         elif not 0 <= self.tail_start[slot] < plan.n_prefix:
             # any moved tail block was dropped or recomputed: nothing stale remains
             self._reset_drift(slot)
+        exact = self.exact[slot]
+        if exact_ms > 0 and (plan.runs or plan.n_prefix > exact):
+            exact_plan = plan_reuse(cached[:exact], prompt, min_chunk=0)
+            if self.affordable(exact_plan.n_evaluated - plan.n_evaluated, exact_ms):
+                plan = exact_plan
+                self._reset_drift(slot)
         n_moved = sum(r.n for r in plan.runs)
         if plan.runs:
             scratch = self.scratch
@@ -140,6 +160,7 @@ class SlotCaches:
         compact_due = not ctx.flash_attn and holes * plan.n_evaluated >= self.compact_min_work
         toks = list(prompt[: plan.n_prefix])
         self.tokens[slot] = toks
+        self.exact[slot] = min(exact, plan.n_prefix)
         step = max(1, min(chunk or ctx.n_batch, ctx.n_batch))
         runs = {r.dst: r for r in plan.runs}
         pos = plan.n_prefix
@@ -163,17 +184,39 @@ class SlotCaches:
             end = min(n_prompt, pos + step, nxt)
             if compact_due and self._compact():
                 compact_due = False  # (a pending shift defers it past the next decode)
+            t0 = time.perf_counter()
             ctx.decode(prompt[pos:end], pos, seq, logits="last" if end == n_prompt else "none")
+            self._observe_price(end - pos, (time.perf_counter() - t0) * 1000.0)
             toks.extend(prompt[pos:end])
             pos = end
         if plan.runs:
             ctx.seq_rm(self.scratch, -1, -1)
+        # the KV stays exact up to the first moved run (when it was exact up to the prefix)
+        first_moved = min((r.dst for r in plan.runs if r.dst < len(toks)), default=len(toks))
+        if exact >= plan.n_prefix:
+            self.exact[slot] = first_moved
         if cancelled:
             # count the runs that were attached before the cancel as cached
             attached = sum(r.n for r in plan.runs if r.dst + r.n <= len(toks))
             n_eval = len(toks) - plan.n_prefix - attached
-            return PrefillResult(plan.n_prefix + attached, n_eval, attached, True)
-        return PrefillResult(plan.n_reused, plan.n_evaluated, n_moved)
+            return PrefillResult(
+                plan.n_prefix + attached, n_eval, attached, True, n_exact=self.exact[slot]
+            )
+        return PrefillResult(plan.n_reused, plan.n_evaluated, n_moved, n_exact=self.exact[slot])
+
+    def affordable(self, n_tokens: int, budget_ms: float) -> bool:
+        """Whether evaluating ``n_tokens`` more fits ``budget_ms`` at the measured price
+        (nothing is affordable before a price is measured, except nothing)."""
+        if n_tokens <= 0:
+            return True
+        return self.ms_per_token > 0 and n_tokens * self.ms_per_token <= budget_ms
+
+    def _observe_price(self, n_tokens: int, ms: float) -> None:
+        if n_tokens < PRICE_MIN_PIECE:
+            return
+        price = ms / n_tokens
+        old = self.ms_per_token
+        self.ms_per_token = price if old < 0 else 0.8 * old + 0.2 * price
 
     def _compact(self) -> bool:
         try:
@@ -181,6 +224,7 @@ class SlotCaches:
         except DecodeError:
             for slot in range(self.n_slots):  # the restore failed: the KV buffer is empty
                 self.tokens[slot] = []
+                self.exact[slot] = 0
                 self._reset_drift(slot)
             raise
         self.n_compacted += done
@@ -196,6 +240,8 @@ class SlotCaches:
         pos = len(toks)
         self.ctx.decode(tokens, pos, slot, logits=logits)
         toks.extend(tokens)
+        if self.exact[slot] == pos:
+            self.exact[slot] = len(toks)
         return pos
 
     def truncate(self, slot: int, n_keep: int) -> None:
@@ -203,10 +249,12 @@ class SlotCaches:
         if n_keep < len(self.tokens[slot]):
             self.ctx.seq_rm(slot, n_keep, -1)
             del self.tokens[slot][n_keep:]
+            self.exact[slot] = min(self.exact[slot], n_keep)
 
     def clear(self, slot: int) -> None:
         self.ctx.seq_rm(slot, -1, -1)
         self.tokens[slot] = []
+        self.exact[slot] = 0
         self._reset_drift(slot)
 
 

@@ -11,6 +11,7 @@ the output is the target's own output.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -305,7 +306,9 @@ class _Run:
         else:
             e._settle_draft()
         inside0 = self._inside_ms()
-        held = e._tcache.tokens[self.slot]
+        tcache = e._tcache
+        held = tcache.tokens[self.slot]
+        prompt: Sequence[int] = req.prompt
         if (
             req.n_predict == 0
             and len(held) > len(req.prompt)
@@ -313,14 +316,18 @@ class _Run:
         ):
             # a cache fill the slot already holds, and more: what follows stays (an editor's
             # ring warm-up must not drop the cursor's cached prefix and suffix behind the ring).
-            # No logits are computed for it
-            res.n_cached, res.stop_type = len(req.prompt), "limit"
-            res.prompt_ms = (time.perf_counter() - t0) * 1000.0
-            return res
+            # No logits are computed for it, unless an earlier KV shift left the held tokens
+            # approximate and re-evaluating them fits the exactness budget: idle time repays it
+            debt = len(held) - tcache.exact[self.slot]
+            if debt <= 0 or not tcache.affordable(debt, settings.exact_ms):
+                res.n_cached, res.stop_type = len(req.prompt), "limit"
+                res.prompt_ms = (time.perf_counter() - t0) * 1000.0
+                return res
+            prompt = list(held)
         min_chunk = settings.cache_reuse if req.cache_prompt else 0
-        pre = e._tcache.prefill(
+        pre = tcache.prefill(
             self.slot,
-            req.prompt,
+            prompt,
             min_chunk=min_chunk,
             tail_min=settings.tail_reuse,
             max_drift=settings.tail_max_drift,
@@ -328,8 +335,10 @@ class _Run:
             tail_roll=settings.tail_roll,
             cancel=self.prefill_cancel,
             chunk=settings.prefill_chunk,
+            exact_ms=settings.exact_ms,
         )
-        res.n_cached, res.n_evaluated, res.n_shifted = pre.n_cached, pre.n_evaluated, pre.n_moved
+        res.n_cached = min(pre.n_cached, len(req.prompt))  # a repair may evaluate past it
+        res.n_evaluated, res.n_shifted = pre.n_evaluated, pre.n_moved
         t1 = time.perf_counter()
         res.prompt_ms = (t1 - t0) * 1000.0
         if not pre.cancelled and not self.pipelined:  # a pipelined draft shares the cores

@@ -92,6 +92,10 @@ class EngineSettings:
     # and, past those, re-evaluate a rolling window of this many tokens per keystroke: every
     # token is recomputed every few keys, so the drift cap rarely forces a whole-block recompute
     tail_roll: int = 32
+    # keep the target's KV exact (as a cold evaluation computes it) instead of moving runs by a
+    # KV shift whenever that costs at most this many ms more, at the measured prefill price; it
+    # also repays an earlier shift, at a ring warm-up too. 0: always shift, as llama-server
+    exact_ms: float = 100.0
     # prompt tokens per llama_decode while prefilling: a cancel (the editor aborted this
     # keystroke) is noticed between pieces, and what was evaluated stays cached for the next
     prefill_chunk: int = 128

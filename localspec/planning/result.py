@@ -70,6 +70,7 @@ class Plan:
     target_source: str = "catalog estimate"
     speculative: SpecSettings = field(default_factory=SpecSettings)
     cache_reuse: int = 256
+    cache_exact_ms: float = 100.0
 
     @property
     def concurrent_sessions(self) -> int:
@@ -119,6 +120,7 @@ class Plan:
             n_slots=self.n_slots,
             spec=spec,
             cache_reuse=self.cache_reuse,
+            exact_ms=self.cache_exact_ms,
         )
 
     def to_json(self) -> dict[str, Any]:

@@ -355,4 +355,5 @@ def _to_plan(
         target_source=cand.target.source,
         speculative=c.settings.speculative,
         cache_reuse=c.settings.cache_reuse,
+        cache_exact_ms=c.settings.cache_exact_ms,
     )

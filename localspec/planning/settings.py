@@ -33,6 +33,7 @@ class PlanSettings:
     draft_models: bool = True  # False: n-gram pairs only (speculative.mode off or ngram)
     speculative: SpecSettings = field(default_factory=SpecSettings)  # handed to the engine
     cache_reuse: int = 256  # handed to the engine
+    cache_exact_ms: float = 100.0  # handed to the engine (EngineSettings.exact_ms)
     measured: Mapping[tuple[str, str], ModelFacts] = field(default_factory=dict)
     """(model id, quant) -> facts read from a GGUF on disk; replaces the catalog estimate."""
 
@@ -44,7 +45,8 @@ def is_allowed(patterns: Sequence[str], *names: str) -> bool:
 
 def plan_settings_from(settings: Any, **overrides: Any) -> PlanSettings:
     """PlanSettings from localspec's layered Settings (models.*, limits.*, server.slots,
-    speculative.*, cache.reuse_chunk). A pinned models.pair is the only pair considered.
+    speculative.*, cache.reuse_chunk, cache.exact_ms). A pinned models.pair is the only pair
+    considered.
     ``overrides`` set PlanSettings fields no settings key holds (concurrent_sessions=500)."""
     models, limits, spec = settings.models, settings.limits, settings.speculative
     allowed = tuple(models.allowed)
@@ -67,5 +69,6 @@ def plan_settings_from(settings: Any, **overrides: Any) -> PlanSettings:
             mode=spec.mode, n_max=spec.n_max, n_min=spec.n_min, p_min=spec.p_min
         ),
         cache_reuse=settings.cache.reuse_chunk,
+        cache_exact_ms=settings.cache.exact_ms,
         **overrides,
     )

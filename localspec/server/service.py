@@ -341,6 +341,7 @@ class Service:
                 "p_min": spec.p_min,
                 "draft_model": None if engine.draft_path is None else str(engine.draft_path),
                 "cache_reuse": self.engine_settings.cache_reuse,
+                "cache_exact_ms": self.engine_settings.exact_ms,
             },
             "modalities": {"vision": False, "audio": False},
             "endpoint_slots": True,

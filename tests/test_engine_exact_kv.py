@@ -1,0 +1,173 @@
+"""Exact KV when the machine can afford it: no KV shift, and earlier shifts repaid.
+
+A moved run's KV was computed after other text, so answers drift from a cold evaluation's.
+When keeping the KV exact (re-evaluating from the first approximate token) costs at most
+``exact_ms`` more at the measured prefill price, the slot cache does that instead. These tests
+check the choice, the bookkeeping of how much of a slot is exact, and the logits against a
+cold context (the strict check: a shifted run changes them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from localspec.bench.speculative import code_prompts
+from localspec.engine import Engine, EngineSettings, GenerationRequest, ModelSettings, SpecSettings
+from localspec.engine.cache import SlotCaches
+from localspec.engine.llama import Clock, Context, Model
+from localspec.engine.vocab import Vocab
+
+N_CTX = 1024
+ATOL = 1e-3  # batch splits round differently; a moved run changes logits far more (checked)
+
+
+def ms(path: Path) -> ModelSettings:
+    return ModelSettings(str(path), n_ctx=N_CTX, n_batch=256, n_ubatch=256, n_threads=2)
+
+
+@pytest.fixture(scope="module")
+def model(qwen_target: Path) -> Iterator[Model]:
+    m = Model(ms(qwen_target))
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="module")
+def toks(model: Model) -> list[int]:
+    out = Vocab(model.vocab_handle).tokenize("".join(code_prompts(8, lines=30)))
+    assert len(out) >= 600
+    return out[:600]
+
+
+@pytest.fixture
+def caches(model: Model) -> Iterator[SlotCaches]:
+    ctx = Context(model, ms(Path(model.path)), n_seq=2, n_ctx_total=N_CTX, clock=Clock())
+    yield SlotCaches(ctx, 1)
+    ctx.close()
+
+
+def cold_logits(model: Model, prompt: list[int]) -> np.ndarray:
+    ctx = Context(model, ms(Path(model.path)), n_seq=1, n_ctx_total=N_CTX, clock=Clock())
+    try:
+        for i in range(0, len(prompt), 100):
+            end = min(len(prompt), i + 100)
+            ctx.decode(prompt[i:end], i, 0, logits="last" if end == len(prompt) else "none")
+        return np.array(ctx.logits(-1))
+    finally:
+        ctx.close()
+
+
+def ring(toks: list[int]) -> tuple[list[int], list[int]]:
+    """An editor's ring rotation: the oldest chunk leaves the front, the rest moves up."""
+    old, kept, local = toks[:100], toks[100:400], toks[400:560]
+    return old + kept + local, kept + local
+
+
+def warm_logits(caches: SlotCaches) -> np.ndarray:
+    return np.array(caches.ctx.logits(-1))
+
+
+def test_a_shift_changes_the_logits_and_leaves_the_slot_approximate(
+    model: Model, caches: SlotCaches, toks: list[int]
+) -> None:
+    first, second = ring(toks)
+    caches.prefill(0, first, min_chunk=64)
+    assert caches.exact[0] == len(first) and caches.ms_per_token > 0
+    pre = caches.prefill(0, second, min_chunk=64, exact_ms=0.0)
+    assert pre.n_moved == len(second) - 1 and pre.n_exact == 0 == caches.exact[0]
+    assert np.max(np.abs(warm_logits(caches) - cold_logits(model, second))) > 10 * ATOL
+
+
+def test_an_affordable_shift_is_replaced_by_an_exact_evaluation(
+    model: Model, caches: SlotCaches, toks: list[int]
+) -> None:
+    first, second = ring(toks)
+    caches.prefill(0, first, min_chunk=64)
+    pre = caches.prefill(0, second, min_chunk=64, exact_ms=1e9)
+    assert pre.n_moved == 0 and pre.n_evaluated == len(second)
+    assert caches.exact[0] == len(second) == pre.n_exact
+    np.testing.assert_allclose(warm_logits(caches), cold_logits(model, second), atol=ATOL)
+
+
+def test_the_budget_is_the_extra_cost_at_the_measured_price(
+    caches: SlotCaches, toks: list[int]
+) -> None:
+    first, second = ring(toks)
+    extra = len(second) - 1  # the shift plan evaluates the last token, the exact one all
+    caches.prefill(0, first, min_chunk=64)
+    short = caches.ms_per_token * (extra - 1)
+    assert caches.prefill(0, second, min_chunk=64, exact_ms=short).n_moved > 0
+    caches.clear(0)
+    caches.prefill(0, first, min_chunk=64)
+    enough = caches.ms_per_token * extra * 1.001
+    assert caches.prefill(0, second, min_chunk=64, exact_ms=enough).n_moved == 0
+
+
+def test_an_unmeasured_price_affords_nothing(caches: SlotCaches, toks: list[int]) -> None:
+    first, second = ring(toks)
+    caches.prefill(0, first, min_chunk=64)
+    caches.ms_per_token = -1.0
+    assert caches.prefill(0, second, min_chunk=64, exact_ms=1e9).n_moved > 0
+    assert caches.affordable(0, 0.0) and not caches.affordable(1, 1e9)
+
+
+def test_a_later_prefill_repays_an_earlier_shift(
+    model: Model, caches: SlotCaches, toks: list[int]
+) -> None:
+    first, second = ring(toks)
+    caches.prefill(0, first, min_chunk=64)
+    caches.prefill(0, second, min_chunk=64, exact_ms=0.0)
+    more = second + toks[560:580]  # the same text and more: a plain prefix hit
+    pre = caches.prefill(0, more, min_chunk=64, exact_ms=1e9)
+    assert pre.n_cached == 0 and pre.n_evaluated == len(more)
+    assert caches.exact[0] == len(more)
+    np.testing.assert_allclose(warm_logits(caches), cold_logits(model, more), atol=ATOL)
+
+
+def test_exactness_is_tracked_through_append_truncate_and_a_partial_shift(
+    caches: SlotCaches, toks: list[int]
+) -> None:
+    first, _ = ring(toks)
+    caches.prefill(0, first, min_chunk=64)
+    caches.append(0, toks[580:584], logits="last")
+    assert caches.exact[0] == len(first) + 4
+    caches.truncate(0, 50)
+    assert caches.exact[0] == 50
+    # a prefix kept in place, then new text, then a moved run: exact up to the run
+    caches.prefill(0, first, min_chunk=64)
+    edited = first[:120] + toks[580:590] + first[120:]
+    pre = caches.prefill(0, edited, min_chunk=64, exact_ms=0.0)
+    assert pre.n_moved > 0 and caches.exact[0] == 130
+    caches.clear(0)
+    assert caches.exact[0] == 0
+
+
+def test_a_ring_warm_up_repairs_the_held_context_when_it_is_affordable(
+    qwen_target: Path, toks: list[int]
+) -> None:
+    """The editor's warm-up (n_predict 0, the ring only) after a shift: the slot holds the ring
+    and the cursor's context behind it; idle time re-evaluates all of it exactly and keeps it."""
+    first, second = ring(toks)
+    kept_len = 300
+    settings = EngineSettings(target=ms(qwen_target), cache_reuse=64, spec=SpecSettings("off"))
+    with Engine.load(settings) as eng:
+        tcache = eng._tcache
+        eng.generate(GenerationRequest(slot=0, prompt=first, n_predict=0))
+        price = tcache.ms_per_token
+        tcache.ms_per_token = -1.0  # unmeasured: this rotation is shifted
+        shifted = eng.generate(GenerationRequest(slot=0, prompt=second, n_predict=0))
+        assert shifted.n_shifted > 0 and tcache.exact[0] == 0
+        tcache.ms_per_token = price
+        warm_up = eng.generate(GenerationRequest(slot=0, prompt=second[:kept_len], n_predict=0))
+        assert warm_up.n_evaluated == len(second) and warm_up.n_cached == 0
+        assert tcache.tokens[0] == second and tcache.exact[0] == len(second)
+        np.testing.assert_allclose(
+            np.array(eng._tctx.logits(-1)), cold_logits(eng._target, second), atol=ATOL
+        )
+        # exact already: the next warm-up evaluates nothing and keeps what follows
+        again = eng.generate(GenerationRequest(slot=0, prompt=second[:kept_len], n_predict=0))
+        assert again.n_evaluated == 0 and tcache.tokens[0] == second
