@@ -161,13 +161,15 @@ def test_a_ring_warm_up_repairs_the_held_context_when_it_is_affordable(
         tcache.ms_per_token = -1.0  # unmeasured: this rotation is shifted
         shifted = eng.generate(GenerationRequest(slot=0, prompt=second, n_predict=0))
         assert shifted.n_shifted > 0 and tcache.exact[0] == 0
+        assert shifted.n_approx == len(second)
         tcache.ms_per_token = price
         warm_up = eng.generate(GenerationRequest(slot=0, prompt=second[:kept_len], n_predict=0))
         assert warm_up.n_evaluated == len(second) and warm_up.n_cached == 0
+        assert warm_up.n_approx == 0
         assert tcache.tokens[0] == second and tcache.exact[0] == len(second)
         np.testing.assert_allclose(
             np.array(eng._tctx.logits(-1)), cold_logits(eng._target, second), atol=ATOL
         )
         # exact already: the next warm-up evaluates nothing and keeps what follows
         again = eng.generate(GenerationRequest(slot=0, prompt=second[:kept_len], n_predict=0))
-        assert again.n_evaluated == 0 and tcache.tokens[0] == second
+        assert again.n_evaluated == 0 and tcache.tokens[0] == second and again.n_approx == 0

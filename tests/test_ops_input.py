@@ -202,6 +202,7 @@ def test_metrics_cover_requests_latency_tokens_drafts_queue_slots_memory(
         "localspec_prompt_tokens_evaluated_total",
         "localspec_prompt_tokens_cached_total",
         "localspec_tokens_predicted_total",
+        "localspec_answers_on_shifted_kv_total 0.0",  # repeated documents: prefix reuse only
         'localspec_draft_tokens_total{source="ngram"}',
         'localspec_draft_tokens_accepted_total{source="ngram"}',
         'localspec_draft_acceptance_ratio{source="ngram"}',
@@ -247,11 +248,12 @@ def test_one_log_line_per_request_with_cache_draft_and_timings(
     records = [r for r in caplog.records if r.name == logs.REQUESTS]
     assert len(records) == 4
     first, again, bad, denied = (r.fields for r in records)  # type: ignore[attr-defined]
-    for key in ("route", "slot", "evaluated", "reused", "predicted", "drafted", "accepted",
-                "queue_ms", "prompt_ms", "gen_ms", "total_ms", "outcome"):  # fmt: skip
+    for key in ("route", "slot", "evaluated", "reused", "approx", "predicted", "drafted",
+                "accepted", "queue_ms", "prompt_ms", "gen_ms", "total_ms", "outcome"):  # fmt: skip
         assert key in again, key
     assert again["route"] == "/infill" and again["status"] == 200 and again["outcome"] == "ok"
     assert again["slot"] == 0 and again["reused"] > 0 and again["evaluated"] < first["n_prompt"]
+    assert again["approx"] == 0  # plain prefix reuse: the KV is a cold evaluation's
     assert bad["status"] == 400 and bad["outcome"] == "rejected" and "nope" in bad["error"]
     assert denied["status"] == 401 and denied["route"] == "/slots"
     line = records[1].getMessage()

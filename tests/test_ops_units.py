@@ -185,3 +185,15 @@ def test_a_left_clients_prompt_is_evaluated_on_until_someone_else_waits() -> Non
         assert not rule.is_set()
         key.stopped_by = "superseded by a completion for the same slot"
         assert rule.is_set()
+
+
+def test_answers_on_shifted_kv_are_counted() -> None:
+    from prometheus_client import generate_latest
+
+    from localspec.server.metrics import Metrics, Probes
+
+    m = Metrics(Probes(queued=lambda: 0, busy=lambda: False), process=False)
+    m.record(GenerationResult(tokens=[1, 2], text="ab", stop_type="limit", n_approx=300))
+    m.record(GenerationResult(tokens=[1], text="a", stop_type="limit"))  # exact KV
+    m.record(GenerationResult(tokens=[], text="", stop_type="limit", n_approx=300))  # a warm-up
+    assert b"localspec_answers_on_shifted_kv_total 1.0" in generate_latest(m.registry)

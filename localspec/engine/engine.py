@@ -321,6 +321,7 @@ class _Run:
             debt = len(held) - tcache.exact[self.slot]
             if debt <= 0 or not tcache.affordable(debt, settings.exact_ms):
                 res.n_cached, res.stop_type = len(req.prompt), "limit"
+                res.n_approx = max(0, len(req.prompt) - tcache.exact[self.slot])
                 res.prompt_ms = (time.perf_counter() - t0) * 1000.0
                 return res
             prompt = list(held)
@@ -339,6 +340,7 @@ class _Run:
         )
         res.n_cached = min(pre.n_cached, len(req.prompt))  # a repair may evaluate past it
         res.n_evaluated, res.n_shifted = pre.n_evaluated, pre.n_moved
+        res.n_approx = max(0, len(req.prompt) - pre.n_exact)
         t1 = time.perf_counter()
         res.prompt_ms = (t1 - t0) * 1000.0
         if not pre.cancelled and not self.pipelined:  # a pipelined draft shares the cores

@@ -170,6 +170,9 @@ class GenerationResult:
     draft_n_cached: int = 0
     draft_n_evaluated: int = 0
     n_shifted: int = 0  # of n_cached, tokens moved by a KV shift (chunk/tail reuse)
+    # prompt tokens whose KV a cold evaluation would compute differently (from the first token
+    # moved by a KV shift, now or earlier, on): 0 means the answer is a cold cache's
+    n_approx: int = 0
     draft_n_shifted: int = 0
     # the draft model's prompt window is evaluated lazily, at its first draft; that time is
     # prompt work, so it counts in prompt_ms (and not in predicted_ms or t_draft_ms).

@@ -38,6 +38,7 @@ class RequestLog:
     n_prompt: int | None = None
     evaluated: int | None = None
     reused: int | None = None
+    approx: int | None = None  # prompt tokens on KV a cold evaluation computes differently
     predicted: int | None = None
     drafted: int | None = None
     accepted: int | None = None

@@ -168,6 +168,11 @@ class Metrics:
             "Prompt tokens reused from a slot's cache instead of evaluated",
             registry=r,
         )
+        self.approximate = Counter(
+            "localspec_answers_on_shifted_kv",
+            "Answers whose prompt KV holds tokens moved by a KV shift (a cold cache could differ)",
+            registry=r,
+        )
         self.predicted = Counter("localspec_tokens_predicted", "Tokens generated", registry=r)
         self.drafted = Counter(
             "localspec_draft_tokens", "Tokens proposed by a drafter", ["source"], registry=r
@@ -200,6 +205,8 @@ class Metrics:
         child = self.child
         self.prompt_evaluated.inc(result.n_evaluated)
         self.prompt_cached.inc(result.n_cached)
+        if result.n_approx and result.tokens:
+            self.approximate.inc()
         n_predicted = len(result.tokens)
         self.predicted.inc(n_predicted)
         child(self.prompt_time, endpoint).observe(result.prompt_ms / 1e3)

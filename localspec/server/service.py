@@ -161,6 +161,7 @@ class Service:
                 n_prompt=result.n_prompt,
                 evaluated=sum(r.n_evaluated for r in runs),
                 reused=sum(r.n_cached for r in runs),
+                approx=sum(r.n_approx for r in runs),
                 predicted=sum(len(r.tokens) for r in runs),
                 drafted=sum(r.draft_n for r in runs),
                 accepted=sum(r.draft_n_accepted for r in runs),
