@@ -101,6 +101,12 @@ class ServerSection(_Section):
     max_body_bytes: int = Field(
         8 * 1024 * 1024, ge=1024, description="larger request bodies are refused (413)"
     )
+    body_timeout_s: float = Field(
+        30.0, gt=0, description="a request body not fully received by then is refused (408)"
+    )
+    max_connections: int = Field(
+        256, ge=1, description="open connections past this are refused (503)"
+    )
     spm_infill: bool = Field(
         False,
         description="/infill puts the suffix block before the prefix (llama-server's "

@@ -567,6 +567,9 @@ def test_server_limits_and_spm_reach_the_server(
     assert (changed.spm_infill, changed.n_cmpl_max, changed.max_body_bytes) == (True, 4, 4096)
     with pytest.raises(SettingsError, match="max_body_bytes"):
         server_for("--set", "server.max_body_bytes=10")
+    assert (default.body_timeout_s, default.max_connections) == (30.0, 256)
+    limits = server_for("--set", "server.body_timeout_s=5", "--set", "server.max_connections=8")
+    assert (limits.body_timeout_s, limits.max_connections) == (5.0, 8)
 
 
 @pytest.mark.parametrize(

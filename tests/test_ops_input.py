@@ -8,6 +8,8 @@ import json
 import logging
 import os
 import re
+import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,11 +26,14 @@ from tests.test_ops_support import AUTH, KEY, Live, engine_settings, infill_body
 
 N_CTX = 512
 MAX_BODY = 256 * 1024
+BODY_TIMEOUT = 2.0
 
 
 @pytest.fixture(scope="module")
 def live(qwen_target: Path) -> Iterator[Live]:
-    settings = ServerSettings(port=0, api_key=KEY, n_parallel=2, max_body_bytes=MAX_BODY)
+    settings = ServerSettings(
+        port=0, api_key=KEY, n_parallel=2, max_body_bytes=MAX_BODY, body_timeout_s=BODY_TIMEOUT
+    )
     server = start(settings, engine_settings(qwen_target, n_ctx=N_CTX, n_batch=256))
     yield server
     stop(server)
@@ -129,6 +134,55 @@ def test_oversize_bodies_answer_413_declared_or_chunked(c: httpx.Client) -> None
     r = c.post("/completion", content=chunks())
     assert r.status_code == 413
     ok_infill(c)
+
+
+def raw_request(url: str, head: bytes) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall(head)
+    return sock
+
+
+def read_response(sock: socket.socket) -> bytes:
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def test_a_stalled_body_answers_408_and_the_daemon_serves_on(c: httpx.Client, live: Live) -> None:
+    """A client that sends half its body and stops: the gate gives up after body_timeout_s."""
+    head = (
+        f"POST /completion HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+    ).encode()
+    t0 = time.monotonic()
+    with raw_request(live.url, head + b'{"prompt": "x') as sock:
+        answer = read_response(sock)  # the server closes the connection after the 408
+    waited = time.monotonic() - t0
+    status, _, body = answer.partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 408"), answer[:200]
+    err = json.loads(body)["error"]
+    assert err["code"] == 408 and "not received within 2 s" in err["message"]
+    assert BODY_TIMEOUT <= waited < BODY_TIMEOUT + 10
+    ok_infill(c)
+
+
+def test_connections_past_the_cap_answer_503(qwen_target: Path) -> None:
+    live = start(
+        ServerSettings(port=0, max_connections=2), engine_settings(qwen_target, n_ctx=N_CTX)
+    )
+    try:
+        idle = [raw_request(live.url, b"") for _ in range(2)]
+        time.sleep(0.2)  # let the server accept them
+        with httpx.Client(timeout=30) as c:
+            assert c.get(live.url + "/health").status_code == 503
+            for sock in idle:
+                sock.close()
+            time.sleep(0.2)
+            assert c.get(live.url + "/health").status_code == 200
+    finally:
+        stop(live)
 
 
 def test_empty_extra_text_is_fine_like_llama_server(c: httpx.Client) -> None:

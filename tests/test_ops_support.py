@@ -21,7 +21,7 @@ import uvicorn
 
 from localspec.engine.types import EngineSettings, ModelSettings, SpecSettings
 from localspec.server import ServerSettings, create_app
-from localspec.server.run import bind_sockets
+from localspec.server.run import bind_sockets, uvicorn_config
 from localspec.server.service import Service
 
 KEY = "ops-key"
@@ -54,7 +54,7 @@ def start(settings: ServerSettings, engine: EngineSettings) -> Live:
     app = create_app(settings, engine)
     sockets = bind_sockets("127.0.0.1", 0)
     port = sockets[0].getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    server = uvicorn.Server(uvicorn_config(app, "warning", settings.max_connections))
     thread = threading.Thread(target=server.run, kwargs={"sockets": sockets}, daemon=True)
     thread.start()
     live = Live(f"http://127.0.0.1:{port}", server, thread, app.state.service)

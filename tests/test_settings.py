@@ -207,6 +207,8 @@ def test_every_key_named_in_the_brief_exists() -> None:
         "server.api_key_required",
         "server.slots",
         "server.queue_limit",
+        "server.body_timeout_s",
+        "server.max_connections",
         "server.metrics",
         "limits.context",
         "limits.gpu_memory_gb",

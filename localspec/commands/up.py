@@ -289,6 +289,8 @@ def _server_settings(settings: st.Settings, api_key: str | None, served: Served)
         model_alias=served.alias,
         n_cmpl_max=server.n_cmpl_max,
         max_body_bytes=server.max_body_bytes,
+        body_timeout_s=server.body_timeout_s,
+        max_connections=server.max_connections,
         spm_infill=server.spm_infill,
         typed_in_middle=settings.cache.infill_layout == "typed-in-middle",
     )

@@ -355,6 +355,7 @@ def create_app(
         api_key=server_settings.api_key,
         not_ready=svc.not_ready,
         max_body=server_settings.max_body_bytes,
+        body_timeout_s=server_settings.body_timeout_s,
         routes=route_paths(app.routes),
         observer=None
         if metrics is None

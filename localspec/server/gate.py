@@ -10,6 +10,7 @@ microseconds per request.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 
@@ -39,6 +40,7 @@ class Gate:
         api_key: str | None,
         not_ready: StateProbe,
         max_body: int = 8 * 1024 * 1024,
+        body_timeout_s: float = 30.0,
         routes: frozenset[str] = frozenset(),
         observer: Observer | None = None,
     ) -> None:
@@ -46,6 +48,7 @@ class Gate:
         self.api_key = api_key
         self.not_ready = not_ready
         self.max_body = max_body
+        self.body_timeout_s = body_timeout_s
         self.routes = routes
         self.observer = observer
 
@@ -100,11 +103,22 @@ class Gate:
         await self.app(scope, receive, send)
 
     async def _read_body(self, scope: Scope, receive: Receive, send: Send) -> bytes | None:
-        """The whole body, or None once a 413 went out (or the client left while sending)."""
+        """The whole body, or None once a 413 or 408 went out (or the client left while
+        sending). A client that trickles its body or stops half way would otherwise hold a
+        connection and up to ``max_body`` of memory for as long as it likes."""
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body:
             await self._too_large(send, int(declared))
             return None
+        try:
+            return await asyncio.wait_for(self._receive_body(receive, send), self.body_timeout_s)
+        except asyncio.TimeoutError:
+            message = f"Request body not received within {self.body_timeout_s:g} s"
+            body = {"error": {"code": 408, "message": message, "type": "invalid_request_error"}}
+            await _send_json(send, 408, body, {"Connection": "close"})
+            return None
+
+    async def _receive_body(self, receive: Receive, send: Send) -> bytes | None:
         chunks: list[bytes] = []
         size = 0
         while True:

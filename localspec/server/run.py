@@ -62,7 +62,9 @@ def bind_sockets(host: str, port: int) -> list[socket.socket]:
         raise
 
 
-def uvicorn_config(app: Any, log_level: str = "warning") -> uvicorn.Config:
+def uvicorn_config(
+    app: Any, log_level: str = "warning", max_connections: int | None = None
+) -> uvicorn.Config:
     """uvicorn as the daemon runs it (``serve``, and the overhead benchmark measures the same).
 
     ``http``/``loop`` stay "auto": httptools and uvloop when installed (both are dependencies;
@@ -77,6 +79,8 @@ def uvicorn_config(app: Any, log_level: str = "warning") -> uvicorn.Config:
         proxy_headers=False,  # no X-Forwarded-* rewriting: nothing here reads the client address
         timeout_graceful_shutdown=5,
         lifespan="on",
+        # past this many open connections uvicorn answers 503 instead of accepting more work
+        limit_concurrency=max_connections,
     )
 
 
@@ -132,7 +136,8 @@ def serve(
     # it they go through the root handler like every other line (text or JSON, one stream)
     for name in ("uvicorn", "uvicorn.error"):
         logging.getLogger(name).setLevel(log_level.upper())
-    server = _Server(uvicorn_config(app, log_level), on_exit=svc.worker.cancel_running)
+    config = uvicorn_config(app, log_level, server_settings.max_connections)
+    server = _Server(config, on_exit=svc.worker.cancel_running)
     if on_bound is not None:
         on_bound(addresses)
     try:

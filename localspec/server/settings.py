@@ -25,6 +25,8 @@ class ServerSettings:
     n_cmpl_max: int = 16  # most completions one request may ask for
     infill_room: int = 256  # /infill prompts leave this many tokens (at most n_ctx/4) to generate
     max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies answer 413
+    body_timeout_s: float = 30.0  # a body not fully received by then answers 408
+    max_connections: int = 256  # open connections past this answer 503 (uvicorn's cap)
 
     def is_loopback(self) -> bool:
         return self.host in LOOPBACK_HOSTS
@@ -44,5 +46,9 @@ class ServerSettings:
             raise ValueError(f"queue_limit must be 0 or more, got {self.queue_limit}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
+        if self.body_timeout_s <= 0:
+            raise ValueError(f"body_timeout_s must be positive, got {self.body_timeout_s}")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1, got {self.max_connections}")
         if self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be positive, got {self.request_timeout_s}")
