@@ -9,6 +9,7 @@ cold context (the strict check: a shifted run changes them).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -173,3 +174,29 @@ def test_a_ring_warm_up_repairs_the_held_context_when_it_is_affordable(
         # exact already: the next warm-up evaluates nothing and keeps what follows
         again = eng.generate(GenerationRequest(slot=0, prompt=second[:kept_len], n_predict=0))
         assert again.n_evaluated == 0 and tcache.tokens[0] == second and again.n_approx == 0
+
+
+def test_a_repair_cut_short_keeps_the_cache_consistent(qwen_target: Path, toks: list[int]) -> None:
+    """A completion arriving stops a warm-up's repair: the slot keeps what was re-evaluated,
+    all of it exact, and the next request evaluates the rest."""
+    first, second = ring(toks)
+    settings = EngineSettings(
+        target=ms(qwen_target), cache_reuse=64, prefill_chunk=32, spec=SpecSettings("off")
+    )
+    with Engine.load(settings) as eng:
+        tcache = eng._tcache
+        eng.generate(GenerationRequest(slot=0, prompt=first, n_predict=0))
+        price, tcache.ms_per_token = tcache.ms_per_token, -1.0
+        eng.generate(GenerationRequest(slot=0, prompt=second, n_predict=0))  # shifted
+        tcache.ms_per_token = price
+        stop = threading.Event()
+        stop.set()
+        cut = eng.generate(
+            GenerationRequest(slot=0, prompt=second[:300], n_predict=0), prefill_cancel=stop
+        )
+        assert cut.cancelled and tcache.tokens[0] == [] and tcache.exact[0] == 0
+        done = eng.generate(GenerationRequest(slot=0, prompt=second, n_predict=0))
+        assert done.n_evaluated == len(second) and done.n_approx == 0
+        np.testing.assert_allclose(
+            np.array(eng._tctx.logits(-1)), cold_logits(eng._target, second), atol=ATOL
+        )
