@@ -14,21 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from localspec.bench.speculative import code_prompts
-from localspec.engine import ModelSettings
 from localspec.engine import llama as llama_mod
 from localspec.engine.cache import COMPACT_MIN_WORK, COMPACT_OFF, SlotCaches
 from localspec.engine.errors import DecodeError
 from localspec.engine.llama import Clock, Context, Model
-from localspec.engine.vocab import Vocab
-
-N_CTX = 1024
-
-
-def ms(path: Path, *, flash_attn: bool = False) -> ModelSettings:
-    return ModelSettings(
-        str(path), n_ctx=N_CTX, n_batch=256, n_ubatch=256, n_threads=2, flash_attn=flash_attn
-    )
+from tests.kv_support import N_CTX, code_tokens, ms, new_ctx
 
 
 @pytest.fixture(scope="module")
@@ -40,19 +30,7 @@ def model(qwen_target: Path) -> Iterator[Model]:
 
 @pytest.fixture(scope="module")
 def toks(model: Model) -> list[int]:
-    out = Vocab(model.vocab_handle).tokenize("".join(code_prompts(12, lines=30)))
-    assert len(out) >= 1000
-    return out[:1000]
-
-
-def new_ctx(model: Model, *, flash_attn: bool = False) -> Context:
-    return Context(
-        model,
-        ms(Path(model.path), flash_attn=flash_attn),
-        n_seq=2,
-        n_ctx_total=N_CTX,
-        clock=Clock(),
-    )
+    return code_tokens(model, 1000)
 
 
 def fill(ctx: Context, tokens: list[int], pos0: int, seq: int) -> np.ndarray:

@@ -16,18 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from localspec.bench.speculative import code_prompts
-from localspec.engine import Engine, EngineSettings, GenerationRequest, ModelSettings, SpecSettings
+from localspec.engine import Engine, EngineSettings, GenerationRequest, SpecSettings
 from localspec.engine.cache import SlotCaches
-from localspec.engine.llama import Clock, Context, Model
-from localspec.engine.vocab import Vocab
+from localspec.engine.llama import Model
+from tests.kv_support import code_tokens, ms, new_ctx
 
-N_CTX = 1024
 ATOL = 1e-3  # batch splits round differently; a moved run changes logits far more (checked)
-
-
-def ms(path: Path) -> ModelSettings:
-    return ModelSettings(str(path), n_ctx=N_CTX, n_batch=256, n_ubatch=256, n_threads=2)
 
 
 @pytest.fixture(scope="module")
@@ -39,20 +33,18 @@ def model(qwen_target: Path) -> Iterator[Model]:
 
 @pytest.fixture(scope="module")
 def toks(model: Model) -> list[int]:
-    out = Vocab(model.vocab_handle).tokenize("".join(code_prompts(8, lines=30)))
-    assert len(out) >= 600
-    return out[:600]
+    return code_tokens(model, 600)
 
 
 @pytest.fixture
 def caches(model: Model) -> Iterator[SlotCaches]:
-    ctx = Context(model, ms(Path(model.path)), n_seq=2, n_ctx_total=N_CTX, clock=Clock())
+    ctx = new_ctx(model)
     yield SlotCaches(ctx, 1)
     ctx.close()
 
 
 def cold_logits(model: Model, prompt: list[int]) -> np.ndarray:
-    ctx = Context(model, ms(Path(model.path)), n_seq=1, n_ctx_total=N_CTX, clock=Clock())
+    ctx = new_ctx(model)
     try:
         for i in range(0, len(prompt), 100):
             end = min(len(prompt), i + 100)

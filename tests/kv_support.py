@@ -1,0 +1,30 @@
+"""Shared by the KV tests: settings, contexts and code tokens for the tiny Qwen model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from localspec.bench.speculative import code_prompts
+from localspec.engine import ModelSettings
+from localspec.engine.llama import Clock, Context, Model
+from localspec.engine.vocab import Vocab
+
+N_CTX = 1024
+
+
+def ms(path: Path, *, flash_attn: bool = False) -> ModelSettings:
+    return ModelSettings(
+        str(path), n_ctx=N_CTX, n_batch=256, n_ubatch=256, n_threads=2, flash_attn=flash_attn
+    )
+
+
+def new_ctx(model: Model, *, flash_attn: bool = False) -> Context:
+    """Two sequences: a slot and the scratch sequence that parks moved runs."""
+    settings = ms(Path(model.path), flash_attn=flash_attn)
+    return Context(model, settings, n_seq=2, n_ctx_total=N_CTX, clock=Clock())
+
+
+def code_tokens(model: Model, n: int) -> list[int]:
+    out = Vocab(model.vocab_handle).tokenize("".join(code_prompts(12, lines=30)))
+    assert len(out) >= n
+    return out[:n]
