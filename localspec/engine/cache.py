@@ -136,9 +136,11 @@ class SlotCaches:
             self._reset_drift(slot)
         exact = self.exact[slot]
         if exact_ms > 0 and (plan.runs or plan.n_prefix > exact):
-            exact_plan = plan_reuse(cached[:exact], prompt, min_chunk=0)
-            if self.affordable(exact_plan.n_evaluated - plan.n_evaluated, exact_ms):
-                plan = exact_plan
+            # the exact plan: prefix reuse of the exact part only (plan.n_prefix is the common
+            # prefix, already short of the last token), everything after it evaluated
+            keep = min(plan.n_prefix, exact)
+            if self.affordable(len(prompt) - keep - plan.n_evaluated, exact_ms):
+                plan = ReusePlan(keep, (), len(prompt), ((keep, len(prompt)),))
                 self._reset_drift(slot)
         n_moved = sum(r.n for r in plan.runs)
         if plan.runs:
