@@ -4,8 +4,9 @@ so a client or ``localspec up`` can tell a loading localspec from another progra
 port), and when the answer is out, log one line and count it.
 
 A plain ASGI middleware rather than Starlette's BaseHTTPMiddleware: it adds no task or
-stream wrapping (which would hide the client's disconnect from the routes) and costs
-microseconds per request.
+stream wrapping around the routes (which would hide the client's disconnect from them) and
+costs microseconds per request; only the body is read under a timeout (``asyncio.wait_for``,
+~20 us).
 """
 
 from __future__ import annotations
