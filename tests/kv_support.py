@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+import pytest
 
 from localspec.bench.speculative import code_prompts
 from localspec.engine import ModelSettings
@@ -28,3 +31,25 @@ def code_tokens(model: Model, n: int) -> list[int]:
     out = Vocab(model.vocab_handle).tokenize("".join(code_prompts(12, lines=30)))
     assert len(out) >= n
     return out[:n]
+
+
+def model_fixture() -> Callable[..., Iterator[Model]]:
+    """A module's ``model`` fixture: the tiny Qwen target, loaded once per module."""
+
+    @pytest.fixture(scope="module", name="model")
+    def _model(qwen_target: Path) -> Iterator[Model]:
+        m = Model(ms(qwen_target))
+        yield m
+        m.close()
+
+    return _model
+
+
+def tokens_fixture(n: int) -> Callable[..., list[int]]:
+    """A module's ``toks`` fixture: ``n`` tokens of real code."""
+
+    @pytest.fixture(scope="module", name="toks")
+    def _toks(model: Model) -> list[int]:
+        return code_tokens(model, n)
+
+    return _toks

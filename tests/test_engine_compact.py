@@ -8,7 +8,6 @@ asks for it, and that a failed restore empties the cache instead of leaving it w
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -18,19 +17,11 @@ from localspec.engine import llama as llama_mod
 from localspec.engine.cache import COMPACT_MIN_WORK, COMPACT_OFF, SlotCaches
 from localspec.engine.errors import DecodeError
 from localspec.engine.llama import Clock, Context, Model
-from tests.kv_support import N_CTX, code_tokens, ms, new_ctx
+from tests import kv_support
+from tests.kv_support import N_CTX, ms, new_ctx
 
-
-@pytest.fixture(scope="module")
-def model(qwen_target: Path) -> Iterator[Model]:
-    m = Model(ms(qwen_target))
-    yield m
-    m.close()
-
-
-@pytest.fixture(scope="module")
-def toks(model: Model) -> list[int]:
-    return code_tokens(model, 1000)
+model = kv_support.model_fixture()
+toks = kv_support.tokens_fixture(1000)
 
 
 def fill(ctx: Context, tokens: list[int], pos0: int, seq: int) -> np.ndarray:

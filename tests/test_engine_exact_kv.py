@@ -19,21 +19,14 @@ import pytest
 from localspec.engine import Engine, EngineSettings, GenerationRequest, SpecSettings
 from localspec.engine.cache import SlotCaches
 from localspec.engine.llama import Model
-from tests.kv_support import code_tokens, ms, new_ctx
+from tests import kv_support
+from tests.kv_support import ms, new_ctx
 
 ATOL = 1e-3  # batch splits round differently; a moved run changes logits far more (checked)
 
 
-@pytest.fixture(scope="module")
-def model(qwen_target: Path) -> Iterator[Model]:
-    m = Model(ms(qwen_target))
-    yield m
-    m.close()
-
-
-@pytest.fixture(scope="module")
-def toks(model: Model) -> list[int]:
-    return code_tokens(model, 600)
+model = kv_support.model_fixture()
+toks = kv_support.tokens_fixture(600)
 
 
 @pytest.fixture
