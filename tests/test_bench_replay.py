@@ -401,6 +401,49 @@ def test_interleaved_replay_with_cold_checks() -> None:
     assert len(meters) == 2 * len(schedule.bursts)
 
 
+def test_cold_checks_go_to_the_oracle_and_leave_the_measured_cache_alone() -> None:
+    settings = editor.TrafficSettings(locations=2, max_keys=3, pause_prob=0.0)
+    src = [
+        editor.SourceFile(f"/m{i}.py", [f"x{i}_{j} = {j}  # filler" for j in range(120)])
+        for i in range(3)
+    ]
+    schedule = editor.build_schedule(settings, src)
+    with Stub(_slow_on("")) as measured, Stub(_slow_on("")) as twin:
+
+        async def go() -> list[Outcome]:
+            target = Target("A", measured.url, oracle=Target("A.cold", twin.url))
+            try:
+                return await replay([target], schedule, cold="all")
+            finally:
+                await target.aclose()
+
+        outcomes = asyncio.run(go())
+        seen, checked = list(measured.log), list(twin.log)
+    n_keys = sum(len(bu.keys) for bu in schedule.bursts)
+    assert not [b for _, b in seen if b.get("cache_prompt") is False]
+    assert len(seen) == 1 + sum(len(bu.keys) + len(bu.warmups) for bu in schedule.bursts)
+    assert [b["cache_prompt"] for _, b in checked] == [False] * n_keys
+    colds = [o.cold for o in outcomes if o.cold is not None]
+    assert len(colds) == n_keys and all(o.server == "A" for o in outcomes)
+    # the twin's answers decide: it disagrees on prompts ending in "2", as the stub does
+    assert {c.content for c in colds if not c.identical} == {"different"}
+
+
+def test_a_twin_is_the_same_server_on_another_port() -> None:
+    serve = anchor.ServeSettings(target=Path("t.gguf"), draft=Path("d.gguf"))
+    for spec in (
+        anchor.localspec_spec(serve, port=1),
+        anchor.llama_server_spec(Path("llama-server"), serve, "draft", port=1),
+    ):
+        twin = anchor.twin(spec)
+        assert twin.name == spec.name + ".cold" and twin.port != spec.port
+        at = spec.argv.index("--port")
+        assert twin.argv[at + 1] == str(twin.port)
+        assert (
+            twin.argv[: at + 1] + twin.argv[at + 2 :] == spec.argv[: at + 1] + spec.argv[at + 2 :]
+        )
+
+
 # --- reports --------------------------------------------------------------------------------
 
 
@@ -599,6 +642,13 @@ def test_short_real_replay_against_localspec(
     setup = next(r for r in doc["requests"] if r["kind"] == "setup")
     assert setup["status"] == "ok" and setup["prompt_n"] > 0
     assert doc["servers"][0]["argv"][1:4] == ["-m", "localspec", "up"]
+    # the cold check ran on a twin: the measured daemon's log shows only the replay's requests
+    assert doc["cold_on"] == {"localspec": "localspec.cold"}
+    assert [s["name"] for s in doc["servers"]] == ["localspec", "localspec.cold"]
+    logs = {p.name.rsplit("-", 1)[0]: p.read_text() for p in (tmp_path / "logs").glob("*.log")}
+    sent = [r for r in doc["requests"] if r["kind"] != "meter"]  # setup, warm-ups, keys
+    assert logs["localspec"].count("POST /infill") == len(sent) == 2 + summary["sent"]
+    assert logs["localspec.cold"].count("POST /infill") == 1  # the one cold check
 
 
 def test_llama_server_modes_take_a_flash_attention_off_variant() -> None:

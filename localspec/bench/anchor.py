@@ -150,6 +150,15 @@ def localspec_spec(
     return ServerSpec(name, argv, port)
 
 
+def twin(spec: ServerSpec) -> ServerSpec:
+    """A second instance of ``spec`` (same files and flags) on its own port: the cold-cache
+    oracle, so cold checks never touch the measured server's cache."""
+    port = free_port()
+    argv = list(spec.argv)
+    argv[argv.index("--port") + 1] = str(port)
+    return ServerSpec(f"{spec.name}.cold", argv, port, dict(spec.env))
+
+
 class ServerError(RuntimeError):
     """A benchmark server did not come up; the message carries its log's tail."""
 

@@ -166,11 +166,18 @@ def divergence(answer: str, cold: Sequence[dict[str, Any]]) -> tuple[float, bool
 
 
 class Target:
-    """One server under test: a name, a base URL and its HTTP client."""
+    """One server under test: a name, a base URL and its HTTP client.
 
-    def __init__(self, name: str, url: str, api_key: str | None = None) -> None:
+    ``oracle``: where its cold-cache checks go: a twin with the same model and settings. A
+    check sent to the server itself leaves the cold evaluation's exact KV in its slot, so the
+    next location would start from a cache that no editor session has."""
+
+    def __init__(
+        self, name: str, url: str, api_key: str | None = None, oracle: Target | None = None
+    ) -> None:
         self.name = name
         self.url = url.rstrip("/")
+        self.oracle = oracle
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.AsyncClient(
             base_url=self.url, headers=headers, timeout=httpx.Timeout(None, connect=10.0)
@@ -207,6 +214,8 @@ class Target:
 
     async def aclose(self) -> None:
         await self.http.aclose()
+        if self.oracle is not None:
+            await self.oracle.aclose()
 
 
 # prompt tokens evaluated, excluding cached ones, every request counted: localspec's engine
@@ -301,13 +310,15 @@ def _wants_cold(outcome: Outcome, mode: ColdMode) -> bool:
 async def cold_check(
     target: Target, burst: Burst, outcomes: Sequence[Outcome], mode: ColdMode
 ) -> None:
-    """Re-send chosen requests with the cache off and compare the answers."""
+    """Re-send chosen requests with the cache off (to the target's oracle when it has one)
+    and compare the answers."""
+    checker = target.oracle or target
     for out in outcomes:
         if out.server != target.name or not _wants_cold(out, mode):
             continue
         body = {**burst.keys[out.key].body, "cache_prompt": False, "n_probs": 2}
         probe = Outcome(target.name, burst.index, out.key, out.kind, "ok", 0.0)
-        await target.post(body, probe)
+        await checker.post(body, probe)
         report = probe.probabilities or []
         parted = divergence(out.content, report) if probe.content != out.content else None
         margins = [m for m in map(_margin, report) if m is not None]

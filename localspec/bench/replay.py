@@ -124,6 +124,15 @@ def build_parser() -> argparse.ArgumentParser:
         default="all",
         help="which servers get the cold-cache checks (a full prompt evaluation each)",
     )
+    tr.add_argument(
+        "--cold-on",
+        choices=("twin", "self"),
+        default="twin",
+        help="where a started server's cold checks run: twin (default) starts a second "
+        "instance with the same files and flags, so the measured cache evolves as in an "
+        "editor; self sends them to the server itself, whose slot then keeps the cold, exact "
+        "KV and starts the next location from it (--url/--vs servers: always self)",
+    )
 
     out = p.add_argument_group("output")
     out.add_argument("--json", type=Path, metavar="FILE", help="write results as JSON")
@@ -169,6 +178,18 @@ def server_specs(args: argparse.Namespace) -> list[anchor.ServerSpec]:
             if mode:
                 specs.append(anchor.llama_server_spec(binary, serve, mode))
     return specs
+
+
+def oracle_specs(
+    args: argparse.Namespace, specs: Sequence[anchor.ServerSpec]
+) -> dict[str, anchor.ServerSpec]:
+    """The twin each cold-checked started server gets (by its name), for ``--cold-on twin``."""
+    if args.cold == "none" or args.cold_on != "twin":
+        return {}
+    checked = list(specs)
+    if args.cold_servers == "first":  # the first target: the URL's (checked on itself) if any
+        checked = checked[:1] if args.url is None else []
+    return {spec.name: anchor.twin(spec) for spec in checked}
 
 
 def _progress(msg: str) -> None:
@@ -283,16 +304,27 @@ def _main(args: argparse.Namespace) -> int:
     )
 
     log_dir = args.log_dir or Path(os.environ.get("TMPDIR", "/tmp")) / "localspec-bench-logs"
+    twins = oracle_specs(args, specs)
+    if twins:
+        print(
+            f"cold checks go to a twin of each server ({len(twins)} more to start)",
+            file=sys.stderr,
+        )
     started: list[anchor.ManagedServer] = []
     try:
         if specs:
             print("starting servers (one at a time)", file=sys.stderr)
-            started = anchor.start_all(specs, log_dir, args.load_timeout, _progress)
+            started = anchor.start_all(
+                [*specs, *twins.values()], log_dir, args.load_timeout, _progress
+            )
         targets: list[Target] = []
         if args.url:
             targets.append(Target(f"url:{args.url.rstrip('/').rsplit(':', 1)[-1]}", args.url,
                                   args.api_key))  # fmt: skip
-        targets += [Target(s.spec.name, s.spec.url) for s in started]
+        for spec in specs:
+            twin = twins.get(spec.name)
+            oracle = Target(twin.name, twin.url) if twin is not None else None
+            targets.append(Target(spec.name, spec.url, oracle=oracle))
         for i, url in enumerate(args.vs):
             targets.append(Target(f"vs{i + 1}:{url.rstrip('/').rsplit(':', 1)[-1]}", url))
         t0 = time.perf_counter()
@@ -344,6 +376,7 @@ def _main(args: argparse.Namespace) -> int:
             "machine": machine(),
             "traffic": {k: v for k, v in vars(traffic).items()},
             "code": str(args.code or editor.default_code_dir()),
+            "cold_on": {t.name: t.oracle.name if t.oracle else "self" for t in targets},
             "servers": [
                 {"name": s.spec.name, "url": s.spec.url, "argv": s.spec.argv} for s in started
             ]
