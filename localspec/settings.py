@@ -150,6 +150,12 @@ class CacheSettings(_Section):
         description="where /infill puts the typed cursor line: after FIM_MID (each keystroke "
         "extends the cached prompt) or llama-server's place, ending the prefix",
     )
+    ring_attention: Literal["causal", "blocks"] = Field(
+        "causal",
+        description="how /infill's extra-context chunks attend: causal (as llama-server: each "
+        "sees the chunks before it) or blocks (each sees only itself; the cursor's code sees "
+        "all): a ring rotation then moves KV exactly instead of approximately",
+    )
 
 
 class LogSettings(_Section):

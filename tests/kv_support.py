@@ -21,10 +21,11 @@ def ms(path: Path, *, flash_attn: bool = False) -> ModelSettings:
     )
 
 
-def new_ctx(model: Model, *, flash_attn: bool = False) -> Context:
-    """Two sequences: a slot and the scratch sequence that parks moved runs."""
+def new_ctx(model: Model, *, flash_attn: bool = False, n_seq: int = 2) -> Context:
+    """A slot and the scratch sequence that parks moved runs (n_seq 3: and the sequence that
+    evaluates blocks)."""
     settings = ms(Path(model.path), flash_attn=flash_attn)
-    return Context(model, settings, n_seq=2, n_ctx_total=N_CTX, clock=Clock())
+    return Context(model, settings, n_seq=n_seq, n_ctx_total=N_CTX, clock=Clock())
 
 
 def code_tokens(model: Model, n: int) -> list[int]:

@@ -667,3 +667,6 @@ def test_localspec_takes_the_exact_kv_budget_only_when_given() -> None:
     assert "--cache-exact-ms" not in anchor.localspec_spec(serve, port=1).argv
     argv = anchor.localspec_spec(replace(serve, cache_exact_ms=0.0), port=1).argv
     assert argv[argv.index("--cache-exact-ms") + 1] == "0.0"
+    assert "--ring-attention" not in argv
+    argv = anchor.localspec_spec(replace(serve, ring_attention="blocks"), port=1).argv
+    assert argv[argv.index("--ring-attention") + 1] == "blocks"

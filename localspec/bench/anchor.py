@@ -38,6 +38,7 @@ class ServeSettings:
     batch: int = 1024
     cache_reuse: int = 256
     cache_exact_ms: float | None = None  # localspec only; None: its default
+    ring_attention: str | None = None  # localspec only ("causal" | "blocks"); None: default
     draft_max: int = 16
     draft_p_min: float = 0.75
     n_predict: int = 128  # llama-server's default n_predict (the client's value)
@@ -146,6 +147,8 @@ def localspec_spec(
         argv += ["--spec-mode", spec_mode]
     if serve.cache_exact_ms is not None:
         argv += ["--cache-exact-ms", str(serve.cache_exact_ms)]
+    if serve.ring_attention is not None:
+        argv += ["--ring-attention", serve.ring_attention]
     name = "localspec" if not spec_mode else f"localspec/{spec_mode}"
     return ServerSpec(name, argv, port)
 

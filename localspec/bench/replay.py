@@ -90,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MS",
         help="localspec's budget for exact KV instead of a KV shift (default: its settings)",
     )
+    srv.add_argument(
+        "--ring-attention",
+        choices=("causal", "blocks"),
+        help="how localspec's ring chunks attend (default: its settings)",
+    )
     srv.add_argument("--api-key", default=os.environ.get("LOCALSPEC_API_KEY"), help="for --url")
     srv.add_argument(
         "--load-timeout", type=float, default=600.0, help="seconds to wait for a server to load"
@@ -169,6 +174,7 @@ def server_specs(args: argparse.Namespace) -> list[anchor.ServerSpec]:
         threads=_threads(args.threads),
         cache_reuse=args.cache_reuse,
         cache_exact_ms=args.cache_exact_ms,
+        ring_attention=args.ring_attention,
     )
     if args.url is None and not args.no_localspec:
         specs.append(anchor.localspec_spec(serve, args.spec_mode))

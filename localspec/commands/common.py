@@ -88,6 +88,14 @@ SERVE_FLAGS = (
         None,
         ("typed-in-middle", "llama-server"),
     ),
+    SettingFlag(
+        "--ring-attention",
+        "cache.ring_attention",
+        str,
+        "how /infill's ring chunks attend",
+        None,
+        ("causal", "blocks"),
+    ),
     SettingFlag("--spm-infill", "server.spm_infill", bool, "/infill: suffix block before prefix"),
     SettingFlag("--offline", "hub.offline", bool, "never use the network"),
     SettingFlag(

@@ -293,6 +293,7 @@ def _server_settings(settings: st.Settings, api_key: str | None, served: Served)
         max_connections=server.max_connections,
         spm_infill=server.spm_infill,
         typed_in_middle=settings.cache.infill_layout == "typed-in-middle",
+        ring_blocks=settings.cache.ring_attention == "blocks",
     )
 
 

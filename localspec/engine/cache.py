@@ -5,13 +5,20 @@ holds token i). One extra sequence (``scratch``) parks the KV runs a plan moves:
 only accepts a batch that continues a sequence (positions max+1...), so the runs that come
 after an edited middle are parked, the middle is evaluated, and each run is re-attached when
 the evaluation reaches its position. With a unified KV buffer, parking re-tags cells (no copy).
+
+Blocks (``prefill(blocks=...)``): the prompt's leading spans are each evaluated on its own
+(attending only to itself, in a second extra sequence ``iso``) and then joined to the slot;
+everything after them attends to all. A block's KV then depends on its own tokens only, so a
+block that moves (an editor's ring losing its oldest chunk) is moved by a KV shift and still
+equals what a cold evaluation of the same layout computes, up to the rounding of K's
+rotation.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from localspec.engine.cache_plan import ReusePlan, Run, plan_reuse, refresh_window
 from localspec.engine.errors import DecodeError
@@ -37,6 +44,25 @@ class PrefillResult:
     n_exact: int = 0  # leading tokens of the slot's KV equal to a cold evaluation's
 
 
+@dataclass
+class _Placed:
+    """What placing the blocks did: tokens evaluated, tokens moved, cut short."""
+
+    evaluated: int = 0
+    moved: int = 0
+    cancelled: bool = False
+
+
+def block_spans(blocks: Sequence[int]) -> list[tuple[int, int]]:
+    """[start, end) of each block, from their lengths (laid end to end from position 0)."""
+    spans: list[tuple[int, int]] = []
+    start = 0
+    for n in blocks:
+        spans.append((start, start + n))
+        start += n
+    return spans
+
+
 class SlotCaches:
     def __init__(
         self, ctx: Context, n_slots: int, *, compact_min_work: int = COMPACT_MIN_WORK
@@ -56,6 +82,10 @@ class SlotCaches:
         # everything from the first moved run on attended to KV computed after other text
         self.exact: list[int] = [0] * n_slots
         self.ms_per_token = -1.0  # measured prefill price (EMA over pieces); -1: unmeasured
+        # the block spans each slot's KV was built with ([] when built causally throughout);
+        # its tokens say how much of them is present
+        self.spans: list[list[tuple[int, int]]] = [[] for _ in range(n_slots)]
+        self.iso = n_slots + 1 if ctx.n_seq > n_slots + 1 else None  # evaluates one block
 
     def plan(
         self,
@@ -80,6 +110,7 @@ class SlotCaches:
         slot: int,
         prompt: Sequence[int],
         *,
+        blocks: Sequence[int] = (),
         min_chunk: int = 0,
         tail_min: int = 0,
         max_drift: int = 1 << 30,
@@ -90,6 +121,169 @@ class SlotCaches:
         exact_ms: float = 0.0,
     ) -> PrefillResult:
         """Make the slot hold ``prompt`` (logits of its last token ready); reuse what it can.
+
+        ``blocks``: lengths of the prompt's leading blocks, each evaluated on its own (module
+        docstring); a cached block with the same tokens is moved into place, wherever it was.
+        Everything after them is planned as without blocks (``_prefill``)."""
+        blocks = list(blocks)
+        while blocks and sum(blocks) >= len(prompt):  # the last token is evaluated with logits
+            blocks.pop()
+        if blocks:
+            if self.iso is None:
+                raise ValueError("blocks need a context with a sequence for them (n_seq)")
+            placed = self._place_blocks(slot, prompt, blocks, cancel=cancel, chunk=chunk)
+            if placed.cancelled:
+                n = len(self.tokens[slot])
+                return PrefillResult(
+                    n - placed.evaluated, placed.evaluated, placed.moved, True, self.exact[slot]
+                )
+        else:
+            placed = _Placed()
+            if self.spans[slot]:
+                self._unblock(slot)
+        res = self._prefill(
+            slot,
+            prompt,
+            min_chunk=min_chunk,
+            tail_min=tail_min,
+            max_drift=max_drift,
+            tail_refresh=tail_refresh,
+            tail_roll=tail_roll,
+            cancel=cancel,
+            chunk=chunk,
+            exact_ms=exact_ms,
+        )
+        if placed.evaluated or placed.moved:
+            res = replace(
+                res,
+                n_cached=res.n_cached - placed.evaluated,
+                n_evaluated=res.n_evaluated + placed.evaluated,
+                n_moved=res.n_moved + placed.moved,
+            )
+        return res
+
+    def blocks_in_place(self, slot: int, blocks: Sequence[int]) -> bool:
+        """Whether the slot's KV was built with exactly these blocks, all present."""
+        spans = block_spans(blocks)
+        if self.spans[slot] != spans:
+            return False
+        return not spans or len(self.tokens[slot]) >= spans[-1][1]
+
+    def _place_blocks(
+        self,
+        slot: int,
+        prompt: Sequence[int],
+        blocks: Sequence[int],
+        *,
+        cancel: Cancel | None,
+        chunk: int | None,
+    ) -> _Placed:
+        """Leave the slot holding ``prompt``'s blocks, exact, and nothing after them, unless
+        they are in place already (then the cache is untouched)."""
+        spans = block_spans(blocks)
+        end = spans[-1][1]
+        ctx, seq, iso = self.ctx, slot, self.iso
+        assert iso is not None
+        cached, old = self.tokens[slot], self.spans[slot]
+        if old == spans and len(cached) >= end and cached[:end] == list(prompt[:end]):
+            return _Placed()
+
+        def same(k: int) -> bool:
+            (s, e), (so, eo) = spans[k], old[k]
+            return so == s and eo == e and e <= len(cached) and cached[s:e] == list(prompt[s:e])
+
+        k = 0  # leading blocks still in place
+        while k < min(len(spans), len(old)) and same(k):
+            k += 1
+        start = spans[k][0] if k < len(spans) else end
+        # a block cut short in place (a cancelled prefill) resumes where it stopped
+        if (
+            k < min(len(spans), len(old))
+            and old[k][0] == start
+            and start < len(cached) < min(old[k][1], spans[k][1])
+            and cached[start:] == list(prompt[start : len(cached)])
+        ):
+            start = len(cached)
+        pool: dict[tuple[int, ...], list[int]] = {}  # whole cached blocks by their tokens
+        for s, e in old[k:]:
+            if e <= len(cached) and s >= start:
+                pool.setdefault(tuple(cached[s:e]), []).append(s)
+        moves: dict[int, Run] = {}
+        for s, e in spans[k:]:
+            sources = pool.get(tuple(prompt[s:e]))
+            if sources and s >= start:
+                moves[s] = Run(sources.pop(0), s, e - s)
+        if moves:
+            ctx.seq_rm(self.scratch, -1, -1)
+            for r in moves.values():
+                ctx.seq_cp(seq, self.scratch, r.src, r.src + r.n)
+        ctx.seq_rm(seq, start, -1)
+        if moves:  # two-step shift, as in _prefill
+            big = len(cached) + len(prompt) + 1
+            ctx.seq_add(self.scratch, 0, -1, big)
+            for r in moves.values():
+                ctx.seq_add(self.scratch, r.src + big, r.src + r.n + big, r.dst - r.src - big)
+        toks = list(prompt[:start])
+        self.tokens[slot], self.spans[slot] = toks, spans
+        self._reset_drift(slot)
+        step = max(1, min(chunk or ctx.n_batch, ctx.n_batch))
+        placed = _Placed()
+        pos = start
+        for s, e in spans[k:]:
+            run = moves.get(s)
+            if run is not None:
+                ctx.seq_cp(self.scratch, seq, s, e)
+                ctx.seq_rm(self.scratch, s, e)
+                toks.extend(prompt[s:e])
+                placed.moved += e - s
+                pos = e
+                continue
+            ctx.seq_rm(iso, -1, -1)
+            if pos > s:  # the block's evaluated start goes along: the rest attends to it
+                ctx.seq_cp(seq, iso, s, pos)
+            while pos < e:
+                if cancel is not None and cancel.is_set():
+                    placed.cancelled = True
+                    break
+                nxt = min(e, pos + step)
+                t0 = time.perf_counter()
+                ctx.decode(prompt[pos:nxt], pos, iso, logits="none")
+                self._observe_price(nxt - pos, (time.perf_counter() - t0) * 1000.0)
+                ctx.seq_cp(iso, seq, pos, nxt)
+                toks.extend(prompt[pos:nxt])
+                placed.evaluated += nxt - pos
+                pos = nxt
+            ctx.seq_rm(iso, -1, -1)
+            if placed.cancelled:
+                break
+        if moves:
+            ctx.seq_rm(self.scratch, -1, -1)
+        self.exact[slot] = len(toks)  # every block present is as a cold evaluation makes it
+        return placed
+
+    def _unblock(self, slot: int) -> None:
+        """Before a prompt without blocks: keep only the first block (at position 0 it is
+        what a causal evaluation computes too)."""
+        first = self.spans[slot][0][1]
+        self.spans[slot] = []
+        self.truncate(slot, min(len(self.tokens[slot]), first))
+        self.exact[slot] = min(self.exact[slot], len(self.tokens[slot]))
+
+    def _prefill(
+        self,
+        slot: int,
+        prompt: Sequence[int],
+        *,
+        min_chunk: int = 0,
+        tail_min: int = 0,
+        max_drift: int = 1 << 30,
+        tail_refresh: int = 0,
+        tail_roll: int = 0,
+        cancel: Cancel | None = None,
+        chunk: int | None = None,
+        exact_ms: float = 0.0,
+    ) -> PrefillResult:
+        """``prefill`` after the blocks (if any) are in place: the reuse plan for the rest.
 
         ``exact_ms``: when keeping the KV exact (prefix reuse of the exact part only, no KV
         shift) costs at most this many milliseconds more than the reuse plan, at the measured
@@ -256,6 +450,7 @@ class SlotCaches:
     def clear(self, slot: int) -> None:
         self.ctx.seq_rm(slot, -1, -1)
         self.tokens[slot] = []
+        self.spans[slot] = []
         self.exact[slot] = 0
         self._reset_drift(slot)
 

@@ -82,7 +82,7 @@ class Engine:
             self._tctx = Context(
                 self._target,
                 settings.target,
-                n_seq=self.n_slots + 1,
+                n_seq=self.n_slots + 2,  # + the scratch sequence, + one for ring blocks
                 n_ctx_total=settings.target.n_ctx * self.n_slots,
                 clock=self._clock,
             )
@@ -313,6 +313,7 @@ class _Run:
             req.n_predict == 0
             and len(held) > len(req.prompt)
             and held[: len(req.prompt)] == req.prompt
+            and tcache.blocks_in_place(self.slot, req.blocks)
         ):
             # a cache fill the slot already holds, and more: what follows stays (an editor's
             # ring warm-up must not drop the cursor's cached prefix and suffix behind the ring).
@@ -329,6 +330,7 @@ class _Run:
         pre = tcache.prefill(
             self.slot,
             prompt,
+            blocks=req.blocks,
             min_chunk=min_chunk,
             tail_min=settings.tail_reuse,
             max_drift=settings.tail_max_drift,

@@ -193,6 +193,7 @@ class Context:
             )
         self.handle = handle
         self.model = model
+        self.n_seq = n_seq
         self.clock = clock
         self.n_batch = int(C.llama_n_batch(handle))
         self.n_ctx_total = int(C.llama_n_ctx(handle))

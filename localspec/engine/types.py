@@ -121,6 +121,9 @@ class SamplingParams:
 class GenerationRequest:
     slot: int
     prompt: list[int]  # already assembled and truncated to fit the slot's context
+    # lengths of the prompt's leading blocks, each evaluated on its own (an editor's ring
+    # chunks: docs/engine.md, "Ring blocks"); () evaluates the prompt causally throughout
+    blocks: tuple[int, ...] = ()
     n_predict: int = -1  # -1: until a stop rule or the context ends; 0: fill the cache only
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()

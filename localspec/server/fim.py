@@ -89,21 +89,55 @@ def tokenize_mixed(tokenize: Tokenize, value: str | Sequence[int | str]) -> list
 
 def extra_context(tokenize: Tokenize, fim: FimIds, chunks: Sequence[ExtraText]) -> list[int]:
     """The repository-level context that precedes the FIM block."""
+    return extra_blocks(tokenize, fim, chunks)[0]
+
+
+def extra_blocks(
+    tokenize: Tokenize, fim: FimIds, chunks: Sequence[ExtraText]
+) -> tuple[list[int], list[int]]:
+    """The extra context, and the lengths of its blocks: the repository header, then each
+    chunk with its file separator; the current file's separator closes it, outside them."""
     out: list[int] = []
+    blocks: list[int] = []
     if fim.rep is not None:
         out.append(fim.rep)
         out.extend(tokenize(PROJECT_NAME + "\n"))
+        blocks.append(len(out))
     for chunk in chunks:
+        start = len(out)
         if fim.sep is not None:
             out.append(fim.sep)
             out.extend(tokenize(chunk.filename + "\n"))
         else:
             out.extend(tokenize(SNIPPET_SEPARATOR))
         out.extend(tokenize(chunk.text))
+        blocks.append(len(out) - start)
     if fim.sep is not None:
         out.append(fim.sep)
         out.extend(tokenize(FILE_PLACEHOLDER + "\n"))
+    return out, blocks
+
+
+def keep_last_blocks(blocks: Sequence[int], n_cut: int) -> list[int]:
+    """Block lengths after the first ``n_cut`` tokens are cut away (a cut block keeps its
+    end, as the extra context does)."""
+    out: list[int] = []
+    for n in blocks:
+        if n_cut >= n:
+            n_cut -= n
+            continue
+        out.append(n - n_cut)
+        n_cut = 0
     return out
+
+
+class InfillTokens(list[int]):
+    """An /infill prompt that knows its ring blocks (``blocks``: lengths of its leading
+    spans, each to be evaluated on its own; empty: causal throughout)."""
+
+    def __init__(self, tokens: Sequence[int], blocks: Sequence[int] = ()) -> None:
+        super().__init__(tokens)
+        self.blocks = tuple(blocks)
 
 
 @dataclass(frozen=True)
@@ -151,17 +185,20 @@ def infill_prompt(
     room: int = 0,
     typed_in_middle: bool = False,
     ring_only: bool = False,
-) -> list[int]:
+    ring_blocks: bool = False,
+) -> InfillTokens:
     """The token sequence llama-server evaluates for an /infill request.
 
     ``bos`` is the BOS id when the vocabulary adds one (``llama_vocab_get_add_bos``), else None.
     ``n_predict`` is the server's default (-1), not the request's, as in llama-server; a
     ``room`` > 0 replaces its reserve (``2 * n_predict``). ``ring_only`` gives just the
     extra-context head (an editor's ring warm-up: a prefix of the next keystroke's prompt).
+    ``ring_blocks`` marks the extra context's blocks (repository header, chunks) in the result,
+    for an engine that evaluates each on its own (docs/engine.md, "Ring blocks").
     """
     prefix = tokenize_mixed(tokenize, input_prefix)
     suffix = tokenize_mixed(tokenize, input_suffix)
-    extra = extra_context(tokenize, fim, input_extra)
+    extra, extra_lengths = extra_blocks(tokenize, fim, input_extra)
     take = budgets(
         n_prefix=len(prefix),
         n_suffix=len(suffix),
@@ -184,6 +221,8 @@ def infill_prompt(
     suffix_block = [fim.suf, *suffix[: take.suffix]]
     first, second = (suffix_block, prefix_block) if spm else (prefix_block, suffix_block)
     head = extra[len(extra) - n_extra :] if n_extra else []
+    blocks = keep_last_blocks(extra_lengths, len(extra) - n_extra) if ring_blocks else []
     if ring_only:
-        return head
-    return [*head, *([bos] if bos is not None else []), *first, *second, fim.mid, *middle]
+        return InfillTokens(head, blocks)
+    tokens = [*head, *([bos] if bos is not None else []), *first, *second, fim.mid, *middle]
+    return InfillTokens(tokens, blocks)

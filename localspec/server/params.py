@@ -127,7 +127,9 @@ class TaskParams:
         sampling = self.request.sampling
         if self.n_cmpl > 1:
             sampling = replace(sampling, seed=seeds[index])
-        return replace(self.request, slot=slot, prompt=prompt, sampling=sampling)
+        # an /infill prompt carries its ring blocks (server/fim.py InfillTokens)
+        blocks = tuple(getattr(prompt, "blocks", ()))
+        return replace(self.request, slot=slot, prompt=prompt, sampling=sampling, blocks=blocks)
 
 
 def task_params(

@@ -60,6 +60,7 @@ def infill(
     room: int = 0,
     typed_in_middle: bool = False,
     ring_only: bool = False,
+    ring_blocks: bool = False,
     cache: TokenCache | None = None,
 ) -> Prepare:
     cache = cache or TokenCache()
@@ -88,6 +89,7 @@ def infill(
             room=min(room, engine.n_ctx // 4),
             typed_in_middle=typed_in_middle,
             ring_only=ring_only,
+            ring_blocks=ring_blocks,
         )
         return tokens
 

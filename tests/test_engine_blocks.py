@@ -1,0 +1,124 @@
+"""Ring blocks: leading spans of a prompt evaluated each on its own, so moving one is exact.
+
+An editor's ring loses its oldest chunk at the front and the rest moves up. Evaluated causally,
+every moved chunk attended to the chunk that left: a KV shift keeps approximate KV, and exact
+KV means re-evaluating the whole ring. As blocks, a chunk's KV depends on its own tokens only:
+moved by a KV shift, it equals a cold evaluation of the same layout (up to the rounding of K's
+rotation), and only the new chunk and what follows the blocks are evaluated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from localspec.engine.cache import SlotCaches, block_spans
+from localspec.engine.llama import Model
+from localspec.engine.types import Cancel
+from tests import kv_support
+from tests.kv_support import new_ctx
+
+ATOL = 1e-3  # batch splits round differently (test_engine_exact_kv)
+CHUNK = 60
+
+model = kv_support.model_fixture()
+toks = kv_support.tokens_fixture(600)
+
+
+@pytest.fixture
+def caches(model: Model) -> Iterator[SlotCaches]:
+    ctx = new_ctx(model, n_seq=3)
+    yield SlotCaches(ctx, 1)
+    ctx.close()
+
+
+def chunks(toks: list[int], n: int) -> list[list[int]]:
+    return [toks[i * CHUNK : (i + 1) * CHUNK] for i in range(n)]
+
+
+def layout(ring: list[list[int]], tail: list[int]) -> tuple[list[int], tuple[int, ...]]:
+    return [t for c in ring for t in c] + tail, tuple(len(c) for c in ring)
+
+
+def cold_logits(model: Model, prompt: list[int], blocks: tuple[int, ...]) -> np.ndarray:
+    ctx = new_ctx(model, n_seq=3)
+    try:
+        SlotCaches(ctx, 1).prefill(0, prompt, blocks=blocks)
+        return np.array(ctx.logits(-1))
+    finally:
+        ctx.close()
+
+
+def logits(caches: SlotCaches) -> np.ndarray:
+    return np.array(caches.ctx.logits(-1))
+
+
+def test_a_rotated_ring_of_blocks_is_moved_and_stays_exact(
+    model: Model, caches: SlotCaches, toks: list[int]
+) -> None:
+    c = chunks(toks, 6)
+    tail = toks[500:560]
+    first, blocks = layout(c[0:5], tail)
+    caches.prefill(0, first, blocks=blocks, min_chunk=64)
+    second, blocks2 = layout(c[1:6], tail)  # the oldest chunk leaves, a new one arrives
+    pre = caches.prefill(0, second, blocks=blocks2, min_chunk=64, exact_ms=0.0)
+    # four chunks moved, the new chunk and the tail evaluated (the tail attends to all)
+    assert pre.n_moved == 4 * CHUNK and pre.n_evaluated == CHUNK + len(tail)
+    assert caches.exact[0] == len(second) == pre.n_exact
+    assert caches.spans[0] == block_spans(blocks2)
+    warm = logits(caches)
+    # only K's rotation rounds differently (an F16 K cache: ~1.6e-3 here)
+    moved_error = np.max(np.abs(warm - cold_logits(model, second, blocks2)))
+    assert moved_error < 2 * ATOL
+    # the same rotation evaluated causally, with a KV shift: hundreds of times further off
+    causal = SlotCaches(new_ctx(model, n_seq=3), 1)
+    causal.prefill(0, first, min_chunk=64)
+    shifted = causal.prefill(0, second, min_chunk=64, exact_ms=0.0)
+    assert shifted.n_moved > 0
+    cold_causal = cold_logits(model, second, ())
+    assert np.max(np.abs(logits(causal) - cold_causal)) > 100 * moved_error
+    # blocks are a different computation than causal attention over the ring
+    assert np.max(np.abs(warm - cold_causal)) > 10 * ATOL
+    causal.ctx.close()
+
+
+def test_blocks_in_place_keep_the_cache_and_the_tail_reuses_its_prefix(
+    caches: SlotCaches, toks: list[int]
+) -> None:
+    c = chunks(toks, 4)
+    first, blocks = layout(c, toks[300:360])
+    caches.prefill(0, first, blocks=blocks)
+    assert caches.blocks_in_place(0, blocks) and not caches.blocks_in_place(0, blocks[:3])
+    longer, _ = layout(c, toks[300:365])  # a keystroke: the tail grows
+    pre = caches.prefill(0, longer, blocks=blocks, min_chunk=64)
+    assert pre.n_evaluated == 5 and pre.n_cached == len(first) and pre.n_moved == 0
+    assert caches.exact[0] == len(longer)
+
+
+def test_a_cut_short_block_resumes_and_a_prompt_without_blocks_keeps_only_the_first(
+    model: Model, caches: SlotCaches, toks: list[int]
+) -> None:
+    c = chunks(toks, 3)
+    prompt, blocks = layout(c, toks[300:340])
+
+    class After:
+        """Cancels once ``n`` block pieces have been decoded."""
+
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def is_set(self) -> bool:
+            self.n -= 1
+            return self.n < 0
+
+    cancel: Cancel = After(4)  # the first chunk and a third of the second
+    pre = caches.prefill(0, prompt, blocks=blocks, cancel=cancel, chunk=20)
+    assert pre.cancelled and pre.n_evaluated == 80 and len(caches.tokens[0]) == 80
+    pre = caches.prefill(0, prompt, blocks=blocks, chunk=20)  # the second chunk's rest, on
+    assert pre.n_evaluated == len(prompt) - 80 and not pre.cancelled
+    np.testing.assert_allclose(logits(caches), cold_logits(model, prompt, blocks), atol=ATOL)
+    pre = caches.prefill(0, prompt)  # causal now: only the first block is still right
+    assert pre.n_cached == CHUNK and caches.spans[0] == []
+    np.testing.assert_allclose(logits(caches), cold_logits(model, prompt, ()), atol=ATOL)
