@@ -281,3 +281,35 @@ def test_typed_in_middle_keystrokes_only_append() -> None:
         input_extra=[], prompt_tokens=chars(line[:6]), n_batch=64, n_ctx=4096,
     )  # fmt: skip
     assert server[server.index(SUF) + 1 : server.index(MID)] == chars(suffix[: 16 - 2 - 6])
+
+
+def test_ring_blocks_are_the_header_and_the_newest_whole_chunks_that_fit() -> None:
+    extra = [Extra("def a():\n", "a.py"), Extra("x = 1\n", "b.py")]
+    kwargs = dict(
+        tokenize=chars, fim=QWEN_LIKE, input_prefix="p\n", input_suffix="s\n",
+        input_extra=extra, prompt_tokens=chars("y"), n_batch=64, typed_in_middle=True,
+    )  # fmt: skip
+    whole = infill_prompt(**kwargs, n_ctx=4096, ring_blocks=True)  # type: ignore[arg-type]
+    header, a, b = len("myproject\n") + 1, 1 + len("a.py\ndef a():\n"), 1 + len("b.py\nx = 1\n")
+    assert whole.blocks == (header, a, b)
+    # the blocks end where the current file's separator begins
+    assert whole[header + a + b] == SEP and whole[header + a + b + 1 :][:9] == chars("filename\n")
+    assert infill_prompt(**kwargs, n_ctx=4096).blocks == ()  # type: ignore[arg-type]
+    # the extra context's budget is n_ctx - 64 + 2: 29 tokens hold the header (11) and the
+    # current file's separator (10) but no chunk whole; 33 also hold chunk b (12), not a
+    assert infill_prompt(**kwargs, n_ctx=91, ring_blocks=True).blocks == (header,)  # type: ignore[arg-type]
+    cut = infill_prompt(**kwargs, n_ctx=95, ring_blocks=True)  # type: ignore[arg-type]
+    assert cut.blocks == (header, b)
+    assert cut[: header + b] == [*whole[:header], *whole[header + a : header + a + b]]
+    # a chunk too big to fit is left out; an older one that fits is kept
+    big = [Extra("def a():\n", "a.py"), Extra("z" * 40, "big.py"), Extra("x = 1\n", "b.py")]
+    skip = infill_prompt(**{**kwargs, "input_extra": big}, n_ctx=112, ring_blocks=True)  # type: ignore[arg-type]
+    assert skip.blocks == (header, a, b)  # 50 tokens: 11 + 15 + 12 + 10 + 2 spare
+    assert skip[: header + a + b] == whole[: header + a + b]
+    # causal: the extra context keeps its end, cut mid-chunk (llama-server's rule)
+    causal = infill_prompt(**kwargs, n_ctx=95)  # type: ignore[arg-type]
+    assert (
+        causal.blocks == () and causal[:33] == whole[header + a + b + 10 - 33 : header + a + b + 10]
+    )
+    ring = infill_prompt(**kwargs, n_ctx=4096, ring_blocks=True, ring_only=True)  # type: ignore[arg-type]
+    assert list(ring) == list(whole[: len(ring)]) and ring.blocks == whole.blocks

@@ -508,6 +508,7 @@ def test_props_models_slots_metrics(qwen: Live, qc: httpx.Client, qwen_target: P
     assert props["default_generation_settings"]["n_ctx"] == N_CTX
     assert props["model_path"] == str(qwen_target) and props["total_slots"] == 2
     assert props["draft_model_path"] and props["speculative"]["n_max"] == 16
+    assert props["speculative"]["ring_attention"] == "causal"
     models = qc.get("/v1/models").json()
     assert models["data"][0]["id"] == qwen_target.name
     slots = qc.get("/slots").json()
@@ -679,3 +680,38 @@ def test_streaming_several_completions_tags_each_with_its_index(qc: httpx.Client
     for index in (0, 1):
         parts = [e for e in events if not e["stop"] and e["index"] == index]
         assert len(parts) == next(f for f in finals if f["index"] == index)["tokens_predicted"]
+
+
+def _shifted_answers(qc: httpx.Client) -> float:
+    text = qc.get("/metrics").text
+    line = next(x for x in text.splitlines() if x.startswith("localspec_answers_on_shifted_kv"))
+    return float(line.split()[-1])
+
+
+@pytest.mark.parametrize("blocks", [False, True])
+def test_ring_blocks_move_a_rotated_ring_exactly(
+    qwen: Live, qc: httpx.Client, blocks: bool
+) -> None:
+    """The ring loses its oldest chunk: evaluated causally, the moved chunks' KV is shifted
+    (approximate, counted); as blocks it is moved exactly and the answer is the cold one's."""
+    svc = qwen.service
+    original = svc.settings
+    svc.settings = replace(original, ring_blocks=blocks)
+    try:
+        ring = ring_chunks(8)
+        key = vscode_request("    argv = ", id_slot=1, top_k=1, samplers=["top_k"], n_predict=8)
+        assert qc.post("/infill", json={**key, "input_extra": ring[:6]}).status_code == 200
+        before = _shifted_answers(qc)
+        rotated = {**key, "input_extra": ring[1:7]}
+        warm = qc.post("/infill", json=rotated).json()
+        moved = _shifted_answers(qc) - before
+        cold = qc.post("/infill", json={**rotated, "cache_prompt": False}).json()
+        n_prompt = cold["timings"]["prompt_n"]
+        assert 0 < warm["timings"]["prompt_n"] < n_prompt / 2  # the moved chunks were reused
+        assert moved == (0 if blocks else 1)
+        props = qc.get("/props").json()
+        assert props["speculative"]["ring_attention"] == ("blocks" if blocks else "causal")
+        if blocks:
+            assert warm["content"] == cold["content"]
+    finally:
+        svc.settings = original

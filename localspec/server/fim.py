@@ -118,17 +118,35 @@ def extra_blocks(
     return out, blocks
 
 
-def keep_last_blocks(blocks: Sequence[int], n_cut: int) -> list[int]:
-    """Block lengths after the first ``n_cut`` tokens are cut away (a cut block keeps its
-    end, as the extra context does)."""
-    out: list[int] = []
-    for n in blocks:
-        if n_cut >= n:
-            n_cut -= n
-            continue
-        out.append(n - n_cut)
-        n_cut = 0
-    return out
+def whole_blocks(
+    extra: list[int], lengths: Sequence[int], has_header: bool, budget: int
+) -> tuple[list[int], list[int]]:
+    """The extra context cut to ``budget`` tokens for ring blocks: the repository header
+    stays (it never moves, and everything after can attend to it), then, newest first, every
+    chunk that still fits whole (in ring order), then the current file's separator. A chunk
+    cut in the middle would be a new block, to evaluate again, at every cut, where a whole one
+    moves exactly; one too big to fit is left out rather than ending the ring there."""
+    if len(extra) <= budget:
+        return extra, list(lengths)
+    closing = len(extra) - sum(lengths)
+    header = lengths[0] if has_header else 0
+    if header + closing > budget:  # not even the frame fits: no extra context
+        return [], []
+    spans = []  # (start, length) of each chunk in ``extra``
+    start = header
+    for n in lengths[1:] if has_header else lengths:
+        spans.append((start, n))
+        start += n
+    room = budget - header - closing
+    kept: list[tuple[int, int]] = []
+    for start, n in reversed(spans):
+        if n <= room:
+            kept.append((start, n))
+            room -= n
+    kept.reverse()
+    head = [*extra[:header], *(t for s, n in kept for t in extra[s : s + n])]
+    head.extend(extra[len(extra) - closing :])
+    return head, [*([header] if header else []), *(n for _, n in kept)]
 
 
 class InfillTokens(list[int]):
@@ -220,8 +238,10 @@ def infill_prompt(
     prefix_block = [fim.pre, *prefix[len(prefix) - n_prefix :], *ends_prefix]
     suffix_block = [fim.suf, *suffix[: take.suffix]]
     first, second = (suffix_block, prefix_block) if spm else (prefix_block, suffix_block)
-    head = extra[len(extra) - n_extra :] if n_extra else []
-    blocks = keep_last_blocks(extra_lengths, len(extra) - n_extra) if ring_blocks else []
+    if ring_blocks:
+        head, blocks = whole_blocks(extra, extra_lengths, fim.rep is not None, n_extra)
+    else:
+        head, blocks = (extra[len(extra) - n_extra :] if n_extra else []), []
     if ring_only:
         return InfillTokens(head, blocks)
     tokens = [*head, *([bos] if bos is not None else []), *first, *second, fim.mid, *middle]
