@@ -122,3 +122,14 @@ def test_a_cut_short_block_resumes_and_a_prompt_without_blocks_keeps_only_the_fi
     pre = caches.prefill(0, prompt)  # causal now: only the first block is still right
     assert pre.n_cached == CHUNK and caches.spans[0] == []
     np.testing.assert_allclose(logits(caches), cold_logits(model, prompt, ()), atol=ATOL)
+
+
+def test_without_kv_shifts_a_rotated_ring_is_evaluated_again(
+    caches: SlotCaches, toks: list[int]
+) -> None:
+    c = chunks(toks, 4)
+    first, blocks = layout(c[0:3], toks[300:340])
+    caches.prefill(0, first, blocks=blocks)
+    second, blocks2 = layout(c[1:4], toks[300:340])
+    pre = caches.prefill(0, second, blocks=blocks2)  # min_chunk 0: --cache-reuse 0
+    assert pre.n_moved == 0 and pre.n_evaluated == len(second)

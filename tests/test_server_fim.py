@@ -301,11 +301,10 @@ def test_ring_blocks_are_the_header_and_the_newest_whole_chunks_that_fit() -> No
     cut = infill_prompt(**kwargs, n_ctx=95, ring_blocks=True)  # type: ignore[arg-type]
     assert cut.blocks == (header, b)
     assert cut[: header + b] == [*whole[:header], *whole[header + a : header + a + b]]
-    # a chunk too big to fit is left out; an older one that fits is kept
+    # a chunk too big to fit ends the ring there, though an older one would fit
     big = [Extra("def a():\n", "a.py"), Extra("z" * 40, "big.py"), Extra("x = 1\n", "b.py")]
-    skip = infill_prompt(**{**kwargs, "input_extra": big}, n_ctx=112, ring_blocks=True)  # type: ignore[arg-type]
-    assert skip.blocks == (header, a, b)  # 50 tokens: 11 + 15 + 12 + 10 + 2 spare
-    assert skip[: header + a + b] == whole[: header + a + b]
+    ends = infill_prompt(**{**kwargs, "input_extra": big}, n_ctx=112, ring_blocks=True)  # type: ignore[arg-type]
+    assert ends.blocks == (header, b)  # 50 tokens: a (15) would fit beside b, big (48) not
     # causal: the extra context keeps its end, cut mid-chunk (llama-server's rule)
     causal = infill_prompt(**kwargs, n_ctx=95)  # type: ignore[arg-type]
     assert (

@@ -9,7 +9,10 @@ of the file, given the file's preceding lines and
 
 * no ring at all (how much the ring helps: the scale),
 * a ring of chunks from the same file and others, causal (llama-server's attention),
-* the same ring as blocks.
+* the same ring, causal, as a session leaves it: the slot held the ring one rotation earlier
+  (an older chunk in front, the newest not yet in) and another location's code, and the new
+  prompt reuses the moved chunks by a KV shift (``--cache-reuse 256``), as llama-server does,
+* the same ring as blocks, cold and after the same rotation (equal up to rounding).
 
 Same prompts, same model, one process; the report gives each mode's mean, the paired
 differences with their standard error, and the share of the ring's gain that blocks keep.
@@ -41,13 +44,16 @@ from localspec.engine.types import ModelSettings
 from localspec.engine.vocab import Vocab
 from localspec.server.fim import Extra, FimIds, extra_blocks
 
-MODES = ("no ring", "causal ring", "block ring")
+MODES = ("no ring", "causal ring", "causal, rotated", "block ring", "block, rotated")
+CACHE_REUSE = 256  # llama-vscode's llama-server preset, localspec's default
 
 
 @dataclass(frozen=True)
 class Sample:
     name: str  # file:line
     ring: list[Extra]
+    older: Extra  # the chunk the ring held before its newest one came in
+    before: str  # the code of the location before this one (another file)
     prefix: str
     continuation: str
 
@@ -92,7 +98,13 @@ def samples(
                 rng.randrange(len(ring) + 1), _chunk(other, texts[other], start, chunk_lines)
             )
         prefix = "\n".join(lines[cursor - prefix_lines : cursor]) + "\n"
-        out.append(Sample(f"{path.name}:{cursor + 1}", ring, prefix, continuation))
+        other = rng.choice([p for p in big if p != path])
+        older = _chunk(
+            other, texts[other], rng.randrange(0, len(texts[other]) - chunk_lines), chunk_lines
+        )
+        at = rng.randrange(0, len(texts[other]) - prefix_lines)
+        before = "\n".join(texts[other][at : at + prefix_lines]) + "\n"
+        out.append(Sample(f"{path.name}:{cursor + 1}", ring, older, before, prefix, continuation))
     return out
 
 
@@ -105,10 +117,19 @@ def _log_softmax_at(logits: np.ndarray, token: int) -> float:
     return float(logits[token] - top - math.log(float(np.sum(np.exp(logits - top)))))
 
 
-def nll(caches: SlotCaches, prompt: list[int], blocks: Sequence[int], cont: list[int]) -> float:
-    """Mean negative log-likelihood of ``cont`` after ``prompt`` (a cold slot each time)."""
+def nll(
+    caches: SlotCaches,
+    prompt: list[int],
+    blocks: Sequence[int],
+    cont: list[int],
+    before: tuple[list[int], Sequence[int]] | None = None,
+) -> float:
+    """Mean negative log-likelihood of ``cont`` after ``prompt``: from a cold slot, or from
+    one that held ``before`` (a prompt and its blocks), reusing it as the server does."""
     caches.clear(0)
-    caches.prefill(0, prompt, blocks=blocks)
+    if before is not None:
+        caches.prefill(0, before[0], blocks=before[1])
+    caches.prefill(0, prompt, blocks=blocks, min_chunk=CACHE_REUSE if before else 0)
     total = -_log_softmax_at(np.asarray(caches.ctx.logits(-1)), cont[0])
     caches.append(0, cont[:-1], logits="all")
     for i, token in enumerate(cont[1:]):
@@ -136,9 +157,15 @@ def run(
             cont = vocab.tokenize(sample.continuation)[:max_cont]
             t0 = time.perf_counter()
             row: dict[str, Any] = {"sample": sample.name, "n_ring": len(extra), "n_cont": len(cont)}
+            old, old_lengths = extra_blocks(vocab.tokenize, ids, [sample.older, *sample.ring[:-1]])
+            old_prompt = old + vocab.tokenize(sample.before)
             row["no ring"] = nll(caches, prefix, (), cont)
             row["causal ring"] = nll(caches, extra + prefix, (), cont)
+            row["causal, rotated"] = nll(caches, extra + prefix, (), cont, (old_prompt, ()))
             row["block ring"] = nll(caches, extra + prefix, lengths, cont)
+            row["block, rotated"] = nll(
+                caches, extra + prefix, lengths, cont, (old_prompt, old_lengths)
+            )
             rows.append(row)
             print(
                 f"[{i + 1}/{len(picked)}] {sample.name:28} "
@@ -163,14 +190,17 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     for mode in MODES:
         out[mode] = mean_se([r[mode] for r in rows])
     gain = [r["no ring"] - r["causal ring"] for r in rows]
-    cost = [r["block ring"] - r["causal ring"] for r in rows]
     out["ring gain (no ring - causal)"] = mean_se(gain)
-    out["block cost (block - causal)"] = mean_se(cost)
     total_gain = sum(gain)
-    out["share of the ring's gain blocks keep"] = (
-        (total_gain - sum(cost)) / total_gain if total_gain > 0 else float("nan")
+    for mode in ("block ring", "causal, rotated", "block, rotated"):
+        cost = [r[mode] - r["causal ring"] for r in rows]
+        out[f"{mode} - causal ring"] = mean_se(cost)
+        out[f"share of the ring's gain kept: {mode}"] = (
+            (total_gain - sum(cost)) / total_gain if total_gain > 0 else float("nan")
+        )
+    out["samples where blocks beat causal, rotated"] = sum(
+        1 for r in rows if r["block, rotated"] < r["causal, rotated"]
     )
-    out["samples where blocks are better"] = sum(1 for c in cost if c < 0)
     return out
 
 

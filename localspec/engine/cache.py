@@ -123,7 +123,8 @@ class SlotCaches:
         """Make the slot hold ``prompt`` (logits of its last token ready); reuse what it can.
 
         ``blocks``: lengths of the prompt's leading blocks, each evaluated on its own (module
-        docstring); a cached block with the same tokens is moved into place, wherever it was.
+        docstring); a cached block with the same tokens is moved into place, wherever it was
+        (when ``min_chunk`` allows KV shifts at all: any block, whatever its length).
         Everything after them is planned as without blocks (``_prefill``)."""
         blocks = list(blocks)
         while blocks and sum(blocks) >= len(prompt):  # the last token is evaluated with logits
@@ -131,7 +132,8 @@ class SlotCaches:
         if blocks:
             if self.iso is None:
                 raise ValueError("blocks need a context with a sequence for them (n_seq)")
-            placed = self._place_blocks(slot, prompt, blocks, cancel=cancel, chunk=chunk)
+            move = min_chunk > 0 and self.ctx.can_shift  # 0: no KV shift at all, as asked
+            placed = self._place_blocks(slot, prompt, blocks, move=move, cancel=cancel, chunk=chunk)
             if placed.cancelled:
                 n = len(self.tokens[slot])
                 return PrefillResult(
@@ -175,6 +177,7 @@ class SlotCaches:
         prompt: Sequence[int],
         blocks: Sequence[int],
         *,
+        move: bool,
         cancel: Cancel | None,
         chunk: int | None,
     ) -> _Placed:
@@ -210,7 +213,7 @@ class SlotCaches:
                 pool.setdefault(tuple(cached[s:e]), []).append(s)
         moves: dict[int, Run] = {}
         for s, e in spans[k:]:
-            sources = pool.get(tuple(prompt[s:e]))
+            sources = pool.get(tuple(prompt[s:e])) if move else None
             if sources and s >= start:
                 moves[s] = Run(sources.pop(0), s, e - s)
         if moves:

@@ -122,10 +122,12 @@ def whole_blocks(
     extra: list[int], lengths: Sequence[int], has_header: bool, budget: int
 ) -> tuple[list[int], list[int]]:
     """The extra context cut to ``budget`` tokens for ring blocks: the repository header
-    stays (it never moves, and everything after can attend to it), then, newest first, every
-    chunk that still fits whole (in ring order), then the current file's separator. A chunk
-    cut in the middle would be a new block, to evaluate again, at every cut, where a whole one
-    moves exactly; one too big to fit is left out rather than ending the ring there."""
+    stays (it never moves, and everything after can attend to it), then the newest chunks that
+    fit whole, then the current file's separator. A chunk cut in the middle would be a new
+    block, to evaluate again, at every cut, where a whole one moves exactly. The ring ends at
+    the first chunk that does not fit: skipping it for older ones that do (a fuller budget)
+    lets chunks drop out and come back as the ring turns, each return an evaluation (r27 in
+    docs/benchmarks.md: 1.3x the prompt tokens of the contiguous rule)."""
     if len(extra) <= budget:
         return extra, list(lengths)
     closing = len(extra) - sum(lengths)
@@ -140,9 +142,10 @@ def whole_blocks(
     room = budget - header - closing
     kept: list[tuple[int, int]] = []
     for start, n in reversed(spans):
-        if n <= room:
-            kept.append((start, n))
-            room -= n
+        if n > room:
+            break
+        kept.append((start, n))
+        room -= n
     kept.reverse()
     head = [*extra[:header], *(t for s, n in kept for t in extra[s : s + n])]
     head.extend(extra[len(extra) - closing :])
