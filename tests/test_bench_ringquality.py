@@ -33,16 +33,17 @@ def test_samples_take_the_ring_from_above_the_prefix_and_score_what_follows() ->
 def test_summary_reports_the_share_of_the_rings_gain_each_mode_keeps() -> None:
     rows = [
         {"no ring": 2.0, "causal ring": 1.0, "causal, rotated": 1.5, "block ring": 1.2,
-         "block, rotated": 1.2},
+         "block, rotated": 1.2, "sink blocks": 1.6},
         {"no ring": 3.0, "causal ring": 2.0, "causal, rotated": 2.1, "block ring": 1.9,
-         "block, rotated": 1.9},
+         "block, rotated": 1.9, "sink blocks": 2.0},
     ]  # fmt: skip
     summary = ringquality.summarize(rows)
     assert summary["ring gain (no ring - causal)"][0] == pytest.approx(1.0)
     assert summary["block ring - causal ring"][0] == pytest.approx(0.05)
     assert summary["share of the ring's gain kept: block ring"] == pytest.approx(0.95)
     assert summary["share of the ring's gain kept: causal, rotated"] == pytest.approx(0.7)
-    assert summary["samples where blocks beat causal, rotated"] == 2
+    assert summary["samples where block, rotated beat causal, rotated"] == 2
+    assert summary["samples where sink blocks beat causal, rotated"] == 1
     assert "block, rotated" in ringquality.table(summary)
 
 

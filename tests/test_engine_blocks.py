@@ -133,3 +133,31 @@ def test_without_kv_shifts_a_rotated_ring_is_evaluated_again(
     second, blocks2 = layout(c[1:4], toks[300:340])
     pre = caches.prefill(0, second, blocks=blocks2)  # min_chunk 0: --cache-reuse 0
     assert pre.n_moved == 0 and pre.n_evaluated == len(second)
+
+
+def test_blocks_that_see_a_sink_still_move_exactly(
+    model: Model, caches: SlotCaches, toks: list[int]
+) -> None:
+    """With ``sink`` every block also attends to the first one (the repository header), placed
+    right before it: a moved block is still what a cold evaluation computes."""
+    header, c, tail = toks[:4], chunks(toks[4:], 5), toks[500:540]
+    first, blocks = layout([header, *c[0:4]], tail)
+    caches.prefill(0, first, blocks=blocks, sink=True, min_chunk=64)
+    second, blocks2 = layout([header, *c[1:5]], tail)
+    pre = caches.prefill(0, second, blocks=blocks2, sink=True, min_chunk=64)
+    assert pre.n_moved == 3 * CHUNK and pre.n_evaluated == CHUNK + len(tail)
+    assert caches.blocks_in_place(0, blocks2, True) and not caches.blocks_in_place(0, blocks2)
+    warm = logits(caches)
+
+    def cold(sink: bool) -> np.ndarray:
+        ctx = new_ctx(model, n_seq=3)
+        try:
+            SlotCaches(ctx, 1).prefill(0, second, blocks=blocks2, sink=sink)
+            return np.array(ctx.logits(-1))
+        finally:
+            ctx.close()
+
+    with_sink = cold(True)
+    moved_error = np.max(np.abs(warm - with_sink))  # K's rotation rounding, as without a sink
+    assert moved_error < 5 * ATOL
+    assert np.max(np.abs(with_sink - cold(False))) > 10 * moved_error  # the chunks saw it

@@ -291,10 +291,12 @@ def test_ring_blocks_are_the_header_and_the_newest_whole_chunks_that_fit() -> No
     )  # fmt: skip
     whole = infill_prompt(**kwargs, n_ctx=4096, ring_blocks=True)  # type: ignore[arg-type]
     header, a, b = len("myproject\n") + 1, 1 + len("a.py\ndef a():\n"), 1 + len("b.py\nx = 1\n")
-    assert whole.blocks == (header, a, b)
+    assert whole.blocks == (header, a, b) and whole.sink  # the chunks see the header
     # the blocks end where the current file's separator begins
     assert whole[header + a + b] == SEP and whole[header + a + b + 1 :][:9] == chars("filename\n")
     assert infill_prompt(**kwargs, n_ctx=4096).blocks == ()  # type: ignore[arg-type]
+    no_header = infill_prompt(**{**kwargs, "fim": NO_REPO}, n_ctx=4096, ring_blocks=True)  # type: ignore[arg-type]
+    assert len(no_header.blocks) == 2 and not no_header.sink
     # the extra context's budget is n_ctx - 64 + 2: 29 tokens hold the header (11) and the
     # current file's separator (10) but no chunk whole; 33 also hold chunk b (12), not a
     assert infill_prompt(**kwargs, n_ctx=91, ring_blocks=True).blocks == (header,)  # type: ignore[arg-type]

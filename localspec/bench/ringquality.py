@@ -44,7 +44,9 @@ from localspec.engine.types import ModelSettings
 from localspec.engine.vocab import Vocab
 from localspec.server.fim import Extra, FimIds, extra_blocks
 
-MODES = ("no ring", "causal ring", "causal, rotated", "block ring", "block, rotated")
+MODES = (
+    "no ring", "causal ring", "causal, rotated", "block ring", "block, rotated", "sink blocks",
+)  # fmt: skip
 CACHE_REUSE = 256  # llama-vscode's llama-server preset, localspec's default
 
 
@@ -123,13 +125,14 @@ def nll(
     blocks: Sequence[int],
     cont: list[int],
     before: tuple[list[int], Sequence[int]] | None = None,
+    sink: bool = False,
 ) -> float:
     """Mean negative log-likelihood of ``cont`` after ``prompt``: from a cold slot, or from
     one that held ``before`` (a prompt and its blocks), reusing it as the server does."""
     caches.clear(0)
     if before is not None:
-        caches.prefill(0, before[0], blocks=before[1])
-    caches.prefill(0, prompt, blocks=blocks, min_chunk=CACHE_REUSE if before else 0)
+        caches.prefill(0, before[0], blocks=before[1], sink=sink)
+    caches.prefill(0, prompt, blocks=blocks, sink=sink, min_chunk=CACHE_REUSE if before else 0)
     total = -_log_softmax_at(np.asarray(caches.ctx.logits(-1)), cont[0])
     caches.append(0, cont[:-1], logits="all")
     for i, token in enumerate(cont[1:]):
@@ -151,6 +154,9 @@ def run(
         ids = FimIds(pre=fim.pre or 0, suf=fim.suf or 0, mid=fim.mid or 0, rep=fim.rep, sep=fim.sep)
         caches = SlotCaches(ctx, 1)
         rows: list[dict[str, Any]] = []
+        # every prompt starts with a repository header, the first block (the one the sink
+        # blocks see): the vocabulary's own (FIM_REP myproject) or, without one, a text line
+        bos = [] if ids.rep is not None else vocab.tokenize("# repository: myproject\n")
         for i, sample in enumerate(picked):
             extra, lengths = extra_blocks(vocab.tokenize, ids, sample.ring)
             prefix = vocab.tokenize(sample.prefix)
@@ -158,14 +164,16 @@ def run(
             t0 = time.perf_counter()
             row: dict[str, Any] = {"sample": sample.name, "n_ring": len(extra), "n_cont": len(cont)}
             old, old_lengths = extra_blocks(vocab.tokenize, ids, [sample.older, *sample.ring[:-1]])
-            old_prompt = old + vocab.tokenize(sample.before)
-            row["no ring"] = nll(caches, prefix, (), cont)
-            row["causal ring"] = nll(caches, extra + prefix, (), cont)
-            row["causal, rotated"] = nll(caches, extra + prefix, (), cont, (old_prompt, ()))
-            row["block ring"] = nll(caches, extra + prefix, lengths, cont)
-            row["block, rotated"] = nll(
-                caches, extra + prefix, lengths, cont, (old_prompt, old_lengths)
-            )
+            old_prompt = bos + old + vocab.tokenize(sample.before)
+            ring = bos + extra + prefix
+            blocks = [len(bos), *lengths] if bos else lengths
+            old_blocks = [len(bos), *old_lengths] if bos else old_lengths
+            row["no ring"] = nll(caches, bos + prefix, (), cont)
+            row["causal ring"] = nll(caches, ring, (), cont)
+            row["causal, rotated"] = nll(caches, ring, (), cont, (old_prompt, ()))
+            row["block ring"] = nll(caches, ring, blocks, cont)
+            row["block, rotated"] = nll(caches, ring, blocks, cont, (old_prompt, old_blocks))
+            row["sink blocks"] = nll(caches, ring, blocks, cont, sink=True)
             rows.append(row)
             print(
                 f"[{i + 1}/{len(picked)}] {sample.name:28} "
@@ -192,15 +200,16 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     gain = [r["no ring"] - r["causal ring"] for r in rows]
     out["ring gain (no ring - causal)"] = mean_se(gain)
     total_gain = sum(gain)
-    for mode in ("block ring", "causal, rotated", "block, rotated"):
+    for mode in MODES[2:]:
         cost = [r[mode] - r["causal ring"] for r in rows]
         out[f"{mode} - causal ring"] = mean_se(cost)
         out[f"share of the ring's gain kept: {mode}"] = (
             (total_gain - sum(cost)) / total_gain if total_gain > 0 else float("nan")
         )
-    out["samples where blocks beat causal, rotated"] = sum(
-        1 for r in rows if r["block, rotated"] < r["causal, rotated"]
-    )
+    for mode in ("block, rotated", "sink blocks"):
+        out[f"samples where {mode} beat causal, rotated"] = sum(
+            1 for r in rows if r[mode] < r["causal, rotated"]
+        )
     return out
 
 

@@ -85,6 +85,7 @@ class SlotCaches:
         # the block spans each slot's KV was built with ([] when built causally throughout);
         # its tokens say how much of them is present
         self.spans: list[list[tuple[int, int]]] = [[] for _ in range(n_slots)]
+        self.sinks: list[bool] = [False] * n_slots  # whether those blocks saw the first one
         self.iso = n_slots + 1 if ctx.n_seq > n_slots + 1 else None  # evaluates one block
 
     def plan(
@@ -111,6 +112,7 @@ class SlotCaches:
         prompt: Sequence[int],
         *,
         blocks: Sequence[int] = (),
+        sink: bool = False,
         min_chunk: int = 0,
         tail_min: int = 0,
         max_drift: int = 1 << 30,
@@ -125,7 +127,9 @@ class SlotCaches:
         ``blocks``: lengths of the prompt's leading blocks, each evaluated on its own (module
         docstring); a cached block with the same tokens is moved into place, wherever it was
         (when ``min_chunk`` allows KV shifts at all: any block, whatever its length).
-        Everything after them is planned as without blocks (``_prefill``)."""
+        Everything after them is planned as without blocks (``_prefill``). ``sink``: every
+        block after the first also attends to the first (a repository header, an attention
+        sink), as if it stood right before it, so the block still moves exactly."""
         blocks = list(blocks)
         while blocks and sum(blocks) >= len(prompt):  # the last token is evaluated with logits
             blocks.pop()
@@ -133,7 +137,9 @@ class SlotCaches:
             if self.iso is None:
                 raise ValueError("blocks need a context with a sequence for them (n_seq)")
             move = min_chunk > 0 and self.ctx.can_shift  # 0: no KV shift at all, as asked
-            placed = self._place_blocks(slot, prompt, blocks, move=move, cancel=cancel, chunk=chunk)
+            placed = self._place_blocks(
+                slot, prompt, blocks, sink=sink, move=move, cancel=cancel, chunk=chunk
+            )
             if placed.cancelled:
                 n = len(self.tokens[slot])
                 return PrefillResult(
@@ -164,10 +170,10 @@ class SlotCaches:
             )
         return res
 
-    def blocks_in_place(self, slot: int, blocks: Sequence[int]) -> bool:
+    def blocks_in_place(self, slot: int, blocks: Sequence[int], sink: bool = False) -> bool:
         """Whether the slot's KV was built with exactly these blocks, all present."""
         spans = block_spans(blocks)
-        if self.spans[slot] != spans:
+        if self.spans[slot] != spans or (spans and self.sinks[slot] != sink):
             return False
         return not spans or len(self.tokens[slot]) >= spans[-1][1]
 
@@ -177,6 +183,7 @@ class SlotCaches:
         prompt: Sequence[int],
         blocks: Sequence[int],
         *,
+        sink: bool = False,
         move: bool,
         cancel: Cancel | None,
         chunk: int | None,
@@ -188,8 +195,12 @@ class SlotCaches:
         ctx, seq, iso = self.ctx, slot, self.iso
         assert iso is not None
         cached, old = self.tokens[slot], self.spans[slot]
+        if self.sinks[slot] != sink:  # blocks built with another rule do not match
+            old = []
+        self.sinks[slot] = sink
         if old == spans and len(cached) >= end and cached[:end] == list(prompt[:end]):
             return _Placed()
+        head = list(prompt[: spans[0][1]]) if sink else []  # the sink: the first block
 
         def same(k: int) -> bool:
             (s, e), (so, eo) = spans[k], old[k]
@@ -242,6 +253,8 @@ class SlotCaches:
                 pos = e
                 continue
             ctx.seq_rm(iso, -1, -1)
+            if head and s > 0:  # a copy of the sink right before the block, seen by it only
+                ctx.decode(head, s - len(head), iso, logits="none")
             if pos > s:  # the block's evaluated start goes along: the rest attends to it
                 ctx.seq_cp(seq, iso, s, pos)
             while pos < e:

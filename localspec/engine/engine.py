@@ -313,7 +313,7 @@ class _Run:
             req.n_predict == 0
             and len(held) > len(req.prompt)
             and held[: len(req.prompt)] == req.prompt
-            and tcache.blocks_in_place(self.slot, req.blocks)
+            and tcache.blocks_in_place(self.slot, req.blocks, req.block_sink)
         ):
             # a cache fill the slot already holds, and more: what follows stays (an editor's
             # ring warm-up must not drop the cursor's cached prefix and suffix behind the ring).
@@ -331,6 +331,7 @@ class _Run:
             self.slot,
             prompt,
             blocks=req.blocks,
+            sink=req.block_sink,
             min_chunk=min_chunk,
             tail_min=settings.tail_reuse,
             max_drift=settings.tail_max_drift,

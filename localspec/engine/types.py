@@ -124,6 +124,7 @@ class GenerationRequest:
     # lengths of the prompt's leading blocks, each evaluated on its own (an editor's ring
     # chunks: docs/engine.md, "Ring blocks"); () evaluates the prompt causally throughout
     blocks: tuple[int, ...] = ()
+    block_sink: bool = False  # every block after the first also sees the first (a header)
     n_predict: int = -1  # -1: until a stop rule or the context ends; 0: fill the cache only
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()

@@ -156,9 +156,12 @@ class InfillTokens(list[int]):
     """An /infill prompt that knows its ring blocks (``blocks``: lengths of its leading
     spans, each to be evaluated on its own; empty: causal throughout)."""
 
-    def __init__(self, tokens: Sequence[int], blocks: Sequence[int] = ()) -> None:
+    def __init__(
+        self, tokens: Sequence[int], blocks: Sequence[int] = (), sink: bool = False
+    ) -> None:
         super().__init__(tokens)
         self.blocks = tuple(blocks)
+        self.sink = sink  # the first block is the repository header, which every chunk sees
 
 
 @dataclass(frozen=True)
@@ -245,7 +248,9 @@ def infill_prompt(
         head, blocks = whole_blocks(extra, extra_lengths, fim.rep is not None, n_extra)
     else:
         head, blocks = (extra[len(extra) - n_extra :] if n_extra else []), []
+    # the chunks see the repository header as if it stood right before each (an attention sink)
+    sink = bool(blocks) and fim.rep is not None and head[:1] == [fim.rep]
     if ring_only:
-        return InfillTokens(head, blocks)
+        return InfillTokens(head, blocks, sink)
     tokens = [*head, *([bos] if bos is not None else []), *first, *second, fim.mid, *middle]
-    return InfillTokens(tokens, blocks)
+    return InfillTokens(tokens, blocks, sink)

@@ -129,7 +129,15 @@ class TaskParams:
             sampling = replace(sampling, seed=seeds[index])
         # an /infill prompt carries its ring blocks (server/fim.py InfillTokens)
         blocks = tuple(getattr(prompt, "blocks", ()))
-        return replace(self.request, slot=slot, prompt=prompt, sampling=sampling, blocks=blocks)
+        sink = bool(getattr(prompt, "sink", False))
+        return replace(
+            self.request,
+            slot=slot,
+            prompt=prompt,
+            sampling=sampling,
+            blocks=blocks,
+            block_sink=sink,
+        )
 
 
 def task_params(
