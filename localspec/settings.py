@@ -151,10 +151,11 @@ class CacheSettings(_Section):
         "extends the cached prompt) or llama-server's place, ending the prefix",
     )
     ring_attention: Literal["causal", "blocks"] = Field(
-        "causal",
-        description="how /infill's extra-context chunks attend: causal (as llama-server: each "
-        "sees the chunks before it) or blocks (each sees only itself; the cursor's code sees "
-        "all): a ring rotation then moves KV exactly instead of approximately",
+        "blocks",
+        description="how /infill's extra-context chunks attend: blocks (each sees the "
+        "repository header and itself, the cursor's code sees all: a ring rotation moves KV "
+        "exactly) or causal (llama-server's: each sees the chunks before it, and a rotation "
+        "moves KV approximately); with infill_layout typed-in-middle",
     )
 
 

@@ -527,12 +527,17 @@ def test_pull_a_hub_file_reference_with_a_token_file(env: dict[str, str], tmp_pa
 
 
 @pytest.mark.parametrize(
-    ("argv", "typed_in_middle"),
-    [([], True), (["--infill-layout", "llama-server"], False),
-     (["--infill-layout", "typed-in-middle"], True)],
+    ("argv", "typed_in_middle", "ring_blocks"),
+    [([], True, True), (["--infill-layout", "llama-server"], False, True),
+     (["--infill-layout", "typed-in-middle"], True, True),
+     (["--ring-attention", "causal"], True, False)],
 )  # fmt: skip
-def test_infill_layout_flag_reaches_the_server(
-    argv: list[str], typed_in_middle: bool, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+def test_infill_layout_and_ring_attention_flags_reach_the_server(
+    argv: list[str],
+    typed_in_middle: bool,
+    ring_blocks: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
 ) -> None:
     from localspec.commands import common, up
 
@@ -540,7 +545,8 @@ def test_infill_layout_flag_reaches_the_server(
     args = cli.build_parser().parse_args(["up", *argv])
     settings = common.load_settings(args, quiet=True).settings
     served = up.Served(types.SimpleNamespace(n_slots=1), "m.gguf")
-    assert up._server_settings(settings, None, served).typed_in_middle is typed_in_middle
+    server = up._server_settings(settings, None, served)
+    assert (server.typed_in_middle, server.ring_blocks) == (typed_in_middle, ring_blocks)
 
 
 def test_server_limits_and_spm_reach_the_server(

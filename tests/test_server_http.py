@@ -508,7 +508,7 @@ def test_props_models_slots_metrics(qwen: Live, qc: httpx.Client, qwen_target: P
     assert props["default_generation_settings"]["n_ctx"] == N_CTX
     assert props["model_path"] == str(qwen_target) and props["total_slots"] == 2
     assert props["draft_model_path"] and props["speculative"]["n_max"] == 16
-    assert props["speculative"]["ring_attention"] == "causal"
+    assert props["speculative"]["ring_attention"] == "blocks"  # the default
     models = qc.get("/v1/models").json()
     assert models["data"][0]["id"] == qwen_target.name
     slots = qc.get("/slots").json()

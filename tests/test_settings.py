@@ -219,6 +219,7 @@ def test_every_key_named_in_the_brief_exists() -> None:
         "cache.reuse_chunk",
         "cache.exact_ms",
         "cache.infill_layout",
+        "cache.ring_attention",
         "log.level",
         "log.format",
         "log.requests",

@@ -92,7 +92,7 @@ SERVE_FLAGS = (
         "--ring-attention",
         "cache.ring_attention",
         str,
-        "how /infill's ring chunks attend",
+        "how /infill's ring chunks attend (default blocks)",
         None,
         ("causal", "blocks"),
     ),

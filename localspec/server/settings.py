@@ -22,8 +22,9 @@ class ServerSettings:
     # the cursor line goes behind FIM_MID (each keystroke appends to the cached prompt);
     # False: llama-server's layout, the line ends the prefix (see server/fim.py)
     typed_in_middle: bool = True
-    # /infill's extra-context chunks evaluated each on its own (engine blocks, docs/engine.md)
-    ring_blocks: bool = False
+    # /infill's extra-context chunks evaluated each on its own (engine blocks, docs/engine.md);
+    # with typed_in_middle only (llama-server's layout stays token for token and causal)
+    ring_blocks: bool = True
     n_cmpl_max: int = 16  # most completions one request may ask for
     infill_room: int = 256  # /infill prompts leave this many tokens (at most n_ctx/4) to generate
     max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies answer 413
