@@ -227,16 +227,7 @@ class SlotCaches:
             sources = pool.get(tuple(prompt[s:e])) if move else None
             if sources and s >= start:
                 moves[s] = Run(sources.pop(0), s, e - s)
-        if moves:
-            ctx.seq_rm(self.scratch, -1, -1)
-            for r in moves.values():
-                ctx.seq_cp(seq, self.scratch, r.src, r.src + r.n)
-        ctx.seq_rm(seq, start, -1)
-        if moves:  # two-step shift, as in _prefill
-            big = len(cached) + len(prompt) + 1
-            ctx.seq_add(self.scratch, 0, -1, big)
-            for r in moves.values():
-                ctx.seq_add(self.scratch, r.src + big, r.src + r.n + big, r.dst - r.src - big)
+        self._park(seq, list(moves.values()), start, len(cached) + len(prompt) + 1)
         toks = list(prompt[:start])
         self.tokens[slot], self.spans[slot] = toks, spans
         self._reset_drift(slot)
@@ -276,6 +267,21 @@ class SlotCaches:
             ctx.seq_rm(self.scratch, -1, -1)
         self.exact[slot] = len(toks)  # every block present is as a cold evaluation makes it
         return placed
+
+    def _park(self, seq: int, runs: Sequence[Run], cut: int, beyond: int) -> None:
+        """Park ``runs`` of ``seq`` on the scratch sequence, already at their new positions,
+        and drop ``seq``'s KV from ``cut`` on. ``beyond``: past every position in play."""
+        ctx, scratch = self.ctx, self.scratch
+        if runs:
+            ctx.seq_rm(scratch, -1, -1)
+            for r in runs:
+                ctx.seq_cp(seq, scratch, r.src, r.src + r.n)
+        ctx.seq_rm(seq, cut, -1)
+        if runs:
+            # two-step shift so a run's destination never overlaps a run not yet moved
+            ctx.seq_add(scratch, 0, -1, beyond)
+            for r in runs:
+                ctx.seq_add(scratch, r.src + beyond, r.src + r.n + beyond, r.dst - r.src - beyond)
 
     def _unblock(self, slot: int) -> None:
         """Before a prompt without blocks: keep only the first block (at position 0 it is
@@ -353,19 +359,7 @@ class SlotCaches:
                 plan = ReusePlan(keep, (), len(prompt), ((keep, len(prompt)),))
                 self._reset_drift(slot)
         n_moved = sum(r.n for r in plan.runs)
-        if plan.runs:
-            scratch = self.scratch
-            ctx.seq_rm(scratch, -1, -1)
-            for r in plan.runs:
-                ctx.seq_cp(seq, scratch, r.src, r.src + r.n)
-            ctx.seq_rm(seq, plan.n_prefix, -1)
-            # two-step shift so a run's destination never overlaps a run not yet moved
-            big = len(cached) + len(prompt) + 1
-            ctx.seq_add(scratch, 0, -1, big)
-            for r in plan.runs:
-                ctx.seq_add(scratch, r.src + big, r.src + r.n + big, r.dst - r.src - big)
-        else:
-            ctx.seq_rm(seq, plan.n_prefix, -1)
+        self._park(seq, plan.runs, plan.n_prefix, len(cached) + len(prompt) + 1)
         # moved runs stay in their old cells, amid the holes the dropped content leaves; with
         # flash attention off every new token would pay for those holes (Context.compact)
         holes = len(cached) - plan.n_reused if plan.runs else 0
