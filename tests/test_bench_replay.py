@@ -352,13 +352,18 @@ def test_slow_requests_are_aborted_on_the_wire() -> None:
     assert ok.server_timing == {"engine": 1.5, "app": 0.2}
 
 
-def test_interleaved_replay_with_cold_checks() -> None:
+def two_locations() -> editor.Schedule:
+    """A short schedule in three generated files: 2 locations, 3 keys each, no pauses."""
     settings = editor.TrafficSettings(locations=2, max_keys=3, pause_prob=0.0)
     src = [
         editor.SourceFile(f"/m{i}.py", [f"x{i}_{j} = {j}  # filler" for j in range(120)])
         for i in range(3)
     ]
-    schedule = editor.build_schedule(settings, src)
+    return editor.build_schedule(settings, src)
+
+
+def test_interleaved_replay_with_cold_checks() -> None:
+    schedule = two_locations()
     with Stub(_slow_on("")) as a, Stub(_slow_on("")) as b:
 
         async def go() -> list[Outcome]:
@@ -402,12 +407,7 @@ def test_interleaved_replay_with_cold_checks() -> None:
 
 
 def test_cold_checks_go_to_the_oracle_and_leave_the_measured_cache_alone() -> None:
-    settings = editor.TrafficSettings(locations=2, max_keys=3, pause_prob=0.0)
-    src = [
-        editor.SourceFile(f"/m{i}.py", [f"x{i}_{j} = {j}  # filler" for j in range(120)])
-        for i in range(3)
-    ]
-    schedule = editor.build_schedule(settings, src)
+    schedule = two_locations()
     with Stub(_slow_on("")) as measured, Stub(_slow_on("")) as twin:
 
         async def go() -> list[Outcome]:
