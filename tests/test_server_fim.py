@@ -15,7 +15,7 @@ from localspec.server.fim import (
     Extra,
     FimIds,
     budgets,
-    extra_context,
+    extra_blocks,
     infill_prompt,
     tokenize_mixed,
 )
@@ -105,7 +105,7 @@ def test_extra_keeps_its_end_within_context_minus_batch_and_predict() -> None:
         tokenize=chars, fim=QWEN_LIKE, input_prefix="P", input_suffix="S",
         input_extra=[Extra(chunk, "big.txt")], prompt_tokens=[], n_batch=n_batch, n_ctx=n_ctx,
     )  # fmt: skip
-    full_extra = extra_context(chars, QWEN_LIKE, [Extra(chunk, "big.txt")])
+    full_extra = extra_blocks(chars, QWEN_LIKE, [Extra(chunk, "big.txt")])[0]
     n_extra = n_ctx - n_batch + 2  # the server's n_predict is -1: 2 * -1 adds two tokens
     assert got == [*full_extra[-n_extra:], PRE, ord("P"), SUF, ord("S"), MID]
     assert got[: len(got) - 5][-len(chars("filename\n")) :] == chars("filename\n")
@@ -225,7 +225,7 @@ def test_layout_invariants(
     exact = infill_prompt(n_predict=(room + 1) // 2 if room else -1, **kw)  # type: ignore[arg-type]
     got = infill_prompt(room=room, **kw)  # type: ignore[arg-type]
     assert got[-1] == MID and got.count(PRE) == got.count(SUF) == 1
-    full_extra = extra_context(chars, QWEN_LIKE, extra)
+    full_extra = extra_blocks(chars, QWEN_LIKE, extra)[0]
     head = got[: got.index(BOS if bos else (SUF if spm else PRE))]
     assert head == full_extra[len(full_extra) - len(head) :]  # extra keeps its end
     kept_prefix = [t for t in got[len(head) :] if t == ord("p")]

@@ -52,6 +52,17 @@ class _Placed:
     moved: int = 0
     cancelled: bool = False
 
+    def added_to(self, res: PrefillResult) -> PrefillResult:
+        """``res`` (the reuse plan's, which counts the blocks as cached) with this work in."""
+        if not (self.evaluated or self.moved):
+            return res
+        return replace(
+            res,
+            n_cached=res.n_cached - self.evaluated,
+            n_evaluated=res.n_evaluated + self.evaluated,
+            n_moved=res.n_moved + self.moved,
+        )
+
 
 def block_spans(blocks: Sequence[int]) -> list[tuple[int, int]]:
     """[start, end) of each block, from their lengths (laid end to end from position 0)."""
@@ -127,48 +138,124 @@ class SlotCaches:
         ``blocks``: lengths of the prompt's leading blocks, each evaluated on its own (module
         docstring); a cached block with the same tokens is moved into place, wherever it was
         (when ``min_chunk`` allows KV shifts at all: any block, whatever its length).
-        Everything after them is planned as without blocks (``_prefill``). ``sink``: every
-        block after the first also attends to the first (a repository header, an attention
-        sink), as if it stood right before it, so the block still moves exactly."""
-        blocks = list(blocks)
-        while blocks and sum(blocks) >= len(prompt):  # the last token is evaluated with logits
-            blocks.pop()
-        if blocks:
-            if self.iso is None:
-                raise ValueError("blocks need a context with a sequence for them (n_seq)")
-            move = min_chunk > 0 and self.ctx.can_shift  # 0: no KV shift at all, as asked
-            placed = self._place_blocks(
-                slot, prompt, blocks, sink=sink, move=move, cancel=cancel, chunk=chunk
-            )
-            if placed.cancelled:
-                n = len(self.tokens[slot])
-                return PrefillResult(
-                    n - placed.evaluated, placed.evaluated, placed.moved, True, self.exact[slot]
-                )
-        else:
-            placed = _Placed()
-            if self.spans[slot]:
-                self._unblock(slot)
-        res = self._prefill(
-            slot,
-            prompt,
-            min_chunk=min_chunk,
-            tail_min=tail_min,
-            max_drift=max_drift,
-            tail_refresh=tail_refresh,
-            tail_roll=tail_roll,
-            cancel=cancel,
-            chunk=chunk,
-            exact_ms=exact_ms,
+        Everything after them is planned as without blocks. ``sink``: every block after the
+        first also attends to the first (a repository header, an attention sink), as if it
+        stood right before it, so the block still moves exactly.
+
+        ``exact_ms``: when keeping the KV exact (prefix reuse of the exact part only, no KV
+        shift) costs at most this many milliseconds more than the reuse plan, at the measured
+        price per token, the exact plan is taken, and it also repays an earlier shift's
+        approximation still held in the prefix."""
+        placed = self._blocks_first(
+            slot, prompt, blocks, sink=sink, move=min_chunk > 0, cancel=cancel, chunk=chunk
         )
-        if placed.evaluated or placed.moved:
-            res = replace(
-                res,
-                n_cached=res.n_cached - placed.evaluated,
-                n_evaluated=res.n_evaluated + placed.evaluated,
-                n_moved=res.n_moved + placed.moved,
+        if placed.cancelled:
+            n = len(self.tokens[slot])
+            return PrefillResult(
+                n - placed.evaluated, placed.evaluated, placed.moved, True, self.exact[slot]
             )
-        return res
+        ctx, seq = self.ctx, slot
+        plan = self.plan(
+            slot, prompt, min_chunk=min_chunk, tail_min=tail_min, tail_refresh=tail_refresh
+        )
+        tail = plan.runs[-1] if plan.runs else None
+        cached = self.tokens[slot]
+        if (
+            tail is not None
+            and tail.n < min_chunk
+            and (tail.dst + tail.n == len(prompt) - 1 or tail.src + tail.n == len(cached))
+        ):
+            # a short run ending the prompt or the cache, moved under the tail rule: bounded drift
+            # tokens inserted and deleted in front of the block since its KV was computed
+            # (the refreshed tokens at the block's start are recomputed, not changes)
+            moved_before = sum(r.n for r in plan.runs[:-1]) + tail_refresh
+            inserted = tail.dst - plan.n_prefix - moved_before
+            deleted = tail.src - plan.n_prefix - moved_before
+            changed = max(0, inserted) + max(0, deleted)
+            if tail_roll > 0:
+                # with a rolling refresh the stalest token was recomputed one cycle ago
+                per_cycle = -(-tail.n // tail_roll)  # keystrokes to refresh the whole block
+                recent = self.changes[slot][len(self.changes[slot]) - (per_cycle - 1) :]
+                drift = sum(recent) + changed if per_cycle > 1 else changed
+            else:
+                drift = self.drift[slot] + changed
+            if drift > max_drift:
+                plan = self.plan(slot, prompt, min_chunk=min_chunk, tail_min=len(prompt) + 1)
+                self._reset_drift(slot)
+            else:
+                self.drift[slot] = drift
+                self.tail_start[slot] = tail.dst
+                if tail_roll > 0 and tail.dst + tail.n == len(prompt) - 1:  # a whole block
+                    self.changes[slot] = [*self.changes[slot][-63:], changed]
+                    offset = self.roll_at[slot] if self.roll_at[slot] < tail.n else 0
+                    plan = refresh_window(plan, offset, tail_roll)
+                    self.roll_at[slot] = offset + tail_roll
+        elif not 0 <= self.tail_start[slot] < plan.n_prefix:
+            # any moved tail block was dropped or recomputed: nothing stale remains
+            self._reset_drift(slot)
+        exact = self.exact[slot]
+        if exact_ms > 0 and (plan.runs or plan.n_prefix > exact):
+            # the exact plan: prefix reuse of the exact part only (plan.n_prefix is the common
+            # prefix, already short of the last token), everything after it evaluated
+            keep = min(plan.n_prefix, exact)
+            if self.affordable(len(prompt) - keep - plan.n_evaluated, exact_ms):
+                plan = ReusePlan(keep, (), len(prompt), ((keep, len(prompt)),))
+                self._reset_drift(slot)
+        n_moved = sum(r.n for r in plan.runs)
+        self._park(seq, plan.runs, plan.n_prefix, len(cached) + len(prompt) + 1)
+        # moved runs stay in their old cells, amid the holes the dropped content leaves; with
+        # flash attention off every new token would pay for those holes (Context.compact)
+        holes = len(cached) - plan.n_reused if plan.runs else 0
+        compact_due = not ctx.flash_attn and holes * plan.n_evaluated >= self.compact_min_work
+        toks = list(prompt[: plan.n_prefix])
+        self.tokens[slot] = toks
+        self.exact[slot] = min(exact, plan.n_prefix)
+        step = max(1, min(chunk or ctx.n_batch, ctx.n_batch))
+        runs = {r.dst: r for r in plan.runs}
+        pos = plan.n_prefix
+        n_prompt = len(prompt)
+        cancelled = False
+        while pos < n_prompt:
+            run = runs.get(pos)
+            if run is not None:
+                ctx.seq_cp(self.scratch, seq, run.dst, run.dst + run.n)
+                ctx.seq_rm(self.scratch, run.dst, run.dst + run.n)
+                toks.extend(prompt[run.dst : run.dst + run.n])
+                pos += run.n
+                continue
+            nxt = min((d for d in runs if d > pos), default=n_prompt)
+            if not cancelled and cancel is not None and cancel.is_set():
+                cancelled = True
+            if cancelled and not _worth_finishing(runs, pos, n_prompt):
+                break
+            # cancelled with parked runs ahead: finish the gaps in front of them and attach
+            # them (then stop) when that is less work than recomputing them next time
+            end = min(n_prompt, pos + step, nxt)
+            if compact_due and self._compact():
+                compact_due = False  # (a pending shift defers it past the next decode)
+            t0 = time.perf_counter()
+            ctx.decode(prompt[pos:end], pos, seq, logits="last" if end == n_prompt else "none")
+            self._observe_price(end - pos, (time.perf_counter() - t0) * 1000.0)
+            toks.extend(prompt[pos:end])
+            pos = end
+        if plan.runs:
+            ctx.seq_rm(self.scratch, -1, -1)
+        # the KV stays exact up to the first moved run (when it was exact up to the prefix)
+        first_moved = min((r.dst for r in plan.runs if r.dst < len(toks)), default=len(toks))
+        if exact >= plan.n_prefix:
+            self.exact[slot] = first_moved
+        if cancelled:
+            # count the runs that were attached before the cancel as cached
+            attached = sum(r.n for r in plan.runs if r.dst + r.n <= len(toks))
+            n_eval = len(toks) - plan.n_prefix - attached
+            return placed.added_to(
+                PrefillResult(
+                    plan.n_prefix + attached, n_eval, attached, True, n_exact=self.exact[slot]
+                )
+            )
+        return placed.added_to(
+            PrefillResult(plan.n_reused, plan.n_evaluated, n_moved, n_exact=self.exact[slot])
+        )
 
     def blocks_in_place(self, slot: int, blocks: Sequence[int], sink: bool = False) -> bool:
         """Whether the slot's KV was built with exactly these blocks, all present."""
@@ -291,124 +378,31 @@ class SlotCaches:
         self.truncate(slot, min(len(self.tokens[slot]), first))
         self.exact[slot] = min(self.exact[slot], len(self.tokens[slot]))
 
-    def _prefill(
+    def _blocks_first(
         self,
         slot: int,
         prompt: Sequence[int],
+        blocks: Sequence[int],
         *,
-        min_chunk: int = 0,
-        tail_min: int = 0,
-        max_drift: int = 1 << 30,
-        tail_refresh: int = 0,
-        tail_roll: int = 0,
-        cancel: Cancel | None = None,
-        chunk: int | None = None,
-        exact_ms: float = 0.0,
-    ) -> PrefillResult:
-        """``prefill`` after the blocks (if any) are in place: the reuse plan for the rest.
-
-        ``exact_ms``: when keeping the KV exact (prefix reuse of the exact part only, no KV
-        shift) costs at most this many milliseconds more than the reuse plan, at the measured
-        price per token, the exact plan is taken, and it also repays an earlier shift's
-        approximation still held in the prefix."""
-        ctx, seq = self.ctx, slot
-        plan = self.plan(
-            slot, prompt, min_chunk=min_chunk, tail_min=tail_min, tail_refresh=tail_refresh
+        sink: bool,
+        move: bool,
+        cancel: Cancel | None,
+        chunk: int | None,
+    ) -> _Placed:
+        """Put the prompt's blocks in place (none: undo an earlier request's blocks)."""
+        blocks = list(blocks)
+        while blocks and sum(blocks) >= len(prompt):  # the last token is evaluated with logits
+            blocks.pop()
+        if not blocks:
+            if self.spans[slot]:
+                self._unblock(slot)
+            return _Placed()
+        if self.iso is None:
+            raise ValueError("blocks need a context with a sequence for them (n_seq)")
+        move = move and self.ctx.can_shift  # min_chunk 0: no KV shift at all, as asked
+        return self._place_blocks(
+            slot, prompt, blocks, sink=sink, move=move, cancel=cancel, chunk=chunk
         )
-        tail = plan.runs[-1] if plan.runs else None
-        cached = self.tokens[slot]
-        if (
-            tail is not None
-            and tail.n < min_chunk
-            and (tail.dst + tail.n == len(prompt) - 1 or tail.src + tail.n == len(cached))
-        ):
-            # a short run ending the prompt or the cache, moved under the tail rule: bounded drift
-            # tokens inserted and deleted in front of the block since its KV was computed
-            # (the refreshed tokens at the block's start are recomputed, not changes)
-            moved_before = sum(r.n for r in plan.runs[:-1]) + tail_refresh
-            inserted = tail.dst - plan.n_prefix - moved_before
-            deleted = tail.src - plan.n_prefix - moved_before
-            changed = max(0, inserted) + max(0, deleted)
-            if tail_roll > 0:
-                # with a rolling refresh the stalest token was recomputed one cycle ago
-                per_cycle = -(-tail.n // tail_roll)  # keystrokes to refresh the whole block
-                recent = self.changes[slot][len(self.changes[slot]) - (per_cycle - 1) :]
-                drift = sum(recent) + changed if per_cycle > 1 else changed
-            else:
-                drift = self.drift[slot] + changed
-            if drift > max_drift:
-                plan = self.plan(slot, prompt, min_chunk=min_chunk, tail_min=len(prompt) + 1)
-                self._reset_drift(slot)
-            else:
-                self.drift[slot] = drift
-                self.tail_start[slot] = tail.dst
-                if tail_roll > 0 and tail.dst + tail.n == len(prompt) - 1:  # a whole block
-                    self.changes[slot] = [*self.changes[slot][-63:], changed]
-                    offset = self.roll_at[slot] if self.roll_at[slot] < tail.n else 0
-                    plan = refresh_window(plan, offset, tail_roll)
-                    self.roll_at[slot] = offset + tail_roll
-        elif not 0 <= self.tail_start[slot] < plan.n_prefix:
-            # any moved tail block was dropped or recomputed: nothing stale remains
-            self._reset_drift(slot)
-        exact = self.exact[slot]
-        if exact_ms > 0 and (plan.runs or plan.n_prefix > exact):
-            # the exact plan: prefix reuse of the exact part only (plan.n_prefix is the common
-            # prefix, already short of the last token), everything after it evaluated
-            keep = min(plan.n_prefix, exact)
-            if self.affordable(len(prompt) - keep - plan.n_evaluated, exact_ms):
-                plan = ReusePlan(keep, (), len(prompt), ((keep, len(prompt)),))
-                self._reset_drift(slot)
-        n_moved = sum(r.n for r in plan.runs)
-        self._park(seq, plan.runs, plan.n_prefix, len(cached) + len(prompt) + 1)
-        # moved runs stay in their old cells, amid the holes the dropped content leaves; with
-        # flash attention off every new token would pay for those holes (Context.compact)
-        holes = len(cached) - plan.n_reused if plan.runs else 0
-        compact_due = not ctx.flash_attn and holes * plan.n_evaluated >= self.compact_min_work
-        toks = list(prompt[: plan.n_prefix])
-        self.tokens[slot] = toks
-        self.exact[slot] = min(exact, plan.n_prefix)
-        step = max(1, min(chunk or ctx.n_batch, ctx.n_batch))
-        runs = {r.dst: r for r in plan.runs}
-        pos = plan.n_prefix
-        n_prompt = len(prompt)
-        cancelled = False
-        while pos < n_prompt:
-            run = runs.get(pos)
-            if run is not None:
-                ctx.seq_cp(self.scratch, seq, run.dst, run.dst + run.n)
-                ctx.seq_rm(self.scratch, run.dst, run.dst + run.n)
-                toks.extend(prompt[run.dst : run.dst + run.n])
-                pos += run.n
-                continue
-            nxt = min((d for d in runs if d > pos), default=n_prompt)
-            if not cancelled and cancel is not None and cancel.is_set():
-                cancelled = True
-            if cancelled and not _worth_finishing(runs, pos, n_prompt):
-                break
-            # cancelled with parked runs ahead: finish the gaps in front of them and attach
-            # them (then stop) when that is less work than recomputing them next time
-            end = min(n_prompt, pos + step, nxt)
-            if compact_due and self._compact():
-                compact_due = False  # (a pending shift defers it past the next decode)
-            t0 = time.perf_counter()
-            ctx.decode(prompt[pos:end], pos, seq, logits="last" if end == n_prompt else "none")
-            self._observe_price(end - pos, (time.perf_counter() - t0) * 1000.0)
-            toks.extend(prompt[pos:end])
-            pos = end
-        if plan.runs:
-            ctx.seq_rm(self.scratch, -1, -1)
-        # the KV stays exact up to the first moved run (when it was exact up to the prefix)
-        first_moved = min((r.dst for r in plan.runs if r.dst < len(toks)), default=len(toks))
-        if exact >= plan.n_prefix:
-            self.exact[slot] = first_moved
-        if cancelled:
-            # count the runs that were attached before the cancel as cached
-            attached = sum(r.n for r in plan.runs if r.dst + r.n <= len(toks))
-            n_eval = len(toks) - plan.n_prefix - attached
-            return PrefillResult(
-                plan.n_prefix + attached, n_eval, attached, True, n_exact=self.exact[slot]
-            )
-        return PrefillResult(plan.n_reused, plan.n_evaluated, n_moved, n_exact=self.exact[slot])
 
     def affordable(self, n_tokens: int, budget_ms: float) -> bool:
         """Whether evaluating ``n_tokens`` more fits ``budget_ms`` at the measured price

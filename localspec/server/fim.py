@@ -87,11 +87,6 @@ def tokenize_mixed(tokenize: Tokenize, value: str | Sequence[int | str]) -> list
     return out
 
 
-def extra_context(tokenize: Tokenize, fim: FimIds, chunks: Sequence[ExtraText]) -> list[int]:
-    """The repository-level context that precedes the FIM block."""
-    return extra_blocks(tokenize, fim, chunks)[0]
-
-
 def extra_blocks(
     tokenize: Tokenize, fim: FimIds, chunks: Sequence[ExtraText]
 ) -> tuple[list[int], list[int]]:
