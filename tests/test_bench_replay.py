@@ -24,6 +24,7 @@ from localspec.bench.driver import (
     Outcome,
     Target,
     answers_consistent,
+    cold_body,
     divergence,
     replay,
     run_burst,
@@ -423,10 +424,32 @@ def test_cold_checks_go_to_the_oracle_and_leave_the_measured_cache_alone() -> No
     assert not [b for _, b in seen if b.get("cache_prompt") is False]
     assert len(seen) == 1 + sum(len(bu.keys) + len(bu.warmups) for bu in schedule.bursts)
     assert [b["cache_prompt"] for _, b in checked] == [False] * n_keys
+    # no clock, and the length the answer had (the stub's answers stop by limit at 4 tokens)
+    assert {(b["t_max_predict_ms"], b["n_predict"]) for _, b in checked} == {(0, 4)}
     colds = [o.cold for o in outcomes if o.cold is not None]
     assert len(colds) == n_keys and all(o.server == "A" for o in outcomes)
     # the twin's answers decide: it disagrees on prompts ending in "2", as the stub does
     assert {c.content for c in colds if not c.identical} == {"different"}
+
+
+def test_a_cold_check_has_no_clock_and_the_length_a_limit_gave_the_answer() -> None:
+    body = {"prompt": "x", "n_predict": 128, "t_max_predict_ms": 500, "n_indent": 4}
+
+    def answer(stop_type: str, predicted_n: int | None) -> Outcome:
+        return _outcome("A", 0, 1.0, stop_type=stop_type, predicted_n=predicted_n)
+
+    timed = cold_body(body, answer("limit", 37))  # the deadline (or n_indent) ended it
+    assert timed == {
+        **body,
+        "cache_prompt": False,
+        "n_probs": 2,
+        "t_max_predict_ms": 0,
+        "n_predict": 37,
+    }
+    ended = cold_body(body, answer("eos", 12))  # the model ended it: the cold one may go on
+    assert ended["n_predict"] == 128 and ended["t_max_predict_ms"] == 0
+    assert cold_body(body, answer("limit", None))["n_predict"] == 128
+    assert body["t_max_predict_ms"] == 500  # the replayed body itself is untouched
 
 
 def test_a_twin_is_the_same_server_on_another_port() -> None:

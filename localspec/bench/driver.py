@@ -307,6 +307,21 @@ def _wants_cold(outcome: Outcome, mode: ColdMode) -> bool:
     return outcome.kind == "final"
 
 
+def cold_body(body: dict[str, Any], answer: Outcome) -> dict[str, Any]:
+    """``body`` as its cold-cache check: the cache off, n_probs on, and no clock.
+
+    ``t_max_predict_ms`` ends an answer at the first newline past a deadline, so where it
+    ends depends on how fast that evaluation ran, not on what it computed: two cold
+    evaluations of one request can differ in length. The check runs without the deadline,
+    and an answer a limit cut (the deadline, ``n_predict`` or ``n_indent``, all ``limit``)
+    pins its length: the cold evaluation predicts as many tokens. Identity then compares
+    every token of the answer, whichever evaluation was the faster one."""
+    cold = {**body, "cache_prompt": False, "n_probs": 2, "t_max_predict_ms": 0}
+    if answer.stop_type == "limit" and answer.predicted_n:
+        cold["n_predict"] = answer.predicted_n
+    return cold
+
+
 async def cold_check(
     target: Target, burst: Burst, outcomes: Sequence[Outcome], mode: ColdMode
 ) -> None:
@@ -316,7 +331,7 @@ async def cold_check(
     for out in outcomes:
         if out.server != target.name or not _wants_cold(out, mode):
             continue
-        body = {**burst.keys[out.key].body, "cache_prompt": False, "n_probs": 2}
+        body = cold_body(burst.keys[out.key].body, out)
         probe = Outcome(target.name, burst.index, out.key, out.kind, "ok", 0.0)
         await checker.post(body, probe)
         report = probe.probabilities or []
