@@ -8,6 +8,7 @@ asks for it, and that a failed restore empties the cache instead of leaving it w
 from __future__ import annotations
 
 import ctypes
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -190,3 +191,38 @@ def test_compacting_for_one_slot_keeps_the_other_slots_kv(model: Model, toks: li
         ref.close()
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-4)
+
+
+def test_holes_a_ring_rotation_leaves_are_compacted_by_the_request_that_evaluates_next(
+    model: Model, toks: list[int]
+) -> None:
+    """An editor's ring warm-up moves the blocks and is cut short by the next keystroke; the
+    keystroke's prefill has nothing to move, yet evaluates every new token above the holes the
+    warm-up left. The hole count outlives the request that made the holes."""
+    tail = toks[400:500]
+    first, second = toks[:300] + tail, toks[60:360] + tail  # the ring: 60-token chunks
+    blocks = (60,) * 5
+    results = []
+    for min_work in (10_000, COMPACT_OFF):
+        ctx = new_ctx(model, n_seq=3)
+        try:
+            caches = SlotCaches(ctx, 1, compact_min_work=min_work)
+            caches.prefill(0, first, blocks=blocks, min_chunk=64)
+            warm = caches.prefill(0, second, blocks=blocks, min_chunk=64, cancel=threading_set())
+            assert warm.cancelled and warm.n_moved == 4 * 60 and caches.n_compacted == 0
+            assert caches.holes == len(first) - 4 * 60  # the old first block and the tail
+            key = caches.prefill(0, second, blocks=blocks, min_chunk=64, chunk=40)
+            assert key.n_moved == 0 and key.n_evaluated == 60 + len(tail)
+            # 160 holes x 160 tokens to evaluate: due at 10k (the ring's new block is the first)
+            assert caches.n_compacted == (1 if min_work == 10_000 else 0)
+            assert caches.holes == 0
+            results.append(np.array(ctx.logits(-1)))
+        finally:
+            ctx.close()
+    np.testing.assert_allclose(results[0], results[1], rtol=0, atol=1e-3)
+
+
+def threading_set() -> threading.Event:
+    event = threading.Event()
+    event.set()
+    return event

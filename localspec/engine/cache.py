@@ -26,9 +26,9 @@ from localspec.engine.llama import Context
 from localspec.engine.types import Cancel
 
 # compact the KV buffer (Context.compact, ~30 ms for 3 800 cells of a 135M model on 2 cores)
-# before evaluating a moved prompt when (holes left by the old content) x (tokens to evaluate)
-# reaches this: each hole below the highest used cell costs ~1.2 us per evaluated token
-# without flash attention (docs/engine.md), so this is ~2.5x the break-even point
+# before an evaluation when (holes below kept cells) x (tokens to evaluate) reaches this: each
+# hole below the highest used cell costs ~1.2-1.8 us per evaluated token without flash
+# attention (docs/engine.md), so this is ~2.5x the break-even point
 COMPACT_MIN_WORK = 64 * 1024
 COMPACT_OFF = 1 << 62  # a threshold no prefill reaches
 # prefill pieces shorter than this cost mostly fixed overhead: no sample for the token price
@@ -89,6 +89,10 @@ class SlotCaches:
         self.changes: list[list[int]] = [[] for _ in range(n_slots)]  # per keystroke, rolling
         self.roll_at: list[int] = [0] * n_slots  # offset of the next rolling refresh window
         self.n_compacted = 0  # KV buffer compactions done by prefills
+        # cells freed below cells that stay (moved runs and blocks keep their old cells), less
+        # the new tokens since, which llama.cpp puts into the lowest free cells: an estimate of
+        # the holes every evaluated token pays for until a compaction
+        self.holes = 0
         # leading tokens of each slot whose KV a cold evaluation would compute bit for bit:
         # everything from the first moved run on attended to KV computed after other text
         self.exact: list[int] = [0] * n_slots
@@ -203,10 +207,7 @@ class SlotCaches:
                 self._reset_drift(slot)
         n_moved = sum(r.n for r in plan.runs)
         self._park(seq, plan.runs, plan.n_prefix, len(cached) + len(prompt) + 1)
-        # moved runs stay in their old cells, amid the holes the dropped content leaves; with
-        # flash attention off every new token would pay for those holes (Context.compact)
-        holes = len(cached) - plan.n_reused if plan.runs else 0
-        compact_due = not ctx.flash_attn and holes * plan.n_evaluated >= self.compact_min_work
+        todo = plan.n_evaluated
         toks = list(prompt[: plan.n_prefix])
         self.tokens[slot] = toks
         self.exact[slot] = min(exact, plan.n_prefix)
@@ -231,11 +232,11 @@ class SlotCaches:
             # cancelled with parked runs ahead: finish the gaps in front of them and attach
             # them (then stop) when that is less work than recomputing them next time
             end = min(n_prompt, pos + step, nxt)
-            if compact_due and self._compact():
-                compact_due = False  # (a pending shift defers it past the next decode)
+            self._compact_if_due(todo)
             t0 = time.perf_counter()
             ctx.decode(prompt[pos:end], pos, seq, logits="last" if end == n_prompt else "none")
-            self._observe_price(end - pos, (time.perf_counter() - t0) * 1000.0)
+            self._evaluated(end - pos, (time.perf_counter() - t0) * 1000.0)
+            todo -= end - pos
             toks.extend(prompt[pos:end])
             pos = end
         if plan.runs:
@@ -340,9 +341,11 @@ class SlotCaches:
                     placed.cancelled = True
                     break
                 nxt = min(e, pos + step)
+                # what follows the blocks attends to this one: it is evaluated after it too
+                self._compact_if_due(len(prompt) - pos)
                 t0 = time.perf_counter()
                 ctx.decode(prompt[pos:nxt], pos, iso, logits="none")
-                self._observe_price(nxt - pos, (time.perf_counter() - t0) * 1000.0)
+                self._evaluated(nxt - pos, (time.perf_counter() - t0) * 1000.0)
                 ctx.seq_cp(iso, seq, pos, nxt)
                 toks.extend(prompt[pos:nxt])
                 placed.evaluated += nxt - pos
@@ -363,6 +366,8 @@ class SlotCaches:
             ctx.seq_rm(scratch, -1, -1)
             for r in runs:
                 ctx.seq_cp(seq, scratch, r.src, r.src + r.n)
+            # the runs stay in their old cells, amid those the dropped content leaves
+            self.holes += max(0, len(self.tokens[seq]) - cut - sum(r.n for r in runs))
         ctx.seq_rm(seq, cut, -1)
         if runs:
             # two-step shift so a run's destination never overlaps a run not yet moved
@@ -411,6 +416,19 @@ class SlotCaches:
             return True
         return self.ms_per_token > 0 and n_tokens * self.ms_per_token <= budget_ms
 
+    def _compact_if_due(self, n_tokens: int) -> None:
+        """Compact before evaluating ``n_tokens`` when the holes would cost them more than the
+        copy (flash attention on: masked cells cost nothing, never). A pending KV shift
+        defers it past the next decode: the caller asks again before each piece."""
+        due = self.holes * n_tokens >= self.compact_min_work
+        if due and not self.ctx.flash_attn:
+            self._compact()
+
+    def _evaluated(self, n_tokens: int, ms: float) -> None:
+        """After a prefill piece: its tokens went into the lowest free cells first."""
+        self.holes = max(0, self.holes - n_tokens)
+        self._observe_price(n_tokens, ms)
+
     def _observe_price(self, n_tokens: int, ms: float) -> None:
         if n_tokens < PRICE_MIN_PIECE:
             return
@@ -421,6 +439,8 @@ class SlotCaches:
     def _compact(self) -> bool:
         try:
             done = self.ctx.compact()
+            if done:
+                self.holes = 0
         except DecodeError:
             for slot in range(self.n_slots):  # the restore failed: the KV buffer is empty
                 self.tokens[slot] = []
@@ -439,6 +459,7 @@ class SlotCaches:
         toks = self.tokens[slot]
         pos = len(toks)
         self.ctx.decode(tokens, pos, slot, logits=logits)
+        self.holes = max(0, self.holes - len(tokens))
         toks.extend(tokens)
         if self.exact[slot] == pos:
             self.exact[slot] = len(toks)
