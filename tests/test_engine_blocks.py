@@ -42,10 +42,23 @@ def layout(ring: list[list[int]], tail: list[int]) -> tuple[list[int], tuple[int
     return [t for c in ring for t in c] + tail, tuple(len(c) for c in ring)
 
 
-def cold_logits(model: Model, prompt: list[int], blocks: tuple[int, ...]) -> np.ndarray:
+class After:
+    """Cancels once ``n`` block pieces have been decoded."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def is_set(self) -> bool:
+        self.n -= 1
+        return self.n < 0
+
+
+def cold_logits(
+    model: Model, prompt: list[int], blocks: tuple[int, ...], sink: bool = False
+) -> np.ndarray:
     ctx = new_ctx(model, n_seq=3)
     try:
-        SlotCaches(ctx, 1).prefill(0, prompt, blocks=blocks)
+        SlotCaches(ctx, 1).prefill(0, prompt, blocks=blocks, sink=sink)
         return np.array(ctx.logits(-1))
     finally:
         ctx.close()
@@ -102,17 +115,6 @@ def test_a_cut_short_block_resumes_and_a_prompt_without_blocks_keeps_only_the_fi
 ) -> None:
     c = chunks(toks, 3)
     prompt, blocks = layout(c, toks[300:340])
-
-    class After:
-        """Cancels once ``n`` block pieces have been decoded."""
-
-        def __init__(self, n: int) -> None:
-            self.n = n
-
-        def is_set(self) -> bool:
-            self.n -= 1
-            return self.n < 0
-
     cancel: Cancel = After(4)  # the first chunk and a third of the second
     pre = caches.prefill(0, prompt, blocks=blocks, cancel=cancel, chunk=20)
     assert pre.cancelled and pre.n_evaluated == 80 and len(caches.tokens[0]) == 80
@@ -122,6 +124,53 @@ def test_a_cut_short_block_resumes_and_a_prompt_without_blocks_keeps_only_the_fi
     pre = caches.prefill(0, prompt)  # causal now: only the first block is still right
     assert pre.n_cached == CHUNK and caches.spans[0] == []
     np.testing.assert_allclose(logits(caches), cold_logits(model, prompt, ()), atol=ATOL)
+
+
+def test_a_cut_short_block_moves_with_the_ring_and_resumes(
+    model: Model, caches: SlotCaches, toks: list[int]
+) -> None:
+    """An editor's ring warm-up is cut short inside its new chunk, and the ring turns again
+    before the next request: the chunk's evaluated start moves with it, exactly."""
+    c, tail = chunks(toks, 7), toks[500:540]
+    first, blocks = layout([toks[:4], *c[1:5]], tail)  # a 4-token header, the sink
+    caches.prefill(0, first, blocks=blocks, sink=True, min_chunk=64)
+    second, blocks2 = layout([toks[:4], *c[2:6]], tail)  # c1 leaves, c5 arrives
+    cut = caches.prefill(
+        0, second, blocks=blocks2, sink=True, min_chunk=64, chunk=20, cancel=After(2)
+    )  # 40 tokens of c5
+    assert cut.cancelled and len(caches.tokens[0]) == 4 + 3 * CHUNK + 40
+    third, blocks3 = layout([toks[:4], *c[3:7]], tail)  # c2 leaves, c6 arrives
+    pre = caches.prefill(0, third, blocks=blocks3, sink=True, min_chunk=64, chunk=20)
+    # c3, c4 and c5's first 40 tokens moved; c5's last 20, c6 and the tail evaluated
+    assert pre.n_moved == 2 * CHUNK + 40
+    assert pre.n_evaluated == 20 + CHUNK + len(tail)
+    assert caches.exact[0] == len(third)
+    # c3 and c4 turned twice: K's rotation rounds twice (2.5e-3 here, as when c5 was whole)
+    np.testing.assert_allclose(
+        logits(caches), cold_logits(model, third, blocks3, sink=True), atol=3 * ATOL
+    )
+
+
+def test_a_request_cut_short_before_its_new_block_decodes_nothing(
+    caches: SlotCaches, toks: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A keystroke the editor already abandoned still reaches the engine; with the sink, a new
+    block would first decode the header's copy (a whole pass over the weights for a few
+    tokens) and throw it away."""
+    c, tail = chunks(toks, 5), toks[500:540]
+    first, blocks = layout([toks[:4], *c[0:3]], tail)
+    caches.prefill(0, first, blocks=blocks, sink=True, min_chunk=64)
+    second, blocks2 = layout([toks[:4], *c[1:4]], tail)
+    decoded: list[int] = []
+    real = caches.ctx.decode
+
+    def decode(tokens: list[int], *args: object, **kw: object) -> None:
+        decoded.append(len(tokens))
+        real(tokens, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(caches.ctx, "decode", decode)
+    pre = caches.prefill(0, second, blocks=blocks2, sink=True, min_chunk=64, cancel=After(0))
+    assert pre.cancelled and pre.n_moved == 2 * CHUNK and decoded == []
 
 
 def test_without_kv_shifts_a_rotated_ring_is_evaluated_again(

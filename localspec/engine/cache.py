@@ -307,14 +307,22 @@ class SlotCaches:
         ):
             start = len(cached)
         pool: dict[tuple[int, ...], list[int]] = {}  # whole cached blocks by their tokens
+        part: tuple[int, ...] = ()  # the start of a block a cancel cut short (depends on it only)
         for s, e in old[k:]:
             if e <= len(cached) and s >= start:
                 pool.setdefault(tuple(cached[s:e]), []).append(s)
+            elif s >= start and s < len(cached) < e:
+                part, part_at = tuple(cached[s:]), s
         moves: dict[int, Run] = {}
         for s, e in spans[k:]:
             sources = pool.get(tuple(prompt[s:e])) if move else None
             if sources and s >= start:
                 moves[s] = Run(sources.pop(0), s, e - s)
+            elif move and part and s >= start and tuple(prompt[s : s + len(part)]) == part:
+                # the ring turned again before the block was done (an editor's next warm-up):
+                # its evaluated start moves along and the block resumes where it stopped
+                moves[s] = Run(part_at, s, min(len(part), e - s))
+                part = ()
         self._park(seq, list(moves.values()), start, len(cached) + len(prompt) + 1)
         toks = list(prompt[:start])
         self.tokens[slot], self.spans[slot] = toks, spans
@@ -325,21 +333,25 @@ class SlotCaches:
         for s, e in spans[k:]:
             run = moves.get(s)
             if run is not None:
-                ctx.seq_cp(self.scratch, seq, s, e)
-                ctx.seq_rm(self.scratch, s, e)
-                toks.extend(prompt[s:e])
-                placed.moved += e - s
-                pos = e
-                continue
+                pos = s + run.n
+                ctx.seq_cp(self.scratch, seq, s, pos)
+                ctx.seq_rm(self.scratch, s, pos)
+                toks.extend(prompt[s:pos])
+                placed.moved += run.n
+                if pos == e:
+                    continue
             ctx.seq_rm(iso, -1, -1)
-            if head and s > 0:  # a copy of the sink right before the block, seen by it only
-                ctx.decode(head, s - len(head), iso, logits="none")
-            if pos > s:  # the block's evaluated start goes along: the rest attends to it
-                ctx.seq_cp(seq, iso, s, pos)
+            ready = False
             while pos < e:
                 if cancel is not None and cancel.is_set():
                     placed.cancelled = True
                     break
+                if not ready:  # (after the check: a request cut short already decodes nothing)
+                    if head and s > 0:  # a copy of the sink right before the block, for it only
+                        ctx.decode(head, s - len(head), iso, logits="none")
+                    if pos > s:  # the block's evaluated start goes along: the rest attends to it
+                        ctx.seq_cp(seq, iso, s, pos)
+                    ready = True
                 nxt = min(e, pos + step)
                 # what follows the blocks attends to this one: it is evaluated after it too
                 self._compact_if_due(len(prompt) - pos)
