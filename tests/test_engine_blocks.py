@@ -198,15 +198,9 @@ def test_blocks_that_see_a_sink_still_move_exactly(
     assert caches.blocks_in_place(0, blocks2, True) and not caches.blocks_in_place(0, blocks2)
     warm = logits(caches)
 
-    def cold(sink: bool) -> np.ndarray:
-        ctx = new_ctx(model, n_seq=3)
-        try:
-            SlotCaches(ctx, 1).prefill(0, second, blocks=blocks2, sink=sink)
-            return np.array(ctx.logits(-1))
-        finally:
-            ctx.close()
-
-    with_sink = cold(True)
+    with_sink = cold_logits(model, second, blocks2, sink=True)
     moved_error = np.max(np.abs(warm - with_sink))  # K's rotation rounding, as without a sink
     assert moved_error < 5 * ATOL
-    assert np.max(np.abs(with_sink - cold(False))) > 10 * moved_error  # the chunks saw it
+    assert (
+        np.max(np.abs(with_sink - cold_logits(model, second, blocks2))) > 10 * moved_error
+    )  # the chunks saw it
