@@ -308,6 +308,7 @@ class SlotCaches:
             start = len(cached)
         pool: dict[tuple[int, ...], list[int]] = {}  # whole cached blocks by their tokens
         part: tuple[int, ...] = ()  # the start of a block a cancel cut short (depends on it only)
+        part_at = 0
         for s, e in old[k:]:
             if e <= len(cached) and s >= start:
                 pool.setdefault(tuple(cached[s:e]), []).append(s)
