@@ -12,7 +12,9 @@ of the file, given the file's preceding lines and
 * the same ring, causal, as a session leaves it: the slot held the ring one rotation earlier
   (an older chunk in front, the newest not yet in) and another location's code, and the new
   prompt reuses the moved chunks by a KV shift (``--cache-reuse 256``), as llama-server does,
-* the same ring as blocks, cold and after the same rotation (equal up to rounding).
+* the same ring as blocks, cold and after the same rotation (equal up to rounding),
+* blocks that also see the repository header (the first block) as an attention sink, the
+  server's default (``prefill(sink=True)``).
 
 Same prompts, same model, one process; the report gives each mode's mean, the paired
 differences with their standard error, and the share of the ring's gain that blocks keep.

@@ -219,8 +219,7 @@ class SlotCaches:
         while pos < n_prompt:
             run = runs.get(pos)
             if run is not None:
-                ctx.seq_cp(self.scratch, seq, run.dst, run.dst + run.n)
-                ctx.seq_rm(self.scratch, run.dst, run.dst + run.n)
+                self._unpark(seq, run.dst, run.dst + run.n)
                 toks.extend(prompt[run.dst : run.dst + run.n])
                 pos += run.n
                 continue
@@ -335,8 +334,7 @@ class SlotCaches:
             run = moves.get(s)
             if run is not None:
                 pos = s + run.n
-                ctx.seq_cp(self.scratch, seq, s, pos)
-                ctx.seq_rm(self.scratch, s, pos)
+                self._unpark(seq, s, pos)
                 toks.extend(prompt[s:pos])
                 placed.moved += run.n
                 if pos == e:
@@ -387,6 +385,11 @@ class SlotCaches:
             ctx.seq_add(scratch, 0, -1, beyond)
             for r in runs:
                 ctx.seq_add(scratch, r.src + beyond, r.src + r.n + beyond, r.dst - r.src - beyond)
+
+    def _unpark(self, seq: int, p0: int, p1: int) -> None:
+        """Attach the parked KV at positions [p0, p1) to ``seq`` (it is in place already)."""
+        self.ctx.seq_cp(self.scratch, seq, p0, p1)
+        self.ctx.seq_rm(self.scratch, p0, p1)
 
     def _unblock(self, slot: int) -> None:
         """Before a prompt without blocks: keep only the first block (at position 0 it is
