@@ -46,10 +46,12 @@ SECRET_KEYS = frozenset({"server.api_key"})
 ENV_PREFIX = "LOCALSPEC_"
 # Environment variables other tools already define, read as a lower-precedence spelling of a key.
 ENV_ALIASES: dict[str, str] = {"HF_ENDPOINT": "hub.endpoint", "HF_HUB_OFFLINE": "hub.offline"}
-# LOCALSPEC_* variables that are not settings (directory overrides, see localspec.paths).
+# LOCALSPEC_* variables that are not settings: directory overrides (localspec.paths) and
+# LOCALSPEC_LLAMA_LOG, which lets llama.cpp's own log through (localspec.engine.llama).
 ENV_NOT_SETTINGS = frozenset(
-    {"CONFIG_DIR", "SYSTEM_CONFIG_DIR", "DATA_DIR", "MODELS_DIR", "STATE_DIR", "CACHE_DIR"}
-)
+    {"CONFIG_DIR", "SYSTEM_CONFIG_DIR", "DATA_DIR", "MODELS_DIR", "STATE_DIR", "CACHE_DIR",
+     "LLAMA_LOG"}
+)  # fmt: skip
 
 
 class _Section(BaseModel):

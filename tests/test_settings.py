@@ -150,6 +150,7 @@ def test_env_values_are_parsed_and_unknown_env_is_an_error(dirs) -> None:
         "LOCALSPEC_HUB_OFFLINE": "true",
         "LOCALSPEC_SPECULATIVE_P_MIN": "0.5",
         "LOCALSPEC_MODELS_DIR": "/not/a/setting",  # a directory override, not a setting
+        "LOCALSPEC_LLAMA_LOG": "1",  # llama.cpp's log, a debugging switch, not a setting
     }
     s = _load(dirs, env).settings
     assert s.models.allowed == ["qwen-7b", "qwen-1.5b"]
