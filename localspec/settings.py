@@ -49,8 +49,15 @@ ENV_ALIASES: dict[str, str] = {"HF_ENDPOINT": "hub.endpoint", "HF_HUB_OFFLINE": 
 # LOCALSPEC_* variables that are not settings: directory overrides (localspec.paths) and
 # LOCALSPEC_LLAMA_LOG, which lets llama.cpp's own log through (localspec.engine.llama).
 ENV_NOT_SETTINGS = frozenset(
-    {"CONFIG_DIR", "SYSTEM_CONFIG_DIR", "DATA_DIR", "MODELS_DIR", "STATE_DIR", "CACHE_DIR"}
-    | {"LLAMA_LOG"}
+    {
+        "CONFIG_DIR",
+        "SYSTEM_CONFIG_DIR",
+        "DATA_DIR",
+        "MODELS_DIR",
+        "STATE_DIR",
+        "CACHE_DIR",
+        "LLAMA_LOG",
+    }
 )
 
 

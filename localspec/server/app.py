@@ -140,7 +140,7 @@ async def infill(body: InfillRequest, request: Request, svc: Svc) -> Response:
         room=svc.settings.infill_room,
         typed_in_middle=svc.settings.typed_in_middle,
         ring_only=svc.settings.typed_in_middle and body.is_ring_warmup,
-        ring_blocks=svc.settings.ring_blocks and svc.settings.typed_in_middle,
+        ring_blocks=svc.settings.blocks_in_effect,
         cache=svc.token_cache,
     )
     return await svc.native(request, "infill", svc.job(params, prepare))

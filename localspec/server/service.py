@@ -343,9 +343,7 @@ class Service:
                 "draft_model": None if engine.draft_path is None else str(engine.draft_path),
                 "cache_reuse": self.engine_settings.cache_reuse,
                 "cache_exact_ms": self.engine_settings.exact_ms,
-                "ring_attention": "blocks"
-                if self.settings.ring_blocks and self.settings.typed_in_middle
-                else "causal",
+                "ring_attention": "blocks" if self.settings.blocks_in_effect else "causal",
             },
             "modalities": {"vision": False, "audio": False},
             "endpoint_slots": True,

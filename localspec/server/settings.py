@@ -34,6 +34,11 @@ class ServerSettings:
     def is_loopback(self) -> bool:
         return self.host in LOOPBACK_HOSTS
 
+    @property
+    def blocks_in_effect(self) -> bool:
+        """Whether /infill's ring chunks are evaluated as blocks (only in localspec's layout)."""
+        return self.ring_blocks and self.typed_in_middle
+
     def check(self) -> None:
         """Refuse settings that would expose an open completion endpoint or cannot work."""
         if not self.is_loopback() and not self.api_key:
