@@ -162,41 +162,16 @@ class SlotCaches:
         plan = self.plan(
             slot, prompt, min_chunk=min_chunk, tail_min=tail_min, tail_refresh=tail_refresh
         )
-        tail = plan.runs[-1] if plan.runs else None
+        plan = self._tail_rule(
+            slot,
+            prompt,
+            plan,
+            min_chunk=min_chunk,
+            max_drift=max_drift,
+            tail_refresh=tail_refresh,
+            tail_roll=tail_roll,
+        )
         cached = self.tokens[slot]
-        if (
-            tail is not None
-            and tail.n < min_chunk
-            and (tail.dst + tail.n == len(prompt) - 1 or tail.src + tail.n == len(cached))
-        ):
-            # a short run ending the prompt or the cache, moved under the tail rule: bounded drift
-            # tokens inserted and deleted in front of the block since its KV was computed
-            # (the refreshed tokens at the block's start are recomputed, not changes)
-            moved_before = sum(r.n for r in plan.runs[:-1]) + tail_refresh
-            inserted = tail.dst - plan.n_prefix - moved_before
-            deleted = tail.src - plan.n_prefix - moved_before
-            changed = max(0, inserted) + max(0, deleted)
-            if tail_roll > 0:
-                # with a rolling refresh the stalest token was recomputed one cycle ago
-                per_cycle = -(-tail.n // tail_roll)  # keystrokes to refresh the whole block
-                recent = self.changes[slot][len(self.changes[slot]) - (per_cycle - 1) :]
-                drift = sum(recent) + changed if per_cycle > 1 else changed
-            else:
-                drift = self.drift[slot] + changed
-            if drift > max_drift:
-                plan = self.plan(slot, prompt, min_chunk=min_chunk, tail_min=len(prompt) + 1)
-                self._reset_drift(slot)
-            else:
-                self.drift[slot] = drift
-                self.tail_start[slot] = tail.dst
-                if tail_roll > 0 and tail.dst + tail.n == len(prompt) - 1:  # a whole block
-                    self.changes[slot] = [*self.changes[slot][-63:], changed]
-                    offset = self.roll_at[slot] if self.roll_at[slot] < tail.n else 0
-                    plan = refresh_window(plan, offset, tail_roll)
-                    self.roll_at[slot] = offset + tail_roll
-        elif not 0 <= self.tail_start[slot] < plan.n_prefix:
-            # any moved tail block was dropped or recomputed: nothing stale remains
-            self._reset_drift(slot)
         exact = self.exact[slot]
         if exact_ms > 0 and (plan.runs or plan.n_prefix > exact):
             # the exact plan: prefix reuse of the exact part only (plan.n_prefix is the common
@@ -256,6 +231,56 @@ class SlotCaches:
         return placed.added_to(
             PrefillResult(plan.n_reused, plan.n_evaluated, n_moved, n_exact=self.exact[slot])
         )
+
+    def _tail_rule(
+        self,
+        slot: int,
+        prompt: Sequence[int],
+        plan: ReusePlan,
+        *,
+        min_chunk: int,
+        max_drift: int,
+        tail_refresh: int,
+        tail_roll: int,
+    ) -> ReusePlan:
+        """The plan with a short moved run that ends the prompt or the cache (a suffix block)
+        kept under bounded drift: refreshed by a rolling window, or recomputed past the cap."""
+        tail = plan.runs[-1] if plan.runs else None
+        cached = self.tokens[slot]
+        if (
+            tail is not None
+            and tail.n < min_chunk
+            and (tail.dst + tail.n == len(prompt) - 1 or tail.src + tail.n == len(cached))
+        ):
+            # a short run ending the prompt or the cache, moved under the tail rule: bounded drift
+            # tokens inserted and deleted in front of the block since its KV was computed
+            # (the refreshed tokens at the block's start are recomputed, not changes)
+            moved_before = sum(r.n for r in plan.runs[:-1]) + tail_refresh
+            inserted = tail.dst - plan.n_prefix - moved_before
+            deleted = tail.src - plan.n_prefix - moved_before
+            changed = max(0, inserted) + max(0, deleted)
+            if tail_roll > 0:
+                # with a rolling refresh the stalest token was recomputed one cycle ago
+                per_cycle = -(-tail.n // tail_roll)  # keystrokes to refresh the whole block
+                recent = self.changes[slot][len(self.changes[slot]) - (per_cycle - 1) :]
+                drift = sum(recent) + changed if per_cycle > 1 else changed
+            else:
+                drift = self.drift[slot] + changed
+            if drift > max_drift:
+                plan = self.plan(slot, prompt, min_chunk=min_chunk, tail_min=len(prompt) + 1)
+                self._reset_drift(slot)
+            else:
+                self.drift[slot] = drift
+                self.tail_start[slot] = tail.dst
+                if tail_roll > 0 and tail.dst + tail.n == len(prompt) - 1:  # a whole block
+                    self.changes[slot] = [*self.changes[slot][-63:], changed]
+                    offset = self.roll_at[slot] if self.roll_at[slot] < tail.n else 0
+                    plan = refresh_window(plan, offset, tail_roll)
+                    self.roll_at[slot] = offset + tail_roll
+        elif not 0 <= self.tail_start[slot] < plan.n_prefix:
+            # any moved tail block was dropped or recomputed: nothing stale remains
+            self._reset_drift(slot)
+        return plan
 
     def blocks_in_place(self, slot: int, blocks: Sequence[int], sink: bool = False) -> bool:
         """Whether the slot's KV was built with exactly these blocks, all present."""
