@@ -473,17 +473,28 @@ def test_auto_mode_skips_a_draft_prefill_that_does_not_pay(
         run(first)
         (policy,) = eng._policies.values()
         assert policy.target_prefill_ms > 0  # the target's price, measured on its prefill
-        for _ in range(12):  # whatever run 1 measured: a draft model worth drafting with
-            policy.observe_result("draft", 4, 4)
-        policy.source("draft").off_until = 0
-        policy.source("draft").cost_ms = 0.0
+
+        def worth_drafting() -> None:
+            """Whatever this CPU measured: a draft model whose drafts pay, so the prefill
+            rule alone decides (a 5-token verify at 1.2x a single token's time, every draft
+            accepted, drafts free)."""
+            policy.verify.ms = {1: 10.0, 5: 12.0}
+            policy.sources.pop("draft", None)
+            for _ in range(12):
+                policy.observe_result("draft", 4, 4)
+            policy.source("draft").cost_ms = 0.0
+            assert policy.plan("draft", allow_probe=False) == 4
+
         before = eng.draft_slot_tokens(0)
+        worth_drafting()
         policy.draft_prefill_ms = 1e6  # but a prefill that never pays
         skipped = run(other)
         assert skipped.draft_n_evaluated == 0 and skipped.draft_prompt_ms == 0.0
         assert eng.draft_slot_tokens(0) == before
+        worth_drafting()
         policy.draft_prefill_ms, policy.target_prefill_ms = -1.0, 1e6  # the target's price
         assert run(other).draft_n_evaluated == 0  # stands in for the unmeasured draft's
+        worth_drafting()
         policy.draft_prefill_ms = 1e-6  # one that always does
         paid = run(other)
         assert paid.draft_n_evaluated > 64 and paid.tokens == skipped.tokens

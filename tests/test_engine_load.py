@@ -173,3 +173,18 @@ def test_a_prefill_rule_apart_from_the_cancel_evaluates_the_prompt_then_stops(
     qwen_pair.clear_slot(1)
     res = qwen_pair.generate(req, cancel=gone)
     assert res.cancelled and res.tokens == [] and res.n_evaluated < len(prompt)
+
+
+def test_a_quantized_model_decodes_batches_on_any_cpu(smollm_q4: Path) -> None:
+    """A batch of several tokens on quantized weights, with the engine's default load
+    parameters. On a CPU whose llama.cpp runs AMX kernels (Sapphire Rapids), the AMX weight
+    buffer crashed the process here (llama.cpp #20824): the engine leaves it off there."""
+    from localspec.engine.llama import cpu_runs_amx, model_params
+
+    assert model_params(small(smollm_q4)).use_extra_bufts == (not cpu_runs_amx())
+    with Engine.load(settings(smollm_q4)) as eng:
+        prompt = eng.vocab.tokenize("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n")
+        res = eng.generate(
+            GenerationRequest(slot=0, prompt=prompt, n_predict=4, sampling=SamplingParams(top_k=1))
+        )
+        assert res.n_evaluated == len(prompt) > 2 and len(res.tokens) == 4

@@ -19,6 +19,8 @@ from hypothesis import strategies as st
 from llama_cpp import _logger
 
 from localspec.catalog import Catalog, load_catalog
+from localspec.engine.llama import model_params
+from localspec.engine.types import ModelSettings
 from localspec.hardware import (
     HARDWARE_PROFILES,
     BuildFacts,
@@ -486,10 +488,10 @@ def _llama_cpp_buffers(
     def capture(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
         lines.append(text.decode("utf-8", "replace"))
 
+    # the engine's own load parameters (before the capture: they may set up the backend's log)
+    mparams = model_params(ModelSettings(str(path)))
     llama_cpp.llama_log_set(capture, ctypes.c_void_p(0))
     try:
-        mparams = llama_cpp.llama_model_default_params()
-        mparams.n_gpu_layers = 0
         model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
         assert model, f"llama.cpp could not load {path}"
         cparams = llama_cpp.llama_context_default_params()

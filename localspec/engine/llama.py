@@ -118,15 +118,39 @@ def gpu_split(shares: tuple[float, ...] | None, n_max: int) -> ctypes.Array[ctyp
     return (ctypes.c_float * n_max)(*shares)
 
 
+def cpu_runs_amx() -> bool:
+    """Whether llama.cpp's CPU backend was built with AMX kernels (and so runs them on this
+    CPU: a native build has them only where the CPU does)."""
+    _init_backend()
+    return b"AMX_INT8 = 1" in C.llama_print_system_info()
+
+
+def default_repack_weights() -> bool:
+    """llama.cpp's extra weight buffers (repacked layouts, AMX tiles) are on, except where its
+    AMX kernels run: they crash on some Sapphire Rapids machines at the first batch of two or
+    more tokens on any quantized weight (llama.cpp #20824, seen on the build machines), and
+    the AMX buffer keeps a second copy of the weights the memory plan does not count."""
+    return not cpu_runs_amx()
+
+
+def model_params(settings: ModelSettings) -> C.llama_model_params:
+    """llama.cpp's load parameters for ``settings`` (the memory test loads with these too)."""
+    _init_backend()
+    params = C.llama_model_default_params()
+    params.n_gpu_layers = settings.n_gpu_layers
+    params.main_gpu = settings.main_gpu
+    repack = settings.repack_weights
+    params.use_extra_bufts = default_repack_weights() if repack is None else repack
+    return params
+
+
 class Model:
     """A loaded GGUF model (weights only; contexts hold the KV cache)."""
 
     def __init__(self, settings: ModelSettings) -> None:
         _init_backend()
         check_gguf_file(settings.path)
-        params = C.llama_model_default_params()
-        params.n_gpu_layers = settings.n_gpu_layers
-        params.main_gpu = settings.main_gpu
+        params = model_params(settings)
         split = gpu_split(settings.tensor_split, int(C.llama_max_devices()))
         if split is not None and settings.n_gpu_layers > 0:
             params.tensor_split = ctypes.cast(split, ctypes.POINTER(ctypes.c_float))

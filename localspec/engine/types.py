@@ -38,6 +38,8 @@ class ModelSettings:
     # Share of the offloaded layers per GPU, in device order; None = llama.cpp's default
     # (proportional to free memory). (0, 1) pins a draft model to the second GPU.
     tensor_split: tuple[float, ...] | None = None
+    # llama.cpp's extra weight buffers (repacking, AMX); None = llama.default_repack_weights()
+    repack_weights: bool | None = None
 
 
 UNQUANTIZED_KV = frozenset({"f16", "f32", "bf16"})
