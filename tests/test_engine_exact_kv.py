@@ -23,6 +23,9 @@ from tests import kv_support
 from tests.kv_support import ms, new_ctx
 
 ATOL = 1e-3  # batch splits round differently; a moved run changes logits far more (checked)
+# a prefill price (ms per token) at which this file's whole context fits the default 100 ms
+# budget, set where a test needs the budget to allow a repair whatever this CPU measures
+CHEAP = 0.01
 
 
 model = kv_support.model_fixture()
@@ -143,12 +146,11 @@ def test_a_ring_warm_up_repairs_the_held_context_when_it_is_affordable(
     with Engine.load(settings) as eng:
         tcache = eng._tcache
         eng.generate(GenerationRequest(slot=0, prompt=first, n_predict=0))
-        price = tcache.ms_per_token
         tcache.ms_per_token = -1.0  # unmeasured: this rotation is shifted
         shifted = eng.generate(GenerationRequest(slot=0, prompt=second, n_predict=0))
         assert shifted.n_shifted > 0 and tcache.exact[0] == 0
         assert shifted.n_approx == len(second)
-        tcache.ms_per_token = price
+        tcache.ms_per_token = CHEAP  # whatever this CPU measured: the repair fits the budget
         warm_up = eng.generate(GenerationRequest(slot=0, prompt=second[:kept_len], n_predict=0))
         assert warm_up.n_evaluated == len(second) and warm_up.n_cached == 0
         assert warm_up.n_approx == 0
@@ -171,9 +173,9 @@ def test_a_repair_cut_short_keeps_the_cache_consistent(qwen_target: Path, toks: 
     with Engine.load(settings) as eng:
         tcache = eng._tcache
         eng.generate(GenerationRequest(slot=0, prompt=first, n_predict=0))
-        price, tcache.ms_per_token = tcache.ms_per_token, -1.0
+        tcache.ms_per_token = -1.0
         eng.generate(GenerationRequest(slot=0, prompt=second, n_predict=0))  # shifted
-        tcache.ms_per_token = price
+        tcache.ms_per_token = CHEAP
         stop = threading.Event()
         stop.set()
         cut = eng.generate(
