@@ -267,6 +267,8 @@ def test_metrics_cover_requests_latency_tokens_drafts_queue_slots_memory(
         'localspec_slot_cached_tokens{slot="0"}',
         'localspec_model_bytes{model="target"}',
         "localspec_requests_cancelled_total",
+        "localspec_engine_threads",
+        "localspec_cpu_other_busy_cores",
         "process_resident_memory_bytes",
     ]
     missing = [w for w in wanted if w not in text]

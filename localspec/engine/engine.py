@@ -17,12 +17,13 @@ import numpy as np
 
 from localspec.engine.cache import SlotCaches
 from localspec.engine.errors import DecodeError, EngineError, PromptTooLongError
-from localspec.engine.llama import Clock, Context, Model, physical_cores
+from localspec.engine.llama import Clock, Context, Model
 from localspec.engine.ngram import NgramIndex
 from localspec.engine.pipeline import DraftPipeline
 from localspec.engine.policy import SpecPolicy, ngram_source
 from localspec.engine.sampling import Sampler
 from localspec.engine.stops import StopRules
+from localspec.engine.threads import ThreadGovernor, physical_cores
 from localspec.engine.types import (
     Cancel,
     DraftStats,
@@ -70,6 +71,8 @@ class Engine:
         self._clock = Clock()  # the target's llama.cpp time
         self._dclock = Clock()  # the draft's: apart, since it may run on its own thread
         self._closed = False
+        # every decode runs on at most the cores other processes leave free (engine/threads.py)
+        self.governor = ThreadGovernor(physical_cores()) if settings.follow_load else None
         self._target = Model(settings.target)
         self._draft: Model | None = None
         self._tctx: Context | None = None
@@ -85,6 +88,7 @@ class Engine:
                 n_seq=self.n_slots + 2,  # + the scratch sequence, + one for ring blocks
                 n_ctx_total=settings.target.n_ctx * self.n_slots,
                 clock=self._clock,
+                governor=self.governor,
             )
             if self._draft is not None and settings.draft is not None:
                 self._dctx = Context(
@@ -93,6 +97,7 @@ class Engine:
                     n_seq=self.n_slots + 1,
                     n_ctx_total=settings.draft.n_ctx * self.n_slots,
                     clock=self._dclock,
+                    governor=self.governor,
                 )
         except BaseException:
             self.close()
@@ -165,7 +170,7 @@ class Engine:
 
     def pipeline_enabled(self, spec: SpecSettings | None = None) -> bool:
         """Whether the draft model runs on its own thread: as set, or (None) when the
-        threads of both contexts fit the physical cores, so the draft has a core of its own."""
+        threads of both contexts fit the cores free now, so the draft has a core of its own."""
         spec = spec or self.settings.spec
         if self._dctx is None:
             return False
@@ -173,7 +178,7 @@ class Engine:
             return spec.pipeline
         t, d = self._tctx, self._dctx
         need = max(t.n_threads, t.n_threads_batch) + max(d.n_threads, d.n_threads_batch)
-        return need <= physical_cores()
+        return need <= (self.governor.threads() if self.governor else physical_cores())
 
     def _policy_for(self, pipelined: bool, spec: SpecSettings, p_min: float) -> SpecPolicy:
         """The cost model of this way of running: thread counts and a pipelined draft change
@@ -363,6 +368,7 @@ class _Run:
             res.prompt_ms += res.draft_prompt_ms
             res.t_draft_ms = max(0.0, res.t_draft_ms - res.draft_prompt_ms)
         res.tokens = list(self.out)
+        res.threads = e._tctx.threads_now
         res.t_outside_ms = max(0.0, (t2 - t0) * 1000.0 - (self._inside_ms() - inside0))
         return res
 

@@ -18,6 +18,7 @@ import llama_cpp.llama_cpp as C
 import numpy as np
 
 from localspec.engine.errors import DecodeError, ModelLoadError
+from localspec.engine.threads import ThreadGovernor, physical_cores
 from localspec.engine.types import ModelSettings, default_flash_attn
 
 _KV_TYPES = {
@@ -69,15 +70,6 @@ class Clock:
 # the largest llama.cpp state ``Context.compact`` copies through host memory (a 135M model's
 # 4096 cells are ~94 MiB; a 7B model's 8192 are ~460 MiB)
 COMPACT_MAX_BYTES = 512 * 2**20
-
-
-def physical_cores() -> int:
-    try:
-        import psutil
-
-        return max(1, psutil.cpu_count(logical=False) or os.cpu_count() or 1)
-    except Exception:  # psutil missing or unable to tell: fall back to logical cores
-        return max(1, os.cpu_count() or 1)
 
 
 def _available_memory() -> int:
@@ -180,7 +172,14 @@ class Context:
     """
 
     def __init__(
-        self, model: Model, settings: ModelSettings, *, n_seq: int, n_ctx_total: int, clock: Clock
+        self,
+        model: Model,
+        settings: ModelSettings,
+        *,
+        n_seq: int,
+        n_ctx_total: int,
+        clock: Clock,
+        governor: ThreadGovernor | None = None,
     ) -> None:
         params = C.llama_context_default_params()
         params.n_ctx = n_ctx_total
@@ -191,8 +190,12 @@ class Context:
         threads = settings.n_threads or physical_cores()
         params.n_threads = threads
         params.n_threads_batch = settings.n_threads_batch or threads
+        # the most threads each kind of evaluation may use (single tokens, batches); with a
+        # governor each decode runs on at most the cores other processes leave free
         self.n_threads = threads
         self.n_threads_batch = params.n_threads_batch
+        self.governor = governor
+        self.threads_now = (self.n_threads, self.n_threads_batch)  # as last applied
         params.no_perf = True
         flash_attn = settings.flash_attn
         if flash_attn is None:
@@ -267,6 +270,8 @@ class Context:
             out[:n] = 0
             out[list(logits)] = 1
         b.n_tokens = n
+        if self.governor is not None:
+            self._follow_load(self.governor.threads())
         t0 = time.perf_counter()
         rc = C.llama_decode(self.handle, b)
         self.clock.inside_ms += (time.perf_counter() - t0) * 1000.0
@@ -279,11 +284,19 @@ class Context:
             )
 
     def set_threads(self, n_threads: int, n_threads_batch: int | None = None) -> None:
-        """Change the thread counts of a live context (the benchmark compares thread counts
+        """Change the thread caps of a live context (the benchmark compares thread counts
         on one loaded engine)."""
         self.n_threads = n_threads
         self.n_threads_batch = n_threads_batch or n_threads
-        C.llama_set_n_threads(self.handle, self.n_threads, self.n_threads_batch)
+        self._apply((self.n_threads, self.n_threads_batch))
+
+    def _follow_load(self, free: int) -> None:
+        self._apply((min(self.n_threads, free), min(self.n_threads_batch, free)))
+
+    def _apply(self, threads: tuple[int, int]) -> None:
+        if threads != self.threads_now:
+            C.llama_set_n_threads(self.handle, *threads)
+            self.threads_now = threads
 
     def logits(self, i: int) -> np.ndarray:
         """The logits row of batch index ``i`` of the last decode (a view, valid until the

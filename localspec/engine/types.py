@@ -101,6 +101,9 @@ class EngineSettings:
     # prompt tokens per llama_decode while prefilling: a cancel (the editor aborted this
     # keystroke) is noticed between pieces, and what was evaluated stays cached for the next
     prefill_chunk: int = 128
+    # each decode runs on at most the cores other processes leave free (engine/threads.py);
+    # False: always the configured thread counts
+    follow_load: bool = True
 
 
 @dataclass(frozen=True)
@@ -194,6 +197,7 @@ class GenerationResult:
     t_outside_ms: float = 0.0  # wall time not spent inside llama.cpp calls
     cancelled: bool = False
     pipelined: bool = False  # the draft model ran on its own thread
+    threads: tuple[int, int] = (0, 0)  # the target's threads at the end: single tokens, batches
     probs: list[TokenProbs] = field(default_factory=list)  # per token, when n_probs > 0
     draft_n_decoded: int = 0  # draft tokens the draft model decoded (pipelined: incl. wasted)
     # one entry per speculative step: (source, drafted, accepted); for stats and tests

@@ -37,7 +37,12 @@ def _probes(worker: Worker) -> Probes:
             files["draft"] = str(engine.draft_path)
         return files
 
+    def cpu() -> tuple[int, float] | None:
+        governor = getattr(worker.engine, "governor", None)
+        return None if governor is None else (governor.free, governor.other_busy)
+
     return Probes(
+        cpu=cpu,
         queued=lambda: worker.queued,
         busy=lambda: worker.busy,
         cancelled=lambda: worker.n_cancelled,
@@ -165,6 +170,7 @@ class Service:
                 predicted=sum(len(r.tokens) for r in runs),
                 drafted=sum(r.draft_n for r in runs),
                 accepted=sum(r.draft_n_accepted for r in runs),
+                threads="/".join(map(str, runs[-1].threads)) if runs else None,
                 queue_ms=result.t_queue_ms,
                 prompt_ms=sum(r.prompt_ms for r in runs),
                 gen_ms=sum(r.predicted_ms for r in runs),
