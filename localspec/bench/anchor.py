@@ -21,6 +21,8 @@ from pathlib import Path
 
 import httpx
 
+from localspec.engine.llama import default_repack_weights
+
 LLAMA_SERVER_ENV = "LLAMA_SERVER_BIN"
 
 # llama-server speculation per bench mode; anything else is passed as --spec-type verbatim.
@@ -123,6 +125,10 @@ def llama_server_spec(
         argv += ["--spec-type", mode]
     if variant:
         argv += ["--flash-attn", "off"]
+    if not default_repack_weights():
+        # where llama.cpp runs AMX kernels, its AMX weight buffers crash on some CPUs (see
+        # engine.llama): llama-server loads as localspec does there
+        argv += ["--no-repack"]
     return ServerSpec(f"llama-server/{mode}{'+' + variant if variant else ''}", argv, port)
 
 
