@@ -12,11 +12,11 @@ import pytest
 from localspec.engine import Engine, EngineSettings, GenerationRequest, ModelSettings
 from localspec.engine.threads import (
     CpuSample,
-    ThreadGovernor,
     free_cores,
     other_busy_cores,
     sample_cpu,
 )
+from tests.cpu_support import OtherLoad
 
 
 @pytest.mark.parametrize(
@@ -42,38 +42,15 @@ def test_other_processes_load_is_the_machine_less_this_process() -> None:
     assert other_busy_cores(after, after) == 0.0
 
 
-class Load:
-    """A fake /proc: other processes keep ``cores`` busy; this process uses 1 core."""
-
-    def __init__(self) -> None:
-        self.cores = 0.0
-        self.t = 0.0
-        self.busy = 0.0
-        self.own = 0.0
-
-    def advance(self, seconds: float) -> None:
-        self.t += seconds
-        self.own += seconds
-        self.busy += seconds * (1.0 + self.cores)
-
-    def sample(self) -> CpuSample:
-        return CpuSample(self.busy, self.own, self.t)
-
-
-def governor(load: Load, cores: int, interval_s: float = 0.2) -> ThreadGovernor:
-    return ThreadGovernor(cores, sample=load.sample, interval_s=interval_s, clock=lambda: load.t)
-
-
 def test_the_governor_re_decides_as_the_load_changes() -> None:
-    load = Load()
-    gov = governor(load, 2)
+    load = OtherLoad()
+    gov = load.governor(2)
     assert gov.threads() == 2
     for cores, want in ((1.0, 1), (0.5, 1), (0.1, 2), (2.0, 1), (0.0, 2)):
         before = gov.free
-        load.cores = cores
-        load.advance(0.1)
+        load.run(seconds=0.1, other_cores=cores)
         assert gov.threads() == before  # within the interval: the last decision stands
-        load.advance(0.2)
+        load.run(seconds=0.2, other_cores=cores)
         assert gov.threads() == want, cores
         assert gov.other_busy == pytest.approx(cores)
     assert gov.n_changes == 4
@@ -104,15 +81,13 @@ def test_every_decode_runs_on_the_free_cores(qwen_target: Path) -> None:
     settings = EngineSettings(
         target=ModelSettings(str(qwen_target), n_ctx=512, n_batch=256, n_ubatch=256, n_threads=2)
     )
-    load = Load()
+    load = OtherLoad()
     with Engine.load(settings) as eng:
-        eng._tctx.governor = governor(load, 4)
+        eng._tctx.governor = load.governor(4)
         prompt = eng.vocab.tokenize("def add(a, b):\n    return a + b\n")
-        load.cores = 3.0
-        load.advance(1.0)
+        load.run(seconds=1.0, other_cores=3.0)
         res = eng.generate(GenerationRequest(slot=0, prompt=prompt, n_predict=2))
         assert res.threads == (1, 1) == eng._tctx.threads_now
-        load.cores = 0.0
-        load.advance(1.0)
+        load.run(seconds=1.0, other_cores=0.0)
         res = eng.generate(GenerationRequest(slot=0, prompt=[*prompt, 11], n_predict=2))
         assert res.threads == (2, 2)  # four free cores, capped at the configured two

@@ -137,7 +137,8 @@ class Service:
         params = task_params(
             body,
             n_ctx=self.engine.n_ctx,
-            n_cmpl_max=self.settings.n_cmpl_max,
+            # as llama-server's n_parallel: the completions decode at the same time
+            n_cmpl_max=min(self.settings.n_cmpl_max, self.engine.max_completions),
             default_sampling=SamplingParams(),
         )
         spec = self.engine_settings.spec
