@@ -234,18 +234,20 @@ def run_pull(args: argparse.Namespace) -> int:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from localspec import hardware, plan
+    from localspec import hardware, plan, step_costs
 
     try:
         settings = c.load_settings(args).settings
         catalog = load_catalog()
+        measured = {}
         if args.hardware:
             facts = hardware.load_hardware_profile(args.hardware)
         else:
             with c.Progress("probing hardware") as progress:
                 facts = hardware.probe()
                 progress.finish("done")
-        chosen = plan.make_plan(catalog, facts, settings)
+            measured = step_costs.load(facts.description)  # `localspec bench steps` here
+        chosen = plan.make_plan(catalog, facts, settings, step_costs=measured)
     except st.SettingsError as exc:
         return c.settings_error(exc)
     except ValueError as exc:  # CatalogError, HardwareError, PlanError are ValueErrors
