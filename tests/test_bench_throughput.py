@@ -26,7 +26,7 @@ def test_background_loops_run_for_the_block_only() -> None:
 
 def test_cells_report_aggregate_speed_and_ratios_to_llama_server() -> None:
     def cell(server: str, wall: float, tps: float) -> Cell:
-        reqs = [Request(1.0 + i, True, 50, 400, 500.0, tps) for i in range(4)]
+        reqs = [Request(1.0 + i, True, i, "x", True, 50, 400, 500.0, tps) for i in range(4)]
         return Cell(server, 1, 4, wall, [*reqs, Request(9.0, False, error="503")])
 
     ours, theirs = cell("localspec", 4.0, 40.0), cell("llama-server/plain", 8.0, 20.0)

@@ -4,10 +4,12 @@ N clients each send R greedy ``/completion`` requests at the same time (distinct
 library prompts of about C characters, ``--n-predict`` tokens each, any slot). For every
 server, background load (``--background``: busy processes beside the servers) and client
 count, the report gives the aggregate generated tokens per second, the requests' latency
-p50/p95, and each request's prompt and decode speed from the server's own timings. The
-servers start one at a time with as many slots as the largest client count (llama-server
-``-np N -kvu``, localspec ``--slots N``), every cell is measured for each server in turn (the
-order alternating), and each figure is put beside llama-server's from the same run.
+p50/p95, each request's prompt and decode speed from the server's own timings, and how many
+answers equal the same prompt's answer alone (decoded in a batch with others, a greedy answer
+may differ only where the batch's rounding flips a near tie). The servers start one at a time
+with as many slots as the largest client count (llama-server ``-np N -kvu``, localspec
+``--slots N``), every cell is measured for each server in turn (the order alternating), and
+each figure is put beside llama-server's from the same run.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ class Request:
 
     latency_s: float
     ok: bool
+    prompt_index: int = -1
+    content: str = ""
+    same_as_alone: bool | None = None  # None: no answer alone to compare with
     predicted_n: int = 0
     prompt_n: int = 0
     prompt_per_second: float | None = None
@@ -88,6 +93,11 @@ class Cell:
     def prompt_tps(self) -> float | None:
         return mean([r.prompt_per_second for r in self.ok if r.prompt_per_second])
 
+    @property
+    def same_as_alone(self) -> float | None:
+        checked = [r.same_as_alone for r in self.ok if r.same_as_alone is not None]
+        return sum(checked) / len(checked) if checked else None
+
     def summary(self) -> dict[str, Any]:
         return {
             "server": self.server,
@@ -101,6 +111,7 @@ class Cell:
             "latency_p95_s": self.latency(95),
             "decode_tokens_per_s": self.decode_tps,
             "prompt_tokens_per_s": self.prompt_tps,
+            "same_as_alone": self.same_as_alone,
         }
 
 
@@ -131,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-localspec", action="store_true", help="only the llama-server modes")
     p.add_argument("--llama-server-bin", metavar="PATH", help="instead of $LLAMA_SERVER_BIN")
     p.add_argument("--repeats", type=int, default=1, help="rounds over every cell (default 1)")
+    p.add_argument(
+        "--no-alone", action="store_true", help="skip the answers alone (no agreement column)"
+    )
     p.add_argument("--timeout", type=float, default=900.0, help="per request, s (default 900)")
     p.add_argument("--load-timeout", type=float, default=600.0, help="model load, s")
     p.add_argument("--log-dir", type=Path, help="where started servers log (default: a tmpdir)")
@@ -158,6 +172,7 @@ def _post(url: str, body: dict[str, Any], timeout: float) -> Request:
         return Request(
             latency,
             True,
+            content=str(answer.get("content", "")),
             predicted_n=int(t.get("predicted_n") or 0),
             prompt_n=int(t.get("prompt_n") or 0),
             prompt_per_second=t.get("prompt_per_second"),
@@ -167,8 +182,30 @@ def _post(url: str, body: dict[str, Any], timeout: float) -> Request:
         return Request(time.perf_counter() - t0, False, error=f"{type(exc).__name__}: {exc}")
 
 
+def _body(text: str, n_predict: int) -> dict[str, Any]:
+    # every prompt evaluated in full (no cache reuse between cells): prompt speed is comparable
+    return {"prompt": text, "n_predict": n_predict, "top_k": 1, "samplers": ["top_k"],
+            "cache_prompt": False, "id_slot": -1}  # fmt: skip
+
+
+def alone(url: str, texts: Sequence[str], args: Any) -> list[str]:
+    """Each prompt's answer with nothing else running: the reference for agreement."""
+    out = []
+    for text in texts:
+        r = _post(url, _body(text, args.n_predict), args.timeout)
+        out.append(r.content if r.ok else "")
+    return out
+
+
 def measure(
-    url: str, name: str, texts: Sequence[str], *, background: int, clients: int, args: Any
+    url: str,
+    name: str,
+    texts: Sequence[str],
+    *,
+    background: int,
+    clients: int,
+    args: Any,
+    reference: Sequence[str] = (),
 ) -> Cell:
     """``clients`` threads at once, each sending its ``args.requests`` prompts in turn."""
     cell = Cell(name, background, clients)
@@ -176,16 +213,11 @@ def measure(
 
     def client(index: int) -> None:
         for k in range(args.requests):
-            text = texts[(index * args.requests + k) % len(texts)]
-            body = {
-                "prompt": text,
-                "n_predict": args.n_predict,
-                "top_k": 1,
-                "samplers": ["top_k"],
-                "cache_prompt": True,
-                "id_slot": -1,
-            }
-            outcome = _post(url, body, args.timeout)
+            i = (index * args.requests + k) % len(texts)
+            outcome = _post(url, _body(texts[i], args.n_predict), args.timeout)
+            outcome.prompt_index = i
+            if outcome.ok and i < len(reference):
+                outcome.same_as_alone = outcome.content == reference[i]
             with lock:
                 cell.requests.append(outcome)
 
@@ -202,7 +234,8 @@ def measure(
 def table(cells: Sequence[Cell]) -> str:
     head = (
         f"{'server':<24} {'bg':>3} {'clients':>7} {'agg tok/s':>10} {'p50 s':>7} "
-        f"{'p95 s':>7} {'decode tok/s':>12} {'prompt tok/s':>12} {'errors':>6}  vs llama-server"
+        f"{'p95 s':>7} {'decode tok/s':>12} {'prompt tok/s':>12} {'=alone':>6} {'errors':>6}  "
+        "vs llama-server"
     )
     lines = [head, "-" * len(head)]
     for c in cells:
@@ -219,7 +252,9 @@ def table(cells: Sequence[Cell]) -> str:
         lines.append(
             f"{c.server:<24} {c.background:>3} {c.clients:>7} {fmt(c.aggregate_tps, '.1f'):>10} "
             f"{fmt(c.latency(50), '.2f'):>7} {fmt(c.latency(95), '.2f'):>7} "
-            f"{fmt(c.decode_tps, '.1f'):>12} {fmt(c.prompt_tps, '.0f'):>12} {c.errors:>6}  {vs}"
+            f"{fmt(c.decode_tps, '.1f'):>12} {fmt(c.prompt_tps, '.0f'):>12} "
+            f"{fmt(None if c.same_as_alone is None else 100 * c.same_as_alone, '.0f'):>5}% "
+            f"{c.errors:>6}  {vs}"
         )
     return "\n".join(lines)
 
@@ -278,7 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    texts = prompts(max(client_counts) * args.requests * args.repeats, args.prompt_chars)
+    texts = prompts(max(client_counts) * args.requests, args.prompt_chars)
     log_dir = args.log_dir or Path("/tmp/localspec-bench-logs")
 
     def progress(msg: str) -> None:
@@ -288,19 +323,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     started: list[anchor.ManagedServer] = []
     try:
         started = anchor.start_all(specs, log_dir, args.load_timeout, progress)
+        reference: dict[str, list[str]] = {}
+        if not args.no_alone:
+            for server in started:
+                progress(f"{server.spec.name}: each prompt alone, for the agreement column")
+                reference[server.spec.name] = alone(server.spec.url, texts, args)
         n_round = 0
-        for round_ in range(args.repeats):
+        for _ in range(args.repeats):
             for load in loads:
                 with busy_loops(load):
                     for clients in client_counts:
                         order = started if n_round % 2 == 0 else started[::-1]
                         n_round += 1
                         for server in order:
-                            # each round its own prompts: nothing is served from a cache
-                            base = round_ * max(client_counts) * args.requests
                             cell = measure(
-                                server.spec.url, server.spec.name, texts[base:],
+                                server.spec.url, server.spec.name, texts,
                                 background=load, clients=clients, args=args,
+                                reference=reference.get(server.spec.name, ()),
                             )  # fmt: skip
                             cells.append(cell)
                             progress(
