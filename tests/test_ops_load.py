@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from localspec.server.loadtest import LoadReport, run_load
+from localspec.bench.load import LoadReport, run_load
 from tests.test_ops_support import running_daemon
 
 N_CTX = 2048
