@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from localspec.bench.load import LoadReport, run_load
-from tests.test_ops_support import running_daemon
+from tests.ops_support import running_daemon
 
 N_CTX = 2048
 
