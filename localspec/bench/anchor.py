@@ -44,9 +44,11 @@ class ServeSettings:
     draft_max: int = 16
     draft_p_min: float = 0.75
     n_predict: int = 128  # llama-server's default n_predict (the client's value)
-    # slots: localspec --slots N; llama-server -np N, N x ctx cells in all (it decodes a
-    # request's n_cmpl > 1 completions in other slots)
+    # slots: localspec --slots N; llama-server -np N x n_cmpl, as many x ctx cells in all
+    # (it decodes a request's extra completions in other, idle slots: n_cmpl must not exceed
+    # its n_parallel)
     slots: int = 1
+    n_cmpl: int = 1
     # llama-server -kvu: one KV buffer every slot may fill (as localspec's). Its slots then
     # see N x ctx as their context, which also widens /infill's extra-context budget: off for
     # the editor replay, on for plain /completion throughput
@@ -102,8 +104,8 @@ def llama_server_spec(
         "-m", str(serve.target),
         "--host", "127.0.0.1",
         "--port", str(port),
-        "-c", str(serve.ctx * serve.slots),
-        "-np", str(serve.slots),
+        "-c", str(serve.ctx * serve.slots * serve.n_cmpl),
+        "-np", str(serve.slots * serve.n_cmpl),
         "-b", str(serve.batch),
         "-ub", str(serve.batch),
         "-t", str(serve.threads),
