@@ -28,7 +28,8 @@ from localspec.server.results import (
 )
 from localspec.server.schemas import InfillRequest
 from localspec.server.settings import ServerSettings
-from localspec.server.slots import SlotInfo, choose_slot, common_prefix
+from localspec.engine.cache_plan import common_prefix
+from localspec.server.slots import SlotInfo, choose_slot
 
 
 def test_compact_json_has_no_spaces_and_keeps_utf8() -> None:

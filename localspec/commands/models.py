@@ -9,6 +9,7 @@ from typing import Any
 from localspec import paths
 from localspec import settings as st
 from localspec.commands import common as c
+from localspec.units import human_bytes
 
 MODELS_EPILOG = """\
 examples:
@@ -109,15 +110,6 @@ def load_catalog() -> Any:
 
 
 
-def _human(n: float | None) -> str:
-    if n is None:
-        return "?"
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n:.2f} GB"
-
 
 def run_models(args: argparse.Namespace) -> int:
     from localspec import fetch
@@ -140,7 +132,7 @@ def run_models(args: argparse.Namespace) -> int:
     print(f"{'model':<{width}}  {'quant':<8}  {'size':>9}  state")
     for r in rows:
         state = "verified" if r.verified else "present" if r.present else "-"
-        size = _human(r.size_bytes) if r.size_exact else f"~{_human(r.size_bytes)}"
+        size = human_bytes(r.size_bytes) if r.size_exact else f"~{human_bytes(r.size_bytes)}"
         print(f"{r.model_id:<{width}}  {r.quant:<8}  {size:>9}  {state}")
     if catalog.pairs:
         print("\npairs:")

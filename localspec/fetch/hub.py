@@ -44,6 +44,7 @@ from localspec.fetch.files import (
     layout_path,
     sha256_file,
 )
+from localspec.units import human_bytes
 
 
 def offline_requested(offline: bool = False) -> bool:
@@ -106,7 +107,7 @@ def pull(
         client = _Hub(endpoint=endpoint, token=token)
         total = sum(spec.size or 0 for _, spec, _ in todo)
         have = len(specs) - len(todo)
-        size_note = f", {_human(total)}" if total else ""
+        size_note = f", {human_bytes(total)}" if total else ""
         say(f"localspec: {have} of {len(specs)} files present; fetching {len(todo)}{size_note}")
         started = time.monotonic()
         fetched = 0
@@ -125,8 +126,8 @@ def pull(
             fetched += nbytes
         elapsed = max(time.monotonic() - started, 1e-6)
         say(
-            f"localspec: fetched {_human(fetched)} in {elapsed:.1f} s "
-            f"({_human(fetched / elapsed)}/s); all {len(specs)} files verified"
+            f"localspec: fetched {human_bytes(fetched)} in {elapsed:.1f} s "
+            f"({human_bytes(fetched / elapsed)}/s); all {len(specs)} files verified"
         )
     return [results[i] for i in range(len(specs))]
 
@@ -167,13 +168,6 @@ def _offline_message(
         "network with a reachable mirror in hub.endpoint / HF_ENDPOINT."
     )
 
-
-def _human(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n} B"  # pragma: no cover
 
 
 class _Hub:
@@ -289,7 +283,8 @@ def _fetch_one(
         hub_sha = meta.etag  # X-Linked-Etag of an LFS file is its sha256
     expected_sha = spec.sha256 or hub_sha
     expected_size = spec.size or hub_size or meta.size
-    say(f"{prefix}{spec.label} ({_human(expected_size) if expected_size else 'size unknown'})")
+    size = human_bytes(expected_size) if expected_size else "size unknown"
+    say(f"{prefix}{spec.label} ({size})")
     if spec.sha256 and hub_sha and spec.sha256 != hub_sha:
         raise VerifyError(
             f"{spec.label}: the hub's file (commit {meta.commit_hash[:12]}) has sha256 {hub_sha}, "
@@ -377,14 +372,15 @@ def _download_verified(
     partial_meta = final.with_name(final.name + _PARTIAL_SUFFIX + ".json")
     resume = _resumable(partial, partial_meta, meta.etag, expected_size)
     if resume:
-        say(f"  resuming at {_human(resume)} of {_human(expected_size or 0)}")
+        say(f"  resuming at {human_bytes(resume)} of {human_bytes(expected_size or 0)}")
     partial_meta.write_text(json.dumps({"etag": meta.etag, "commit": meta.commit_hash}))
     if expected_size:
         free = shutil.disk_usage(final.parent).free
         if free < expected_size - resume:
             raise FetchError(
-                f"not enough disk space for {spec.label}: needs {_human(expected_size - resume)}, "
-                f"{_human(free)} free in {final.parent}"
+                f"not enough disk space for {spec.label}: "
+                f"needs {human_bytes(expected_size - resume)}, "
+                f"{human_bytes(free)} free in {final.parent}"
             )
     got, actual_sha = _download(spec, meta, partial, resume, expected_size, hub, progress)
     actual_size = partial.stat().st_size
@@ -464,7 +460,7 @@ def _download(
     except FetchError as exc:
         have = partial.stat().st_size if partial.exists() else 0
         raise FetchError(
-            f"{exc}\nThe download stopped at {_human(have)}; run the same command again "
+            f"{exc}\nThe download stopped at {human_bytes(have)}; run the same command again "
             "to resume it."
         ) from exc.__cause__
     except OSError as exc:
