@@ -81,7 +81,7 @@ def test_a_rotated_ring_of_blocks_is_moved_and_stays_exact(
         caches.slots[0], second, PrefillPolicy(min_chunk=64, exact_ms=0.0), blocks=blocks2
     )
     # four chunks moved, the new chunk and the tail evaluated (the tail attends to all)
-    assert pre.n_moved == 4 * CHUNK and pre.n_evaluated == CHUNK + len(tail)
+    assert pre.n_shifted == 4 * CHUNK and pre.n_evaluated == CHUNK + len(tail)
     assert caches.slots[0].exact == len(second) == pre.n_exact
     assert caches.slots[0].spans == block_spans(blocks2)
     warm = logits(caches)
@@ -92,7 +92,7 @@ def test_a_rotated_ring_of_blocks_is_moved_and_stays_exact(
     causal = SlotCaches(new_ctx(model, n_seq=3), 1)
     causal.prefill(causal.slots[0], first, PrefillPolicy(min_chunk=64))
     shifted = causal.prefill(causal.slots[0], second, PrefillPolicy(min_chunk=64, exact_ms=0.0))
-    assert shifted.n_moved > 0
+    assert shifted.n_shifted > 0
     cold_causal = cold_logits(model, second, ())
     assert np.max(np.abs(logits(causal) - cold_causal)) > 100 * moved_error
     # blocks are a different computation than causal attention over the ring
@@ -111,7 +111,7 @@ def test_blocks_in_place_keep_the_cache_and_the_tail_reuses_its_prefix(
     )
     longer, _ = layout(c, toks[300:365])  # a keystroke: the tail grows
     pre = caches.prefill(caches.slots[0], longer, PrefillPolicy(min_chunk=64), blocks=blocks)
-    assert pre.n_evaluated == 5 and pre.n_cached == len(first) and pre.n_moved == 0
+    assert pre.n_evaluated == 5 and pre.n_cached == len(first) and pre.n_shifted == 0
     assert caches.slots[0].exact == len(longer)
 
 
@@ -160,7 +160,7 @@ def test_a_cut_short_block_moves_with_the_ring_and_resumes(
         caches.slots[0], third, PrefillPolicy(min_chunk=64, chunk=20), blocks=blocks3, sink=True
     )
     # c3, c4 and c5's first 40 tokens moved; c5's last 20, c6 and the tail evaluated
-    assert pre.n_moved == 2 * CHUNK + 40
+    assert pre.n_shifted == 2 * CHUNK + 40
     assert pre.n_evaluated == 20 + CHUNK + len(tail)
     assert caches.slots[0].exact == len(third)
     # c3 and c4 turned twice: K's rotation rounds twice (2.5e-3 here, as when c5 was whole)
@@ -195,7 +195,7 @@ def test_a_request_cut_short_before_its_new_block_decodes_nothing(
         sink=True,
         cancel=After(0),
     )
-    assert pre.cancelled and pre.n_moved == 2 * CHUNK and decoded == []
+    assert pre.cancelled and pre.n_shifted == 2 * CHUNK and decoded == []
 
 
 def test_without_kv_shifts_a_rotated_ring_is_evaluated_again(
@@ -208,7 +208,7 @@ def test_without_kv_shifts_a_rotated_ring_is_evaluated_again(
     pre = caches.prefill(
         caches.slots[0], second, PrefillPolicy(), blocks=blocks2
     )  # min_chunk 0: --cache-reuse 0
-    assert pre.n_moved == 0 and pre.n_evaluated == len(second)
+    assert pre.n_shifted == 0 and pre.n_evaluated == len(second)
 
 
 def test_blocks_that_see_a_sink_still_move_exactly(
@@ -223,7 +223,7 @@ def test_blocks_that_see_a_sink_still_move_exactly(
     pre = caches.prefill(
         caches.slots[0], second, PrefillPolicy(min_chunk=64), blocks=blocks2, sink=True
     )
-    assert pre.n_moved == 3 * CHUNK and pre.n_evaluated == CHUNK + len(tail)
+    assert pre.n_shifted == 3 * CHUNK and pre.n_evaluated == CHUNK + len(tail)
     assert caches.blocks_in_place(caches.slots[0], blocks2, True) and not caches.blocks_in_place(
         caches.slots[0], blocks2
     )

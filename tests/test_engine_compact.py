@@ -99,7 +99,7 @@ def test_prefill_compacts_before_evaluating_around_moved_runs(
             )
             caches.prefill(caches.slots[0], first, PrefillPolicy(min_chunk=256))
             pre = caches.prefill(caches.slots[0], second, PrefillPolicy(min_chunk=256, chunk=64))
-            assert pre.n_moved == 300 and pre.n_evaluated == len(second) - 300
+            assert pre.n_shifted == 300 and pre.n_evaluated == len(second) - 300
             assert caches.slots[0].tokens == second
             # holes (800 - 300) x 202 evaluated tokens: due, unless flash attention is on
             want = 1 if compact and not flash_attn else 0
@@ -215,12 +215,12 @@ def test_holes_a_ring_rotation_leaves_are_compacted_by_the_request_that_evaluate
                 blocks=blocks,
                 cancel=threading_set(),
             )
-            assert warm.cancelled and warm.n_moved == 4 * 60 and caches.n_compacted == 0
+            assert warm.cancelled and warm.n_shifted == 4 * 60 and caches.n_compacted == 0
             assert caches.holes == len(first) - 4 * 60  # the old first block and the tail
             key = caches.prefill(
                 caches.slots[0], second, PrefillPolicy(min_chunk=64, chunk=40), blocks=blocks
             )
-            assert key.n_moved == 0 and key.n_evaluated == 60 + len(tail)
+            assert key.n_shifted == 0 and key.n_evaluated == 60 + len(tail)
             # 160 holes x 160 tokens to evaluate: due at 10k (the ring's new block is the first)
             assert caches.n_compacted == (1 if min_work == 10_000 else 0)
             assert caches.holes == 0

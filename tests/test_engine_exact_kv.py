@@ -67,7 +67,7 @@ def test_a_shift_changes_the_logits_and_leaves_the_slot_approximate(
     caches.prefill(caches.slots[0], first, PrefillPolicy(min_chunk=64))
     assert caches.slots[0].exact == len(first) and caches.ms_per_token > 0
     pre = caches.prefill(caches.slots[0], second, PrefillPolicy(min_chunk=64, exact_ms=0.0))
-    assert pre.n_moved == len(second) - 1 and pre.n_exact == 0 == caches.slots[0].exact
+    assert pre.n_shifted == len(second) - 1 and pre.n_exact == 0 == caches.slots[0].exact
     assert np.max(np.abs(warm_logits(caches) - cold_logits(model, second))) > 10 * ATOL
 
 
@@ -77,7 +77,7 @@ def test_an_affordable_shift_is_replaced_by_an_exact_evaluation(
     first, second = ring(toks)
     caches.prefill(caches.slots[0], first, PrefillPolicy(min_chunk=64))
     pre = caches.prefill(caches.slots[0], second, PrefillPolicy(min_chunk=64, exact_ms=1e9))
-    assert pre.n_moved == 0 and pre.n_evaluated == len(second)
+    assert pre.n_shifted == 0 and pre.n_evaluated == len(second)
     assert caches.slots[0].exact == len(second) == pre.n_exact
     np.testing.assert_allclose(warm_logits(caches), cold_logits(model, second), atol=ATOL)
 
@@ -90,7 +90,9 @@ def test_the_budget_is_the_extra_cost_at_the_measured_price(
     caches.prefill(caches.slots[0], first, PrefillPolicy(min_chunk=64))
     short = caches.ms_per_token * (extra - 1)
     assert (
-        caches.prefill(caches.slots[0], second, PrefillPolicy(min_chunk=64, exact_ms=short)).n_moved
+        caches.prefill(
+            caches.slots[0], second, PrefillPolicy(min_chunk=64, exact_ms=short)
+        ).n_shifted
         > 0
     )
     caches.clear(caches.slots[0])
@@ -99,7 +101,7 @@ def test_the_budget_is_the_extra_cost_at_the_measured_price(
     assert (
         caches.prefill(
             caches.slots[0], second, PrefillPolicy(min_chunk=64, exact_ms=enough)
-        ).n_moved
+        ).n_shifted
         == 0
     )
 
@@ -109,7 +111,7 @@ def test_an_unmeasured_price_affords_nothing(caches: SlotCaches, toks: list[int]
     caches.prefill(caches.slots[0], first, PrefillPolicy(min_chunk=64))
     caches.ms_per_token = -1.0
     assert (
-        caches.prefill(caches.slots[0], second, PrefillPolicy(min_chunk=64, exact_ms=1e9)).n_moved
+        caches.prefill(caches.slots[0], second, PrefillPolicy(min_chunk=64, exact_ms=1e9)).n_shifted
         > 0
     )
     assert caches.affordable(0, 0.0) and not caches.affordable(1, 1e9)
@@ -141,7 +143,7 @@ def test_exactness_is_tracked_through_append_truncate_and_a_partial_shift(
     caches.prefill(caches.slots[0], first, PrefillPolicy(min_chunk=64))
     edited = first[:120] + toks[580:590] + first[120:]
     pre = caches.prefill(caches.slots[0], edited, PrefillPolicy(min_chunk=64, exact_ms=0.0))
-    assert pre.n_moved > 0 and caches.slots[0].exact == 130
+    assert pre.n_shifted > 0 and caches.slots[0].exact == 130
     caches.clear(caches.slots[0])
     assert caches.slots[0].exact == 0
 

@@ -7,6 +7,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
+from localspec.engine.cache_plan import common_prefix
 from localspec.engine.types import (
     DraftStats,
     GenerationResult,
@@ -28,7 +29,6 @@ from localspec.server.results import (
 )
 from localspec.server.schemas import InfillRequest
 from localspec.server.settings import ServerSettings
-from localspec.engine.cache_plan import common_prefix
 from localspec.server.slots import SlotInfo, choose_slot
 
 

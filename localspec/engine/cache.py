@@ -63,7 +63,7 @@ class PrefillPolicy:
 class PrefillResult:
     n_cached: int  # prompt tokens whose KV was kept (prefix + moved runs)
     n_evaluated: int  # prompt tokens decoded now
-    n_moved: int  # of n_cached, tokens moved by a KV shift (approximate reuse)
+    n_shifted: int  # of n_cached, tokens moved by a KV shift (approximate reuse)
     cancelled: bool = False
     n_exact: int = 0  # leading tokens of the slot's KV equal to a cold evaluation's
 
@@ -102,18 +102,18 @@ class _Placed:
     """What placing the blocks did: tokens evaluated, tokens moved, cut short."""
 
     evaluated: int = 0
-    moved: int = 0
+    shifted: int = 0
     cancelled: bool = False
 
     def added_to(self, res: PrefillResult) -> PrefillResult:
         """``res`` (the reuse plan's, which counts the blocks as cached) with this work in."""
-        if not (self.evaluated or self.moved):
+        if not (self.evaluated or self.shifted):
             return res
         return replace(
             res,
             n_cached=res.n_cached - self.evaluated,
             n_evaluated=res.n_evaluated + self.evaluated,
-            n_moved=res.n_moved + self.moved,
+            n_shifted=res.n_shifted + self.shifted,
         )
 
 
@@ -216,7 +216,7 @@ class SlotCaches:
         )
         if placed.cancelled:
             n, done = len(st.tokens), placed.evaluated
-            return PrefillResult(n - done, done, placed.moved, True, st.exact)
+            return PrefillResult(n - done, done, placed.shifted, True, st.exact)
         ctx, seq = self.ctx, st.seq
         plan = self._tail_rule(st, prompt, self.plan(st, prompt, policy), policy)
         cached = st.tokens
@@ -228,7 +228,7 @@ class SlotCaches:
             if self.affordable(len(prompt) - keep - plan.n_evaluated, policy.exact_ms):
                 plan = ReusePlan(keep, (), len(prompt), ((keep, len(prompt)),))
                 st.reset_drift()
-        n_moved = sum(r.n for r in plan.runs)
+        n_shifted = sum(r.n for r in plan.runs)
         self._park(st, plan.runs, plan.n_prefix, len(cached) + len(prompt) + 1)
         todo = plan.n_evaluated
         toks = list(prompt[: plan.n_prefix])
@@ -274,7 +274,7 @@ class SlotCaches:
                 PrefillResult(plan.n_prefix + attached, n_eval, attached, True, n_exact=st.exact)
             )
         return placed.added_to(
-            PrefillResult(plan.n_reused, plan.n_evaluated, n_moved, n_exact=st.exact)
+            PrefillResult(plan.n_reused, plan.n_evaluated, n_shifted, n_exact=st.exact)
         )
 
     def _step(self, policy: PrefillPolicy) -> int:
@@ -404,7 +404,7 @@ class SlotCaches:
                 pos = s + run.n
                 self._unpark(seq, s, pos)
                 toks.extend(prompt[s:pos])
-                placed.moved += run.n
+                placed.shifted += run.n
                 if pos == e:
                     continue
             ctx.seq_rm(iso, -1, -1)

@@ -303,7 +303,7 @@ class Completion:
         if pre is not None:
             res.draft_n_cached = pre.n_cached
             res.draft_n_evaluated = pre.n_evaluated
-            res.draft_n_shifted = pre.n_moved
+            res.draft_n_shifted = pre.n_shifted
         res.t_draft_ms = pipe.decode_ms
         res.draft_n_decoded = pipe.n_decoded
 
@@ -490,7 +490,7 @@ class Completion:
                 self.policy.observe_draft_prefill(pre.n_evaluated, spent)
             res.draft_n_cached += pre.n_cached
             res.draft_n_evaluated += pre.n_evaluated
-            res.draft_n_shifted += pre.n_moved
+            res.draft_n_shifted += pre.n_shifted
             if pre.cancelled:
                 return False
             self.dbase = base

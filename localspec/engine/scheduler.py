@@ -314,7 +314,7 @@ class Scheduler:
         res.prompt_ms = run.prompt_ms
         if index == 0:
             res.n_cached = min(pre.n_cached, n_prompt)  # a repair may evaluate past it
-            res.n_evaluated, res.n_shifted = pre.n_evaluated, pre.n_moved
+            res.n_evaluated, res.n_shifted = pre.n_evaluated, pre.n_shifted
         else:  # the prompt's KV is shared with the first completion's
             res.n_cached = n_prompt
         res.n_approx = max(0, n_prompt - pre.n_exact)
