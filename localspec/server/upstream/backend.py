@@ -91,8 +91,8 @@ class Upstream:
         )
         self.local_model: str | None = None  # the local model standing in (set by the app)
         self.local_state: Callable[[], Any] = lambda: None  # its not_ready probe (the app's)
-        self.answered: Counter[str] = Counter()  # "upstream" / "local"
-        self.fallbacks: Counter[str] = Counter()  # by reason
+        self.answered: Counter[str] = Counter()  # completions: "upstream" / "local"
+        self.fallbacks: Counter[str] = Counter()  # completions the local model took, by reason
 
     async def start(self) -> None:
         """The first check now (so the first request knows where to go), then in the
@@ -148,9 +148,10 @@ class Upstream:
     def record(
         self, backend: str, route: str, *, reason: str = "", upstream_s: float = 0.0
     ) -> None:
-        self.answered[backend] += 1
-        if reason:
-            self.fallbacks[reason] += 1
+        if route in GENERATION:  # completions, not /props or /slots
+            self.answered[backend] += 1
+            if reason:
+                self.fallbacks[reason] += 1
         m = self.metrics
         if m is None:
             return

@@ -67,6 +67,20 @@ async def _events(lines: AsyncIterator[str]) -> AsyncIterator[dict[str, Any] | N
             yield obj
 
 
+async def _usage(collector: Collector, events: AsyncIterator[dict[str, Any] | None]) -> None:
+    """The usage report that follows the last choice's end (when the upstream ended every
+    choice itself: then the rest of the stream is a few bytes away)."""
+    if not collector.upstream_finished:
+        return
+    try:
+        async for obj in events:
+            if obj is None:
+                return
+            collector.feed(obj)
+    except (httpx.HTTPError, UpstreamFailure):
+        return  # the answer is complete; only the token counts are missing
+
+
 def _text_only(name: str, value: Any) -> str:
     if isinstance(value, str):
         return value
@@ -192,6 +206,7 @@ class OpenAIBackend:
                 break
             collector.feed(obj)
             if collector.done:
+                await _usage(collector, events)
                 return
         else:
             raise UpstreamFailure(
@@ -225,14 +240,15 @@ class OpenAIBackend:
             for index, text in first:
                 yield sse(collector.partial(index, text))
             while not collector.done:
-                obj = await anext(events, _ENDED)
-                if obj is _ENDED:
+                item = await anext(events, _ENDED)
+                if item is _ENDED:
                     raise UpstreamFailure(
                         "closed", f"the upstream {self.cfg.url} ended the stream mid-answer"
                     )
-                got = collector.close() if obj is None else collector.feed(obj)
+                got = collector.close() if item is None else collector.feed(item)
                 for index, text in got:
                     yield sse(collector.partial(index, text))
+            await _usage(collector, events)
         except httpx.HTTPError as exc:
             raise failure(exc, self.cfg.url) from None
         finally:

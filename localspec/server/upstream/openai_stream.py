@@ -32,6 +32,7 @@ class Choice:
     stop_type: StopType = "none"
     stopping_word: str = ""
     done: bool = False
+    by_upstream: bool = False  # the upstream ended it (finish_reason), not a rule here
     t_first: float = 0.0
     t_end: float = 0.0
 
@@ -62,6 +63,12 @@ class Collector:
     def done(self) -> bool:
         return all(c.done for c in self.choices.values())
 
+    @property
+    def upstream_finished(self) -> bool:
+        """Every choice ended by the upstream itself: its usage report is on its way (worth
+        the few bytes); otherwise the stream is closed at once and the upstream stops."""
+        return all(c.by_upstream for c in self.choices.values())
+
     def feed(self, chunk: dict[str, Any]) -> list[tuple[int, str]]:
         """One parsed ``data:`` object; returns the text that became final, per choice."""
         usage = chunk.get("usage")
@@ -81,6 +88,7 @@ class Collector:
                     out.append((choice.index, final))
             reason = item.get("finish_reason")
             if reason and not choice.done:
+                choice.by_upstream = True
                 tail = self._finish(choice, "eos" if reason == "stop" else "limit")
                 if tail:
                     out.append((choice.index, tail))
@@ -101,9 +109,8 @@ class Collector:
         r = self.params.request
         if choice.rules is None:
             choice.t_first = now
-            choice.rules = StopRules(
+            choice.rules = StopRules(  # n_predict: the upstream's max_tokens (it counts tokens)
                 stop=(*r.stop, *self.end),
-                n_predict=r.n_predict,
                 n_indent=r.n_indent,
                 t_max_predict_ms=r.t_max_predict_ms,
                 clock=self.clock,
