@@ -57,6 +57,7 @@ class Outcome:
     draft_n: int | None = None
     draft_n_accepted: int | None = None
     server_timing: dict[str, float] = field(default_factory=dict)
+    backend: str = ""  # a localspec in front of a team server: who answered (upstream, local)
     error: str = ""
     # n_probs' report (completion_probabilities), kept for the cold probes only
     probabilities: list[dict[str, Any]] | None = None
@@ -194,6 +195,7 @@ class Target:
             return outcome
         outcome.latency_ms = (time.perf_counter() - t0) * 1e3
         outcome.server_timing = _parse_server_timing(r.headers.get("server-timing"))
+        outcome.backend = r.headers.get("x-localspec-backend", "")
         if r.status_code != 200:
             outcome.status, outcome.error = "error", f"HTTP {r.status_code}: {r.text[:300]}"
             return outcome

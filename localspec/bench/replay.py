@@ -20,11 +20,11 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from localspec.bench import anchor, editor, report
+from localspec.bench import anchor, editor, proxy, report
 from localspec.bench.driver import Outcome, Target, replay
 from localspec.bench.stats import fmt, percentile, ratio
 
@@ -37,6 +37,9 @@ examples:
   localspec bench replay --url http://127.0.0.1:8012 --vs http://127.0.0.1:8080
   # your own code, greedy answers, every completed request checked against a cold cache
   localspec bench replay --url http://127.0.0.1:8012 --code ~/src/app --greedy --cold all
+  # what a localspec in front of a team server adds (docs/team-server.md), and failover
+  localspec bench replay --target t.gguf --via-proxy --cold none --json proxy.json
+  localspec bench replay --target t.gguf --failover --cold none --json failover.json
 
 llama-server comes from $LLAMA_SERVER_BIN (build it with scripts/build-llama-server.sh).
 """
@@ -100,6 +103,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--load-timeout", type=float, default=600.0, help="seconds to wait for a server to load"
     )
     srv.add_argument("--log-dir", type=Path, help="where started servers log (default: a tmpdir)")
+    srv.add_argument(
+        "--via-proxy",
+        action="store_true",
+        help="also replay through a second localspec whose backend is the started one "
+        "(backend.kind llama-server): the latency a team-server proxy adds",
+    )
+    srv.add_argument(
+        "--failover",
+        action="store_true",
+        help="replay through a proxy with a local fallback only, killing the team server "
+        "halfway and starting it again at three quarters",
+    )
 
     tr = p.add_argument_group("traffic")
     tr.add_argument("--code", type=Path, help="source tree to type in (default: Python's stdlib)")
@@ -177,7 +192,15 @@ def server_specs(args: argparse.Namespace) -> list[anchor.ServerSpec]:
         ring_attention=args.ring_attention,
     )
     if args.url is None and not args.no_localspec:
-        specs.append(anchor.localspec_spec(serve, args.spec_mode))
+        spec = anchor.localspec_spec(serve, args.spec_mode)
+        if args.via_proxy or args.failover:  # the team server: slot 0 direct, 1 the proxy's
+            spec.argv += ["--slots", "2"]
+            specs.append(spec)
+            specs.append(proxy.proxy_spec(spec.url, serve, local=args.failover))
+        else:
+            specs.append(spec)
+    elif args.via_proxy or args.failover:
+        raise ValueError("--via-proxy and --failover start the team server: drop --url")
     if args.vs_llama_server:
         binary = anchor.find_llama_server(args.llama_server_bin)
         for mode in (m.strip() for m in args.vs_llama_server.split(",")):
@@ -192,7 +215,7 @@ def oracle_specs(
     """The twin each cold-checked started server gets (by its name), for ``--cold-on twin``."""
     if args.cold == "none" or args.cold_on != "twin":
         return {}
-    checked = list(specs)
+    checked = [spec for spec in specs if spec.name != proxy.PROXY]  # its answers are upstream's
     if args.cold_servers == "first":  # the first target: the URL's (checked on itself) if any
         checked = checked[:1] if args.url is None else []
     return {spec.name: anchor.twin(spec) for spec in checked}
@@ -240,14 +263,21 @@ def machine() -> dict[str, Any]:
 
 
 async def _run(
-    targets: list[Target], schedule: editor.Schedule, cold: str, cold_first: bool, quiet: bool
+    targets: list[Target],
+    schedule: editor.Schedule,
+    cold: str,
+    cold_first: bool,
+    quiet: bool,
+    after_burst: Callable[[int], None] | None = None,
 ) -> list[Outcome]:
     names = [t.name for t in targets]
     n = len(schedule.bursts)
 
-    def progress(_: int, burst: editor.Burst, done: list[Outcome]) -> None:
+    def progress(index: int, burst: editor.Burst, done: list[Outcome]) -> None:
         if not quiet:
             print(_burst_line(n, burst, done, names), file=sys.stderr, flush=True)
+        if after_burst is not None:
+            after_burst(index)
 
     try:
         return await replay(
@@ -328,14 +358,34 @@ def _main(args: argparse.Namespace) -> int:
             targets.append(Target(f"url:{args.url.rstrip('/').rsplit(':', 1)[-1]}", args.url,
                                   args.api_key))  # fmt: skip
         for spec in specs:
+            if args.failover and spec.name != proxy.PROXY:
+                continue  # the team server is only reached through the proxy
             twin = twins.get(spec.name)
             oracle = Target(twin.name, twin.url) if twin is not None else None
             targets.append(Target(spec.name, spec.url, oracle=oracle))
         for i, url in enumerate(args.vs):
             targets.append(Target(f"vs{i + 1}:{url.rstrip('/').rsplit(':', 1)[-1]}", url))
+        n_bursts = len(schedule.bursts)
+        failover = None
+        if args.failover:
+            team = next(s for s in started if s.spec.name == specs[0].name)
+            failover = proxy.FailoverRun(
+                team,
+                targets[0].url,
+                kill_after=max(1, n_bursts // 2),
+                restart_after=max(2, n_bursts * 3 // 4),
+                load_timeout_s=args.load_timeout,
+            )
         t0 = time.perf_counter()
         outcomes = asyncio.run(
-            _run(targets, schedule, args.cold, args.cold_servers == "first", args.quiet)
+            _run(
+                targets,
+                schedule,
+                args.cold,
+                args.cold_servers == "first",
+                args.quiet,
+                after_burst=failover,
+            )
         )
         wall_s = time.perf_counter() - t0
     except (anchor.ServerError, FileNotFoundError, ValueError) as exc:
@@ -374,6 +424,21 @@ def _main(args: argparse.Namespace) -> int:
             )
         )
         print(f"\n{first.server} vs llama-server's best here ({best.server}): {shown}")
+    extra: dict[str, Any] = {}
+    if args.via_proxy:
+        added = proxy.overhead(outcomes, direct=specs[0].name)
+        print("\n" + proxy.overhead_table(added))
+        extra["proxy_overhead"] = {**proxy.to_json(added), "met": added.met}
+    if failover is not None:
+        phases = proxy.failover_phases(outcomes, failover, n_bursts)
+        print("\n" + proxy.failover_table(phases, failover))
+        extra["failover"] = {
+            "phases": [proxy.to_json(p) for p in phases],
+            "down_noticed_s": failover.down_noticed_s,
+            "back_s": failover.back_s,
+            "events": failover.events,
+            "every_request_answered": all(p.errors == 0 for p in phases),
+        }
     print(f"\nwall time {wall_s:.0f} s; server logs in {log_dir}")
 
     if args.json:
@@ -392,6 +457,7 @@ def _main(args: argparse.Namespace) -> int:
             "ratios": report.ratios(summaries),
             "best_llama_server": best.server if best else None,
             "requests": [o.to_json() for o in outcomes],
+            **extra,
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=1))

@@ -38,6 +38,7 @@ class Answer:
     close: Callable[[], Awaitable[None]] = _nothing  # ends the upstream request (idempotent)
     upstream_ms: float = 0.0  # request sent to answer started
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    upstream_timing: str = ""  # the upstream's own Server-Timing (a localspec upstream's)
 
     @property
     def streamed(self) -> bool:

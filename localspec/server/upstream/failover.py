@@ -40,6 +40,7 @@ log = logging.getLogger("localspec.upstream")
 LocalState = Callable[[], ApiError | None]  # None: the local model answers; else why not
 LocalProps = Callable[[], dict[str, Any]]
 _END: Any = object()
+BACKEND_HEADER = b"x-localspec-backend"  # who answered: upstream, local or none
 
 
 def local_probe(local_state: LocalState, has_local: bool) -> LocalState:
@@ -173,15 +174,15 @@ class Failover:
             else:  # the upstream's state already holds a request's failure (mark_failed)
                 err = Unavailable(self.upstream.unavailable(_lower(local.message)))
             _note(scope, backend="none", fallback=reason or None, error=err.message)
-            await _send(error_answer(err), send, None, scope, self.upstream)
+            await _send(error_answer(err), send, None, scope, self.upstream, b"none")
             return
         self.upstream.record("local", scope["path"], reason=reason)
         _note(scope, backend="local", fallback=reason or None)
         if plan == "props":
             body = {**self.local_props(), "backend": self.upstream.info("local")}
-            await _send(json_answer(body), send, None, scope, self.upstream)
+            await _send(json_answer(body), send, None, scope, self.upstream, b"local")
             return
-        await self.app(scope, replay_body(raw, receive), send)
+        await self.app(scope, replay_body(raw, receive), _tagged(send, b"local"))
 
 
 def _lower(message: str) -> str:
@@ -229,12 +230,16 @@ async def _send(
     gone: asyncio.Future[None] | None,
     scope: Scope,
     upstream: Upstream,
+    backend: bytes = b"upstream",
 ) -> None:
     """Write the answer; a stream chunk by chunk, stopped (and the upstream request closed)
     the moment the editor leaves."""
-    timing = f"upstream;dur={answer.upstream_ms:.3f}".encode()
-    headers = [(b"content-type", answer.content_type), (b"server-timing", timing)]
-    headers += answer.headers
+    headers = [
+        (b"content-type", answer.content_type),
+        (b"server-timing", _timing(answer).encode("latin-1")),
+        (BACKEND_HEADER, backend),
+        *answer.headers,
+    ]
     if answer.chunks is None:
         headers.append((b"content-length", str(len(answer.body)).encode()))
         await send({"type": "http.response.start", "status": answer.status, "headers": headers})
@@ -265,6 +270,28 @@ async def _send(
         await send({"type": "http.response.body", "body": b""})
     finally:
         await answer.close()
+
+
+def _timing(answer: Answer) -> str:
+    """``upstream;dur=`` (sent to answered, as seen here) and the upstream's own entries
+    renamed ``upstream-<name>``: together they split off what the hop itself costs."""
+    parts = [f"upstream;dur={answer.upstream_ms:.3f}"]
+    for entry in answer.upstream_timing.split(","):
+        entry = entry.strip()
+        if entry and entry[0].isalpha():
+            parts.append(f"upstream-{entry}")
+    return ", ".join(parts)
+
+
+def _tagged(send: Send, backend: bytes) -> Send:
+    """``send`` with the header that says who answered (the local routes write their own)."""
+
+    async def tagged(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message["headers"] = [*message.get("headers", ()), (BACKEND_HEADER, backend)]
+        await send(message)
+
+    return tagged
 
 
 async def _body_part(send: Send, chunk: bytes) -> None:

@@ -97,6 +97,7 @@ async def _commit(
 ) -> Answer:
     status = response.status_code
     content_type = response.headers.get("content-type", "application/json").encode("latin-1")
+    timing = response.headers.get("server-timing", "")
     try:
         if status in UNAVAILABLE:
             raw = await response.aread()
@@ -112,7 +113,7 @@ async def _commit(
         if not stream or not content_type.startswith(SSE):
             raw = await response.aread()
             await response.aclose()
-            return Answer(status, content_type, raw, upstream_ms=_ms(t0))
+            return Answer(status, content_type, raw, upstream_ms=_ms(t0), upstream_timing=timing)
         chunks = response.aiter_raw()
         first = await anext(chunks, b"")
     except httpx.HTTPError as exc:
