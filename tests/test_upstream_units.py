@@ -21,7 +21,7 @@ from localspec.server.upstream.fim_text import CHARS_PER_TOKEN, infill_text
 from localspec.server.upstream.identity import stable_slot, workstation
 from localspec.server.upstream.openai_request import completion_body, sampling_fields
 from localspec.server.upstream.openai_stream import Collector
-from localspec.server.upstream.relay import pinned_slot, rewrite
+from localspec.server.upstream.relay import pinned_slot, prepare
 
 CATALOG = load_catalog()
 FIM = CATALOG.model("qwen2.5-coder-7b").tokenizer.fim_text
@@ -136,11 +136,12 @@ def test_the_stable_slot_is_stable_in_range_and_spread() -> None:
     assert pinned_slot(pinned, 8, me) == 5
 
 
-def test_rewrite_sets_slot_and_model_and_keeps_a_bad_body() -> None:
-    out = json.loads(rewrite(b'{"id_slot":0,"prompt":"x","model":""}', slot=3, model="m"))
-    assert out == {"id_slot": 3, "prompt": "x", "model": "m"}
-    assert json.loads(rewrite(b'{"prompt":"x"}', slot=None, model=None)) == {"prompt": "x"}
-    assert rewrite(b"not json", slot=1, model=None) == b"not json"
+def test_prepare_sets_slot_and_model_and_keeps_a_bad_body() -> None:
+    raw, stream = prepare(b'{"id_slot":0,"prompt":"x","model":"","stream":true}', slot=3, model="m")
+    assert json.loads(raw) == {"id_slot": 3, "prompt": "x", "model": "m", "stream": True}
+    assert stream is True
+    assert prepare(b'{"prompt":"x"}', slot=None, model=None) == (b'{"prompt":"x"}', False)
+    assert prepare(b"not json", slot=1, model=None) == (b"not json", False)
 
 
 # ------------------------------------------------------------------ the FIM prompt as text

@@ -235,8 +235,24 @@ def _vllm(
         if draft
         else "n-gram speculation: proposals come from the prompt (the editor's own code)",
     ]
+    if weight == "fp8" and not _fp8_native(facts):
+        notes.append(
+            "these GPUs predate FP8 (compute capability < 8.9): vLLM runs FP8 weights "
+            "weight-only (Marlin kernels); if your vLLM refuses --kv-cache-dtype fp8 here, "
+            "drop it (the KV then takes twice the plan's memory: lower --max-num-seqs)"
+        )
     env = [("VLLM_API_KEY", f'"$(cat {KEY_FILE})"')]
     return argv, env, notes
+
+
+def _fp8_native(facts: Any) -> bool:
+    def capability(gpu: Any) -> float:
+        try:
+            return float(gpu.compute_capability or 0)
+        except ValueError:
+            return 0.0
+
+    return bool(facts.gpus) and all(capability(g) >= 8.9 for g in facts.gpus)
 
 
 def _sglang(

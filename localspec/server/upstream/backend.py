@@ -32,9 +32,8 @@ from localspec.server.upstream.relay import (
     GENERATION,
     open_upstream,
     pinned_slot,
+    prepare,
     props_with,
-    rewrite,
-    wants_stream,
 )
 
 Plan = Literal["relay", "props", "infill", "completion", "local"]
@@ -124,22 +123,16 @@ class Upstream:
         if plan == "props" and self.cfg.kind == "openai":
             return Answer(200, JSON, self.openai_props())
         content: bytes | None = None
+        stream = False
         if method == "POST":
-            content = raw
-            if self.cfg.kind == "llama-server" and path in GENERATION:
-                content = rewrite(raw, slot=self.slot, model=self.cfg.model)
-            elif self.cfg.kind == "openai" and self.cfg.model:
-                content = rewrite(raw, slot=None, model=self.cfg.model)
+            generation = path in GENERATION
+            slot = self.slot if self.cfg.kind == "llama-server" and generation else None
+            model = self.cfg.model if generation else None
+            content, stream = prepare(raw, slot=slot, model=model)
         if self.cfg.kind == "openai":
             path = _OPENAI_PATHS.get(path, path)
         answer = await open_upstream(
-            self.client,
-            self.cfg,
-            method,
-            path,
-            query,
-            content,
-            stream=method == "POST" and wants_stream(raw),
+            self.client, self.cfg, method, path, query, content, stream=stream
         )
         if plan == "props" and not answer.streamed:  # an error too: status shows why
             answer.body = props_with(answer.body, self.info("upstream"))

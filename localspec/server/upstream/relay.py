@@ -38,28 +38,24 @@ def pinned_slot(cfg: UpstreamSettings, n_slots: int | None, identity: str) -> in
     return stable_slot(n_slots, identity) if n_slots else -1
 
 
-def rewrite(raw: bytes, *, slot: int | None, model: str | None) -> bytes:
-    """The body with ``id_slot`` (unless None) and ``model`` (when given) set; a body that is
-    not a JSON object goes as it is (the upstream answers its own 400)."""
+def prepare(raw: bytes, *, slot: int | None, model: str | None) -> tuple[bytes, bool]:
+    """The body to send, with ``id_slot`` (unless None) and ``model`` (when given) set, and
+    whether it asks for a stream (one parse for both). A body that is not a JSON object goes
+    as it is (the upstream answers its own 400)."""
     try:
-        body = pydantic_core.from_json(raw)
+        body = pydantic_core.from_json(raw) if raw else None
     except ValueError:
-        return raw
+        return raw, False
     if not isinstance(body, dict):
-        return raw
+        return raw, False
+    stream = bool(body.get("stream"))
+    if slot is None and not model:
+        return raw, stream
     if slot is not None:
         body["id_slot"] = slot
     if model:
         body["model"] = model
-    return dumps(body)
-
-
-def wants_stream(raw: bytes) -> bool:
-    try:
-        body = pydantic_core.from_json(raw)
-    except ValueError:
-        return False
-    return isinstance(body, dict) and bool(body.get("stream"))
+    return dumps(body), stream
 
 
 async def open_upstream(
