@@ -199,3 +199,19 @@ def test_upstream_errors_arrive_in_llama_servers_shape(tmp_path: Path) -> None:
             assert r.status_code == 401
             assert "refuses localspec's key" in r.json()["error"]["message"]
             assert props(proxy.url)["backend"]["status"] == "refused"
+
+
+def test_a_server_that_does_not_stream_is_understood(tmp_path: Path) -> None:
+    scripted = Scripted(pieces=["a = 1\n", "b = 2\n"], whole=True, finish="length")
+    with serve_app(scripted.app()) as served:
+        config = upstream_config(served.url, kind="openai", model="scripted")
+        with daemon(tmp_path, upstream=config) as proxy:
+            answer = httpx.post(proxy.url + "/infill", json=FIM_BODY, timeout=60).json()
+            assert answer["content"] == "a = 1\nb = 2\n" and answer["stop_type"] == "limit"
+            assert answer["timings"]["cache_n"] == 30
+            streamed = httpx.post(
+                proxy.url + "/infill", json={**FIM_BODY, "stream": True}, timeout=60
+            )
+            events = sse_objects(streamed.text)
+            assert "".join(e.get("content", "") for e in events) == "a = 1\nb = 2\n"
+            assert events[-1]["stop"] is True

@@ -210,6 +210,7 @@ class Scripted:
     status: int = 200
     error: dict[str, Any] | None = None
     key: str | None = None
+    whole: bool = False  # answer one JSON object even when asked to stream (some servers do)
     bodies: list[dict[str, Any]] = field(default_factory=list)
     closed: list[bool] = field(default_factory=list)  # per request: the client left early
     usage: dict[str, Any] | None = field(
@@ -239,6 +240,13 @@ class Scripted:
                 await asyncio.sleep(self.delay_s)
             if self.status != 200:
                 return JSONResponse(self.error or {"error": "no"}, status_code=self.status)
+            if self.whole:
+                n = int(body.get("n") or 1)
+                choices = [
+                    {"index": i, "text": "".join(self.pieces), "finish_reason": self.finish}
+                    for i in range(n)
+                ]
+                return JSONResponse({"choices": choices, "usage": self.usage})
             return StreamingResponse(self._stream(body), media_type="text/event-stream")
 
         async def models(request: Request) -> Response:

@@ -137,6 +137,11 @@ class Failover:
                 log.warning("upstream request failed: %s", exc.message)
                 await self._local(scope, raw, receive, send, plan, reason=exc.reason)
                 return
+            except Exception:  # a bug here: this request goes local (or gets a clean 500)
+                log.exception("relaying a request upstream failed")
+                gone.cancel()
+                await self._local(scope, raw, receive, send, plan, reason="error")
+                return
             if answer.status < 500:
                 up.health.mark_answered()
             up.record("upstream", scope["path"], upstream_s=answer.upstream_ms / 1e3)

@@ -67,6 +67,17 @@ async def _events(lines: AsyncIterator[str]) -> AsyncIterator[dict[str, Any] | N
             yield obj
 
 
+async def _whole(raw: bytes) -> AsyncIterator[dict[str, Any] | None]:
+    """A whole (not streamed) completion answer as the one event it amounts to."""
+    try:
+        obj = pydantic_core.from_json(raw)
+    except ValueError:
+        raise UpstreamFailure("error", f"the upstream answered no JSON: {raw[:200]!r}") from None
+    if isinstance(obj, dict):
+        yield obj
+    yield None
+
+
 async def _usage(collector: Collector, events: AsyncIterator[dict[str, Any] | None]) -> None:
     """The usage report that follows the last choice's end (when the upstream ended every
     choice itself: then the rest of the stream is a few bytes away)."""
@@ -187,6 +198,8 @@ class OpenAIBackend:
         shown_prompt = prompt if wants_prompt else ""
         collector = Collector(params, end=self.fim.end, t_sent=t0)
         events = _events(response.aiter_lines())
+        if not response.headers.get("content-type", "").startswith("text/event-stream"):
+            events = _whole(await response.aread())  # a server that ignores stream: true
         if not params.stream:
             await self._drain(collector, events)
             await response.aclose()
