@@ -757,15 +757,20 @@ def read_secret_file(path: Path, key: str) -> str:
     return text
 
 
+def _section_key(section: str, inline: SecretStr | None, file: Path | None) -> str | None:
+    """A section's key: ``<section>.api_key_file`` (permission-checked) or ``api_key``."""
+    if inline is not None and file is not None:
+        raise SettingsError([f"{section}: set api_key or api_key_file, not both"])
+    if file is not None:
+        return read_secret_file(file.expanduser(), f"{section}.api_key_file")
+    if inline is not None:
+        return inline.get_secret_value() or None
+    return None
+
+
 def resolve_api_key(settings: Settings) -> str | None:
     server = settings.server
-    if server.api_key is not None and server.api_key_file is not None:
-        raise SettingsError(["server: set api_key or api_key_file, not both"])
-    if server.api_key_file is not None:
-        return read_secret_file(server.api_key_file.expanduser(), "server.api_key_file")
-    if server.api_key is not None:
-        return server.api_key.get_secret_value() or None
-    return None
+    return _section_key("server", server.api_key, server.api_key_file)
 
 
 def check_security(settings: Settings) -> str | None:
@@ -789,18 +794,6 @@ def check_security(settings: Settings) -> str | None:
     if settings.hub.token_file is not None:
         read_secret_file(settings.hub.token_file.expanduser(), "hub.token_file")
     return api_key
-
-
-def resolve_backend_key(settings: Settings) -> str | None:
-    """The upstream's Bearer key: backend.api_key_file (permission-checked) or backend.api_key."""
-    backend = settings.backend
-    if backend.api_key is not None and backend.api_key_file is not None:
-        raise SettingsError(["backend: set api_key or api_key_file, not both"])
-    if backend.api_key_file is not None:
-        return read_secret_file(backend.api_key_file.expanduser(), "backend.api_key_file")
-    if backend.api_key is not None:
-        return backend.api_key.get_secret_value() or None
-    return None
 
 
 def check_backend(settings: Settings) -> str | None:
@@ -828,4 +821,4 @@ def check_backend(settings: Settings) -> str | None:
         bundle = backend.ca_bundle.expanduser()
         if not bundle.is_file():
             raise SettingsError([f"backend.ca_bundle: {bundle} is not a file"])
-    return resolve_backend_key(settings)
+    return _section_key("backend", backend.api_key, backend.api_key_file)

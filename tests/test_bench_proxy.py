@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -40,16 +41,20 @@ def test_overhead_is_latency_minus_the_upstreams_round_trip() -> None:
     assert o.met and "met" in proxy.overhead_table(o)
 
 
+def _replay(model: Path, code: Path, tmp_path: Path, mode: str, locations: int) -> Any:
+    """A short greedy replay in ``mode`` (--via-proxy, --failover); its JSON."""
+    out = tmp_path / "replay.json"
+    argv = ["--target", str(model), "--code", str(code), "--ctx", "2048", "--threads", "1",
+            "--locations", str(locations), "--max-keys", "2", "--greedy", "--cold", "none",
+            mode, "--json", str(out), "--log-dir", str(tmp_path / "logs"), "--quiet"]  # fmt: skip
+    assert replay_main(argv) == 0
+    return json.loads(out.read_text())
+
+
 def test_a_short_replay_through_the_proxy(
     qwen_target: Path, code_dir: Path, tmp_path: Path
 ) -> None:
-    out = tmp_path / "proxy.json"
-    argv = ["--target", str(qwen_target), "--code", str(code_dir), "--ctx", "2048",
-            "--threads", "1", "--locations", "2", "--max-keys", "2", "--greedy", "--cold",
-            "none", "--via-proxy", "--json", str(out), "--log-dir", str(tmp_path / "logs"),
-            "--quiet"]  # fmt: skip
-    assert replay_main(argv) == 0
-    doc = json.loads(out.read_text())
+    doc = _replay(qwen_target, code_dir, tmp_path, "--via-proxy", 2)
     assert [s["server"] for s in doc["summaries"]] == ["localspec", "proxy"]
     assert all(s["errors"] == 0 for s in doc["summaries"])
     added = doc["proxy_overhead"]
@@ -67,13 +72,7 @@ def test_a_short_replay_through_the_proxy(
 def test_a_replay_while_the_team_server_dies_and_returns(
     qwen_target: Path, code_dir: Path, tmp_path: Path
 ) -> None:
-    out = tmp_path / "failover.json"
-    argv = ["--target", str(qwen_target), "--code", str(code_dir), "--ctx", "2048",
-            "--threads", "1", "--locations", "4", "--max-keys", "2", "--greedy", "--cold",
-            "none", "--failover", "--json", str(out), "--log-dir", str(tmp_path / "logs"),
-            "--quiet"]  # fmt: skip
-    assert replay_main(argv) == 0
-    doc = json.loads(out.read_text())
+    doc = _replay(qwen_target, code_dir, tmp_path, "--failover", 4)
     failover = doc["failover"]
     assert failover["every_request_answered"] is True
     up, down, back = failover["phases"]

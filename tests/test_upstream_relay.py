@@ -9,6 +9,7 @@ signed. The editor always gets an answer or an error in llama-server's shape.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -159,71 +160,73 @@ def test_a_refused_key_is_a_clear_401(qwen_target: Path, tmp_path: Path) -> None
             assert r.status_code == 200, r.text
 
 
+@contextlib.contextmanager
+def mortal_team(model: Path, tmp_path: Path) -> Iterator[tuple[Daemon, Daemon]]:
+    """A team server this test may kill, and a proxy in front of it with the same model as
+    its local fallback (loaded)."""
+    team = launch(tmp_path, model=str(model), n_ctx=8192)
+    try:
+        config = upstream_config(team.url, health_interval_s=5.0)
+        with daemon(tmp_path, model=str(model), upstream=config, alias="local") as proxy:
+            wait_local(proxy)
+            yield team, proxy
+    finally:
+        team.kill()
+
+
 def test_killed_mid_stream_then_the_local_model_answers(
     qwen_target: Path, tmp_path: Path
 ) -> None:
-    team = launch(tmp_path, model=str(qwen_target), n_ctx=8192)
-    try:
-        config = upstream_config(team.url, health_interval_s=5.0)
-        with daemon(tmp_path, model=str(qwen_target), upstream=config, alias="local") as proxy:
-            wait_local(proxy)
-            with httpx.stream(
-                "POST", proxy.url + "/completion", json={**LONG, "stream": True}, timeout=60
-            ) as s:
-                chunks = s.iter_raw()
-                data = next(chunks)
-                team.kill()
-                data += b"".join(chunks)
-            events = sse_objects(data.decode())
-            assert events[0]["stop"] is False and "content" in events[0]
-            assert events[-1]["error"]["type"] == "unavailable_error"
-            assert events[-1]["error"]["code"] == 503
-            assert "closed the connection" in events[-1]["error"]["message"]
-            # the next keystroke: the local model answers at once, no error
-            t0 = time.monotonic()
-            r = httpx.post(proxy.url + "/infill", json=FIM_BODY, timeout=60)
-            took = time.monotonic() - t0
-            assert r.status_code == 200 and r.json()["model"] == "local"
-            assert took < 5
-            p = props(proxy.url)
-            assert p["backend"]["answering"] == "local" and p["backend"]["status"] == "down"
-            assert p["model_alias"] == "local"
-            last = proxy.lines("/infill")[-1]
-            assert last["backend"] == "local" and last["fallback"] == "down"
-    finally:
-        team.kill()
+    with mortal_team(qwen_target, tmp_path) as (team, proxy):
+        with httpx.stream(
+            "POST", proxy.url + "/completion", json={**LONG, "stream": True}, timeout=60
+        ) as s:
+            chunks = s.iter_raw()
+            data = next(chunks)
+            team.kill()
+            data += b"".join(chunks)
+        events = sse_objects(data.decode())
+        assert events[0]["stop"] is False and "content" in events[0]
+        assert events[-1]["error"]["type"] == "unavailable_error"
+        assert events[-1]["error"]["code"] == 503
+        assert "closed the connection" in events[-1]["error"]["message"]
+        # the next keystroke: the local model answers at once, no error
+        t0 = time.monotonic()
+        r = httpx.post(proxy.url + "/infill", json=FIM_BODY, timeout=60)
+        took = time.monotonic() - t0
+        assert r.status_code == 200 and r.json()["model"] == "local"
+        assert took < 5
+        p = props(proxy.url)
+        assert p["backend"]["answering"] == "local" and p["backend"]["status"] == "down"
+        assert p["model_alias"] == "local"
+        last = proxy.lines("/infill")[-1]
+        assert last["backend"] == "local" and last["fallback"] == "down"
 
 
 def test_killed_mid_answer_the_local_model_answers_instead(
     qwen_target: Path, tmp_path: Path
 ) -> None:
-    team = launch(tmp_path, model=str(qwen_target), n_ctx=8192)
-    try:
-        config = upstream_config(team.url, health_interval_s=5.0)
-        with daemon(tmp_path, model=str(qwen_target), upstream=config, alias="local") as proxy:
-            wait_local(proxy)
-            result: dict[str, Any] = {}
+    with mortal_team(qwen_target, tmp_path) as (team, proxy):
+        result: dict[str, Any] = {}
 
-            def ask() -> None:
-                body = {**FIM_BODY, "n_predict": 6000}
-                result["r"] = httpx.post(proxy.url + "/infill", json=body, timeout=120)
+        def ask() -> None:
+            body = {**FIM_BODY, "n_predict": 6000}
+            result["r"] = httpx.post(proxy.url + "/infill", json=body, timeout=120)
 
-            asker = threading.Thread(target=ask)
-            asker.start()
-            wait_for(
-                lambda: any(s["is_processing"] for s in httpx.get(team.url + "/slots").json()),
-                30,
-                "the team server works on it",
-            )
-            team.kill()
-            asker.join(120)
-            r = result["r"]
-            assert r.status_code == 200, r.text
-            assert r.json()["model"] == "local"  # answered in full by the local model
-            line = proxy.lines("/infill")[0]
-            assert line["backend"] == "local" and line["fallback"] == "closed"
-    finally:
+        asker = threading.Thread(target=ask)
+        asker.start()
+        wait_for(
+            lambda: any(s["is_processing"] for s in httpx.get(team.url + "/slots").json()),
+            30,
+            "the team server works on it",
+        )
         team.kill()
+        asker.join(120)
+        r = result["r"]
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == "local"  # answered in full by the local model
+        line = proxy.lines("/infill")[0]
+        assert line["backend"] == "local" and line["fallback"] == "closed"
 
 
 def test_failover_while_down_and_back_when_it_returns(qwen_target: Path, tmp_path: Path) -> None:
@@ -237,7 +240,9 @@ def test_failover_while_down_and_back_when_it_returns(qwen_target: Path, tmp_pat
             def who() -> str:
                 r = httpx.post(proxy.url + "/infill", json=FIM_BODY, timeout=60)
                 assert r.status_code == 200, r.text
-                return "local" if r.json()["model"] == "local" else "upstream"
+                by = "local" if r.json()["model"] == "local" else "upstream"
+                assert r.headers["x-localspec-backend"] == by
+                return by
 
             assert who() == "upstream"
             team.kill()

@@ -7,11 +7,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import shutil
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -27,6 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from localspec.catalog import load_catalog
+from tests.test_ops_support import spawn
 
 QWEN_FIM = load_catalog().model("qwen2.5-coder-1.5b").tokenizer.fim_text
 assert QWEN_FIM is not None
@@ -124,16 +123,7 @@ class Daemon:
 def launch(tmp: Path, *, ready: bool = True, **args: Any) -> Daemon:
     """A localspec daemon as its own process (``serve`` as ``localspec up`` runs it)."""
     log_file = tmp / f"daemon-{time.monotonic_ns()}.log"
-    args = {"log_file": str(log_file), **args}
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", DAEMON, json.dumps(args)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    daemon = Daemon(proc, log_file=log_file)
+    daemon = Daemon(spawn(DAEMON, {"log_file": str(log_file), **args}), log_file=log_file)
     try:
         daemon.port = json.loads(daemon.read_until("BOUND "))[0][1]
         if ready:
