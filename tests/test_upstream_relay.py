@@ -116,6 +116,7 @@ def test_relays_every_route_streams_and_pins_the_stable_slot(team: Daemon, tmp_p
 
         line = proxy.lines("/infill")[0]
         assert line["backend"] == "upstream" and "upstream_ms" in line
+        assert '"logger": "httpx"' not in (proxy.log_file or Path()).read_text()  # one line each
         metrics = httpx.get(proxy.url + "/metrics").text
         assert 'localspec_backend_answers_total{backend="upstream",route="/infill"} 1.0' in metrics
         assert "localspec_upstream_up 1.0" in metrics
