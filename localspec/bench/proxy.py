@@ -61,6 +61,16 @@ def proxy_spec(
     return ServerSpec(name, argv, port)
 
 
+def two_slots(team: ServerSpec) -> None:
+    """Give the team server a second slot (the proxy's; the direct replay keeps slot 0):
+    localspec ``--slots 2``; llama-server ``-np 2 -kvu``, every slot the whole context."""
+    if "-np" in team.argv:
+        team.argv[team.argv.index("-np") + 1] = "2"
+        team.argv.append("-kvu")
+    else:
+        team.argv += ["--slots", "2"]
+
+
 # ------------------------------------------------------------------ added latency
 
 

@@ -192,20 +192,20 @@ def server_specs(args: argparse.Namespace) -> list[anchor.ServerSpec]:
         ring_attention=args.ring_attention,
     )
     if args.url is None and not args.no_localspec:
-        spec = anchor.localspec_spec(serve, args.spec_mode)
-        if args.via_proxy or args.failover:  # the team server: slot 0 direct, 1 the proxy's
-            spec.argv += ["--slots", "2"]
-            specs.append(spec)
-            specs.append(proxy.proxy_spec(spec.url, serve, local=args.failover))
-        else:
-            specs.append(spec)
-    elif args.via_proxy or args.failover:
-        raise ValueError("--via-proxy and --failover start the team server: drop --url")
+        specs.append(anchor.localspec_spec(serve, args.spec_mode))
     if args.vs_llama_server:
         binary = anchor.find_llama_server(args.llama_server_bin)
         for mode in (m.strip() for m in args.vs_llama_server.split(",")):
             if mode:
                 specs.append(anchor.llama_server_spec(binary, serve, mode))
+    if args.via_proxy or args.failover:
+        if args.url is not None or not specs:
+            raise ValueError("--via-proxy and --failover start the team server: drop --url")
+        # the first started server is the team server: slot 0 for the direct replay, 1 the
+        # proxy's; the proxy replays right after it
+        team = specs[0]
+        proxy.two_slots(team)
+        specs.insert(1, proxy.proxy_spec(team.url, serve, local=args.failover))
     return specs
 
 
@@ -359,7 +359,7 @@ def _main(args: argparse.Namespace) -> int:
                                   args.api_key))  # fmt: skip
         for spec in specs:
             if args.failover and spec.name != proxy.PROXY:
-                continue  # the team server is only reached through the proxy
+                continue  # the team server is only reached through the proxy (others idle)
             twin = twins.get(spec.name)
             oracle = Target(twin.name, twin.url) if twin is not None else None
             targets.append(Target(spec.name, spec.url, oracle=oracle))
@@ -368,7 +368,7 @@ def _main(args: argparse.Namespace) -> int:
         n_bursts = len(schedule.bursts)
         failover = None
         if args.failover:
-            team = next(s for s in started if s.spec.name == specs[0].name)
+            team = started[0]  # specs[0], started first
             failover = proxy.FailoverRun(
                 team,
                 targets[0].url,
