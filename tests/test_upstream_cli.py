@@ -126,6 +126,7 @@ def test_up_with_an_unreachable_team_server_and_no_fallback_says_why(
         assert f"the upstream {dead} is down" in health.json()["error"]["message"]
         status = localspec(env, "status", "--port", str(port))
         assert "loading" in status.stdout  # answering, but not ready (nothing can serve)
+        assert f"  why          the upstream {dead} is down" in status.stdout
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)

@@ -243,6 +243,9 @@ def _human_time(seconds: float) -> str:
 
 def render_status(report: dict[str, Any]) -> str:
     lines = [f"localspec at {report['url']}: {report['health']}"]
+    error = (report.get("health_body") or {}).get("error")
+    if report["health"] != "ready" and isinstance(error, dict) and error.get("message"):
+        lines.append(f"  why          {error['message']}")  # e.g. the team server is down
     if "pid" in report:
         extra = f", up {_human_time(report['uptime_s'])}" if "uptime_s" in report else ""
         rss = f", {_human_bytes(report['rss_bytes'])} resident" if "rss_bytes" in report else ""
