@@ -12,7 +12,6 @@ import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -22,6 +21,7 @@ from starlette.testclient import TestClient
 from localspec.server import ServerSettings, create_app, logs
 from localspec.server.prompts import truncate
 from localspec.server.schemas import MAX_EXTRA_CHUNKS
+from tests.fake_engine import StepEngine
 from tests.test_ops_support import AUTH, KEY, Live, engine_settings, infill_body, start, stop
 
 N_CTX = 512
@@ -267,6 +267,8 @@ def test_metrics_cover_requests_latency_tokens_drafts_queue_slots_memory(
         'localspec_slot_cached_tokens{slot="0"}',
         'localspec_model_bytes{model="target"}',
         "localspec_requests_cancelled_total",
+        "localspec_engine_threads",
+        "localspec_cpu_other_busy_cores",
         "process_resident_memory_bytes",
     ]
     missing = [w for w in wanted if w not in text]
@@ -278,9 +280,8 @@ def test_metrics_cover_requests_latency_tokens_drafts_queue_slots_memory(
 
 
 def test_metrics_can_be_switched_off() -> None:
-    fake = SimpleNamespace(n_ctx=64, n_slots=1, model_path="m.gguf", draft_path=None)
     app = create_app(
-        ServerSettings(metrics=False), engine_settings(Path("m.gguf")), load=lambda: fake
+        ServerSettings(metrics=False), engine_settings(Path("m.gguf")), load=StepEngine
     )
     with TestClient(app) as client:
         for _ in range(100):

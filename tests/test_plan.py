@@ -53,6 +53,7 @@ from localspec.plan import (
     smaller,
     speculative_speedup,
 )
+from localspec.planning.types import StepCosts
 from localspec.settings import Settings
 
 KV_BYTES = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
@@ -708,3 +709,38 @@ def test_random_machines_get_a_plan_that_fits_or_a_clear_error(facts: HardwareFa
     for device, (used, budget) in recompute(catalog, plan, facts).items():
         assert used <= budget, device
     assert plan.n_ctx >= 4096
+
+
+def test_measured_step_times_replace_the_bandwidth_model(catalog: Catalog) -> None:
+    """A step cost measured on the machine decides the slots the latency bound allows, and the
+    plan says so; without one it says its figures are assumed."""
+    facts = load_hardware_profile("h100-80gb")
+    assumed = make_plan(catalog, facts, PlanSettings(concurrent_sessions=100))
+    cap = assumed.capacity
+    assert cap is not None and not cap.step_measured and "assumed" in cap.explanation
+    model = assumed.target[0]
+    # measured: 10 ms a step for one slot, 30 ms more per slot: 2 slots fit 50 ms, 3 do not
+    slow = StepCosts({1: 10.0, 2: 40.0, 4: 100.0}, 4096, "a test, 2026-12-01")
+    every_quant = {(model, q): slow for q in catalog.model(model).quants}
+    measured = make_plan(
+        catalog, facts, PlanSettings(concurrent_sessions=100, allowed=(assumed.pair_id,)),
+        step_costs=every_quant,
+    )  # fmt: skip
+    cap = measured.capacity
+    assert cap is not None and cap.step_measured and cap.slots_by_latency == 2
+    assert "measured: a test" in cap.explanation and cap.step_ms_at_full_batch == 40.0
+
+
+def test_step_costs_interpolate_and_keep_per_machine(tmp_path: Path) -> None:
+    from localspec import step_costs
+
+    costs = StepCosts({1: 10.0, 4: 16.0, 8: 30.0}, 1024, "here")
+    assert costs.step_ms(1) == 10.0 and costs.step_ms(2) == 12.0 and costs.step_ms(16) == 58.0
+    assert StepCosts({2: 10.0}, 1, "one").step_ms(4) == 20.0
+    path = tmp_path / "costs.json"
+    step_costs.save("m", "Q8_0", costs, machine="box A", path=path)
+    step_costs.save("m", "Q8_0", StepCosts({1: 99.0}, 1, "other"), machine="box B", path=path)
+    assert step_costs.load("box A", path) == {("m", "Q8_0"): costs}
+    assert step_costs.load("box C", path) == {}
+    path.write_text("not json")
+    assert step_costs.load("box A", path) == {}

@@ -29,6 +29,7 @@ from localspec.server.schemas import (
     parse_body,
 )
 from localspec.server.tokcache import TokenCache
+from tests.fake_engine import StepEngine
 
 
 class FakeVocab:
@@ -52,21 +53,19 @@ class FakeVocab:
         return b"".join(self.piece(t, special=special) for t in tokens).decode("utf-8", "replace")
 
 
-class FakeEngine:
+class FakeEngine(StepEngine):
     n_ctx = 4096
     n_batch = 512
-    n_slots = 1
-    model_path = "fake.gguf"
-    draft_path = None
 
     def __init__(self) -> None:
+        super().__init__()
         self.vocab = FakeVocab()
         self.tokens: list[int] = []
 
     def slot_tokens(self, slot: int) -> list[int]:
         return list(self.tokens)
 
-    def generate(self, req: Any, **_: Any) -> GenerationResult:
+    def run(self, req: Any, **_: Any) -> GenerationResult:
         self.tokens = [*req.prompt, 7, 8]
         return GenerationResult(
             tokens=[7, 8], text='é "x",', stop_type="limit", n_prompt=len(req.prompt),

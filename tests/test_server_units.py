@@ -7,7 +7,13 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from localspec.engine.types import DraftStats, GenerationResult, SamplingParams, TokenProbs
+from localspec.engine.types import (
+    DraftStats,
+    GenerationResult,
+    PromptLayout,
+    SamplingParams,
+    TokenProbs,
+)
 from localspec.server.auth import key_matches, presented_key
 from localspec.server.errors import InvalidRequest
 from localspec.server.params import RANDOM_SEED, sampler_chain, task_params
@@ -122,7 +128,7 @@ def test_n_cmpl_seeds_are_distinct() -> None:
         n_cmpl_max=16,
     )
     assert len(set(random_params.seeds())) == 4
-    reqs = [random_params.request_for(i, [7, 8, 9, 10], 0, [1]) for i in range(4)]
+    reqs = [random_params.request_for(i, [7, 8, 9, 10], 0, PromptLayout([1])) for i in range(4)]
     assert [r.sampling.seed for r in reqs] == [7, 8, 9, 10]
 
 

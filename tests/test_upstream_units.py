@@ -167,7 +167,7 @@ def test_the_text_layout_is_local_servings_layout() -> None:
     # the order and blocks come from infill_prompt itself: the same call on token ids agrees
     ids = FimIds(pre=-1, suf=-2, mid=-3, rep=-4, sep=-5)
     names = {-1: FIM.pre, -2: FIM.suf, -3: FIM.mid, -4: FIM.rep, -5: FIM.sep}
-    tokens = infill_prompt(
+    layout = infill_prompt(
         tokenize=lambda s: [ord(c) for c in s],
         fim=ids,
         input_prefix="def f(x):\n",
@@ -178,7 +178,7 @@ def test_the_text_layout_is_local_servings_layout() -> None:
         n_ctx=40000,
         typed_in_middle=True,
     )
-    assert text == "".join(names[t] if t < 0 else chr(t) for t in tokens)
+    assert text == "".join(names[t] if t < 0 else chr(t) for t in layout.tokens)
 
 
 def test_the_text_layout_keeps_budgets_and_drops_sentinels() -> None:

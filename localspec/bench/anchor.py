@@ -21,6 +21,8 @@ from pathlib import Path
 
 import httpx
 
+from localspec.engine.llama import default_repack_weights
+
 LLAMA_SERVER_ENV = "LLAMA_SERVER_BIN"
 
 # llama-server speculation per bench mode; anything else is passed as --spec-type verbatim.
@@ -42,6 +44,13 @@ class ServeSettings:
     draft_max: int = 16
     draft_p_min: float = 0.75
     n_predict: int = 128  # llama-server's default n_predict (the client's value)
+    # slots: localspec --slots N; llama-server -np N, N x ctx cells in all (it decodes a
+    # request's n_cmpl > 1 completions in other slots)
+    slots: int = 1
+    # llama-server -kvu: one KV buffer every slot may fill (as localspec's). Its slots then
+    # see N x ctx as their context, which also widens /infill's extra-context budget: off for
+    # the editor replay, on for plain /completion throughput
+    kv_unified: bool = False
 
 
 @dataclass
@@ -93,8 +102,8 @@ def llama_server_spec(
         "-m", str(serve.target),
         "--host", "127.0.0.1",
         "--port", str(port),
-        "-c", str(serve.ctx),
-        "-np", "1",
+        "-c", str(serve.ctx * serve.slots),
+        "-np", str(serve.slots),
         "-b", str(serve.batch),
         "-ub", str(serve.batch),
         "-t", str(serve.threads),
@@ -123,6 +132,12 @@ def llama_server_spec(
         argv += ["--spec-type", mode]
     if variant:
         argv += ["--flash-attn", "off"]
+    if serve.kv_unified:
+        argv += ["-kvu"]
+    if not default_repack_weights():
+        # where llama.cpp runs AMX kernels, its AMX weight buffers crash on some CPUs (see
+        # engine.llama): llama-server loads as localspec does there
+        argv += ["--no-repack"]
     return ServerSpec(f"llama-server/{mode}{'+' + variant if variant else ''}", argv, port)
 
 
@@ -137,6 +152,7 @@ def localspec_spec(
         "--host", "127.0.0.1",
         "--port", str(port),
         "--ctx-size", str(serve.ctx),
+        "--slots", str(serve.slots),
         "--threads", str(serve.threads),
         "--cache-reuse", str(serve.cache_reuse),
         "--log-requests",  # one line per request in the kept log: what each keystroke did

@@ -13,6 +13,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from localspec.bench.background import busy_loops, levels
 from localspec.engine import (
     Engine,
     EngineSettings,
@@ -435,6 +436,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--draft-window", type=int, default=512)
     ap.add_argument(
+        "--background",
+        default="0",
+        help="busy processes beside the benchmark, e.g. 0,1,2: every mode at each level",
+    )
+    ap.add_argument(
         "--cache-quality",
         type=int,
         metavar="N",
@@ -457,20 +463,31 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         ap.error(f"unknown mode(s) {', '.join(unknown)}; known: {', '.join(MODES)}")
-    result = run(
-        target=args.target,
-        draft=args.draft,
-        n_prompts=args.prompts,
-        n_predict=args.n_predict,
-        repeats=args.repeats,
-        lines=args.lines,
-        threads=args.threads,
-        modes=modes,
-        draft_window=args.draft_window,
-    )
-    print(format_table(result))
+    try:
+        loads = levels(args.background)
+    except ValueError as exc:
+        ap.error(str(exc))
+    results = []
+    for load in loads:
+        with busy_loops(load):
+            result = run(
+                target=args.target,
+                draft=args.draft,
+                n_prompts=args.prompts,
+                n_predict=args.n_predict,
+                repeats=args.repeats,
+                lines=args.lines,
+                threads=args.threads,
+                modes=modes,
+                draft_window=args.draft_window,
+            )
+        result["background"] = load
+        results.append(result)
+        print(f"\n{load} busy background process(es):" if len(loads) > 1 else "")
+        print(format_table(result))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        doc = results[0] if len(results) == 1 else {"by_background": results}
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0
 

@@ -11,15 +11,17 @@ EPILOG = """\
 examples:
   localspec bench speculative --help     speculative vs plain decoding, draft vs n-gram
   localspec bench replay --help          replay an editor session against the daemon
+  localspec bench throughput --help      clients at once, busy machines, vs llama-server
+  localspec bench steps --help           step time by busy slots, kept for `localspec plan`
 Benchmarks print a table and write JSON; every argument after the name is theirs.
 """
-BENCHES = ("speculative", "replay")
+BENCHES = ("speculative", "replay", "throughput", "steps")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
-        help="run a benchmark (speculative, replay)",
+        help="run a benchmark (speculative, replay, throughput, steps)",
         epilog=EPILOG,
         formatter_class=c.Formatter,
         add_help=True,

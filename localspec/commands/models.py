@@ -251,17 +251,19 @@ def run_pull(args: argparse.Namespace) -> int:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from localspec import hardware, plan
+    from localspec import hardware, plan, step_costs
 
     try:
         settings = c.load_settings(args).settings
         catalog = load_catalog()
+        measured = {}
         if args.hardware:
             facts = hardware.load_hardware_profile(args.hardware)
         else:
             with c.Progress("probing hardware") as progress:
                 facts = hardware.probe()
                 progress.finish("done")
+            measured = step_costs.load(facts.description)  # `localspec bench steps` here
         if args.team is not None:
             from localspec.planning.render import render_team
             from localspec.planning.team import team_plan
@@ -273,13 +275,14 @@ def run_plan(args: argparse.Namespace) -> int:
                 developers=args.team,
                 engine=args.emit,
                 server_url=args.server_url,
+                step_costs=measured,
             )
             if args.json:
                 c.print_json(team.to_json())
             else:
                 print(render_team(team))
             return c.EXIT_OK
-        chosen = plan.make_plan(catalog, facts, settings)
+        chosen = plan.make_plan(catalog, facts, settings, step_costs=measured)
     except st.SettingsError as exc:
         return c.settings_error(exc)
     except ValueError as exc:  # CatalogError, HardwareError, PlanError are ValueErrors

@@ -32,6 +32,7 @@ class Capacity:
     duty_cycle: float  # share of time one session has a request in flight
     busy_slots_p95: int
     explanation: str
+    step_measured: bool = False  # step times measured on this machine (else the bandwidth model)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -20,7 +21,7 @@ from localspec.planning.candidates import candidates_from_catalog
 from localspec.planning.result import Plan
 from localspec.planning.search import make_plan
 from localspec.planning.settings import PlanSettings, plan_settings_from
-from localspec.planning.types import PlanError
+from localspec.planning.types import PlanError, StepCosts
 
 Engine = Literal["llama-server", "vllm", "sglang"]
 ENGINES: tuple[Engine, ...] = ("llama-server", "vllm", "sglang")
@@ -89,9 +90,11 @@ def team_plan(
     developers: int,
     engine: Engine = "llama-server",
     server_url: str | None = None,
+    step_costs: Mapping[tuple[str, str], StepCosts] | None = None,
 ) -> TeamServer:
     """The plan for ``developers`` concurrent sessions on ``facts`` (sized as a datacenter
-    machine whatever its kind), as ``engine``'s launch command."""
+    machine whatever its kind), as ``engine``'s launch command; ``step_costs`` as for
+    ``make_plan`` (measured on that machine)."""
     if developers < 1:
         raise PlanError(f"a team has at least one developer, not {developers}")
     if engine not in ENGINES:
@@ -115,7 +118,7 @@ def team_plan(
                 f"{engine} serves the original weights (Q8_0 as FP8, F16): no allowed catalog "
                 "pair has one of those quants and a hub model (hf_model)"
             )
-    plan = make_plan(candidates, facts, ps)
+    plan = make_plan(candidates, facts, ps, step_costs=step_costs)
     port = DEFAULT_PORTS[engine]
     build = {"llama-server": _llama_server, "vllm": _vllm, "sglang": _sglang}[engine]
     argv, env, notes = build(plan, catalog, facts, port)

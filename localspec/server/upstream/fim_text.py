@@ -55,7 +55,7 @@ def infill_text(
         rep=_REP if fim.rep else None,
         sep=_SEP if fim.sep else None,
     )
-    units = infill_prompt(
+    layout = infill_prompt(
         tokenize=_codepoints,
         fim=ids,
         input_prefix=input_prefix,
@@ -69,7 +69,7 @@ def infill_text(
         typed_in_middle=True,
         ring_only=ring_only,
     )
-    text = "".join(map(chr, units))
+    text = "".join(map(chr, layout.tokens))
     for sentinel, token in (
         (_PRE, fim.pre),
         (_SUF, fim.suf),
