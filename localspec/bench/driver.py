@@ -174,11 +174,18 @@ class Target:
     next location would start from a cache that no editor session has."""
 
     def __init__(
-        self, name: str, url: str, api_key: str | None = None, oracle: Target | None = None
+        self,
+        name: str,
+        url: str,
+        api_key: str | None = None,
+        oracle: Target | None = None,
+        *,
+        meter: bool = True,
     ) -> None:
         self.name = name
         self.url = url.rstrip("/")
         self.oracle = oracle
+        self.meter = meter  # False: its /metrics counts no prompt work (a proxy's do not)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.AsyncClient(
             base_url=self.url, headers=headers, timeout=httpx.Timeout(None, connect=10.0)
@@ -208,6 +215,8 @@ class Target:
     async def prompt_work(self) -> float | None:
         """The server's own count of prompt tokens evaluated so far (``/metrics``), aborted
         requests included; None when it does not expose one."""
+        if not self.meter:
+            return None
         try:
             r = await self.http.get("/metrics")
         except httpx.HTTPError:

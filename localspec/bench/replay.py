@@ -362,7 +362,9 @@ def _main(args: argparse.Namespace) -> int:
                 continue  # the team server is only reached through the proxy (others idle)
             twin = twins.get(spec.name)
             oracle = Target(twin.name, twin.url) if twin is not None else None
-            targets.append(Target(spec.name, spec.url, oracle=oracle))
+            # a proxy's own engine does none of the work it relays: no prompt-work meter
+            meter = not (spec.name == proxy.PROXY and not args.failover)
+            targets.append(Target(spec.name, spec.url, oracle=oracle, meter=meter))
         for i, url in enumerate(args.vs):
             targets.append(Target(f"vs{i + 1}:{url.rstrip('/').rsplit(':', 1)[-1]}", url))
         n_bursts = len(schedule.bursts)
