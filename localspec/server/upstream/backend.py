@@ -141,7 +141,8 @@ class Upstream:
     def record(
         self, backend: str, route: str, *, reason: str = "", upstream_s: float = 0.0
     ) -> None:
-        if route in GENERATION:  # completions, not /props or /slots
+        completion = route in GENERATION  # not /props or /slots
+        if completion:
             self.answered[backend] += 1
             if reason:
                 self.fallbacks[reason] += 1
@@ -149,7 +150,7 @@ class Upstream:
         if m is None:
             return
         m.answers.labels(backend, route).inc()
-        if reason:
+        if reason and completion:
             m.fallbacks.labels(reason).inc()
         if upstream_s:
             m.upstream_seconds.labels(route).observe(upstream_s)

@@ -52,7 +52,7 @@ class BackendMetrics:
         )
         self.fallbacks = Counter(
             "localspec_backend_fallbacks",
-            "Requests the local model answered instead of the upstream, by reason",
+            "Completions the local model answered instead of the upstream, by reason",
             ["reason"],
             registry=registry,
         )
