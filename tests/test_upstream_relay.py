@@ -102,6 +102,8 @@ def test_relays_every_route_streams_and_pins_the_stable_slot(team: Daemon, tmp_p
         # the other routes the editors use
         p = props(proxy.url)
         assert p["total_slots"] == 4 and p["n_ctx"] == 8192
+        queried = httpx.get(proxy.url + "/props", params={"model": "x", "autoload": "false"})
+        assert queried.status_code == 200 and queried.json()["backend"]["kind"] == "llama-server"
         assert p["backend"]["answering"] == "upstream" and p["backend"]["id_slot"] == slot
         assert p["backend"]["status"] == "up" and p["backend"]["fallback"] == "none"
         tok = {"content": "def f(): pass", "add_special": False, "parse_special": True}

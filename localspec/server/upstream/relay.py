@@ -74,7 +74,7 @@ async def open_upstream(
     if content is not None:
         headers["Content-Type"] = "application/json"
     request = client.build_request(
-        method, path, content=content, params=httpx.QueryParams(query), headers=headers
+        method, path, content=content, params=query or None, headers=headers
     )
     t0 = time.perf_counter()
     try:
