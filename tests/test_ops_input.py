@@ -22,7 +22,16 @@ from localspec.server import ServerSettings, create_app, logs
 from localspec.server.prompts import truncate
 from localspec.server.schemas import MAX_EXTRA_CHUNKS
 from tests.fake_engine import StepEngine
-from tests.test_ops_support import AUTH, KEY, Live, engine_settings, infill_body, start, stop
+from tests.ops_support import (
+    AUTH,
+    KEY,
+    Live,
+    engine_settings,
+    infill_body,
+    start,
+    stop,
+    wait_until,
+)
 
 N_CTX = 512
 MAX_BODY = 256 * 1024
@@ -300,7 +309,13 @@ def test_one_log_line_per_request_with_cache_draft_and_timings(
     assert c.post("/infill", json=body).status_code == 200  # the same again: served from cache
     assert c.post("/completion", json={"prompt": "a", "samplers": ["nope"]}).status_code == 400
     assert c.get("/slots", headers={"Authorization": "Bearer wrong"}).status_code == 401
-    records = [r for r in caplog.records if r.name == logs.REQUESTS]
+
+    def logged() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if r.name == logs.REQUESTS]
+
+    # a request's line is written once its answer is out: the client can be first
+    wait_until(lambda: len(logged()) >= 4)
+    records = logged()
     assert len(records) == 4
     first, again, bad, denied = (r.fields for r in records)  # type: ignore[attr-defined]
     for key in ("route", "slot", "evaluated", "reused", "approx", "predicted", "drafted",

@@ -50,6 +50,7 @@ from localspec.plan import (
     plan_settings_from,
     poisson_quantile,
     read_gguf_header,
+    render_plan,
     smaller,
     speculative_speedup,
 )
@@ -295,7 +296,7 @@ def test_cuda_card_with_cpu_build_plans_for_the_cpu_and_says_how_to_rebuild(
     assert [r.device.split()[0] for r in plan.memory] == ["cpu"]
     assert plan.target_ngl == 0
     assert any('CMAKE_ARGS="-DGGML_CUDA=on"' in w for w in plan.warnings)
-    assert "-DGGML_CUDA=on" in plan.explain()
+    assert "-DGGML_CUDA=on" in render_plan(plan)
 
 
 def test_busy_gpu_takes_a_small_model_wholly(plans: dict[str, Plan]) -> None:
@@ -338,7 +339,7 @@ def test_cpu_plans_turn_flash_attention_off_and_count_the_score_matrix(
     for name in ("cpu-32gb", "cuda-card-cpu-build"):
         plan = make_plan(catalog, MACHINES[name])
         assert plan.type_k == "f16" and not plan.flash_attn, name
-        assert "flash attention off" in plan.explain()
+        assert "flash attention off" in render_plan(plan)
         assert plan.engine_settings("t.gguf", "d.gguf").target.flash_attn is False
         host = plan.memory[-1]
         target = _facts_for(catalog, *plan.target)
@@ -378,7 +379,7 @@ def test_spilling_when_nothing_fits_wholly() -> None:
     facts = with_gpu_free(load_hardware_profile("rtx4090-24gb"), 0, 4 * GiB)
     model = _fake("m", "Q8_0", 7.6, 270)
     plan = make_plan([Candidate("m+ngram", model, None)], facts)
-    assert not plan.fits_wholly and "layers on the GPU" in plan.explain()
+    assert not plan.fits_wholly and "layers on the GPU" in render_plan(plan)
     assert 0 < plan.target_ngl < plan.target_layers
     assert plan.type_k == "q8_0"  # KV quantized before layers spill
     gpu = plan.memory[0]
@@ -426,7 +427,7 @@ def test_seed_scenario_500_sessions_on_2xh100(catalog: Catalog) -> None:
     assert plan.n_slots == min(cap.slots_by_memory, cap.slots_by_latency)
     assert cap.busy_slots_p95 <= plan.n_slots
     assert poisson_quantile(cap.sessions_held * cap.duty_cycle, 0.95) <= plan.n_slots
-    text = plan.explain()
+    text = render_plan(plan)
     assert "concurrent sessions" in text and "at p95 (Poisson)" in text
     assert plan.tensor_split is not None
 
@@ -467,11 +468,11 @@ def test_json_engine_settings_and_table(plans: dict[str, Plan], tmp_path: Path) 
     assert settings.draft is not None and settings.draft.n_gpu_layers == plan.draft_ngl
     with pytest.raises(PlanError, match="draft"):
         plan.engine_settings(tmp_path / "t.gguf")
-    text = plan.explain()
+    text = render_plan(plan)
     for heading in ("pair:", "memory (GiB)", "weights", "KV", "compute", "draft", "margin",
                     "decode ceiling", "speculative"):  # fmt: skip
         assert heading in text
-    assert "rejected" in plans["rtx3060-12gb"].explain()
+    assert "rejected" in render_plan(plans["rtx3060-12gb"])
 
 
 # ----------------------------------------------------------------- against llama.cpp itself

@@ -26,6 +26,7 @@ from localspec.engine.types import EngineSettings, ModelSettings, SpecSettings
 from localspec.server import ServerSettings, create_app
 from localspec.server.run import bind_sockets
 from localspec.server.service import Service
+from tests.ops_support import wait_until
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -216,14 +217,6 @@ def abort_mid_generation(live: Live, path: str, body: dict[str, Any]) -> int:
         x.last_used for x in worker.slots))  # fmt: skip
     prompt_len = slot.last_prompt_n + slot.last_cache_n
     return len(slot.tokens) - prompt_len
-
-
-def wait_until(cond: Any, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.005)
 
 
 def test_streaming_client_that_leaves_frees_the_slot(qwen: Live) -> None:

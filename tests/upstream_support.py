@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from localspec.catalog import load_catalog
-from tests.test_ops_support import spawn
+from tests.ops_support import spawn
 
 QWEN_FIM = load_catalog().model("qwen2.5-coder-1.5b").tokenizer.fim_text
 assert QWEN_FIM is not None

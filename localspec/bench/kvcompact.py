@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from localspec.bench.speculative import stdlib_files
+from localspec.bench.corpus import stdlib_files
 from localspec.bench.stats import fmt
 from localspec.engine.cache import COMPACT_MIN_WORK, COMPACT_OFF, PrefillPolicy, SlotCaches
 from localspec.engine.llama import Clock, Context, Model

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from localspec.bench.speculative import stdlib_files
+from localspec.bench.corpus import stdlib_files
 from localspec.bench.stats import fmt
 from localspec.engine.cache import PrefillPolicy, SlotCaches
 from localspec.engine.llama import Clock, Context, Model

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from localspec.bench.background import levels
-from localspec.bench.speculative import code_prompts
+from localspec.bench.corpus import code_prompts
 from localspec.engine.llama import Clock, Context, Model, Segment
 from localspec.engine.types import ModelSettings
 from localspec.engine.vocab import Vocab

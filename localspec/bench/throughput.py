@@ -28,8 +28,8 @@ import httpx
 
 from localspec.bench import anchor
 from localspec.bench.background import busy_loops, levels
+from localspec.bench.corpus import code_prompts
 from localspec.bench.replay import machine
-from localspec.bench.speculative import code_prompts
 from localspec.bench.stats import fmt, mean, percentile, ratio
 
 EPILOG = """\

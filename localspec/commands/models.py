@@ -124,22 +124,6 @@ def load_catalog() -> Any:
     return load(catalog_dirs())
 
 
-def hub_options(settings: st.Settings) -> dict[str, Any]:
-    """The hub settings as fetch's keyword arguments; proxy and CA bundle go through the
-    environment, which huggingface_hub's HTTP client reads."""
-    from localspec.fetch import apply_network_settings
-
-    hub = settings.hub
-    apply_network_settings(proxy=hub.proxy, ca_bundle=hub.ca_bundle)
-    token = None
-    if hub.token_file is not None:
-        token = st.read_secret_file(hub.token_file.expanduser(), "hub.token_file")
-    return {
-        "endpoint": hub.endpoint,
-        "offline": hub.offline,
-        "token": token,
-        "readonly_dirs": [Path(d).expanduser() for d in settings.models.dirs],
-    }
 
 
 def _human(n: float | None) -> str:
@@ -234,7 +218,7 @@ def run_pull(args: argparse.Namespace) -> int:
     try:
         settings = c.load_settings(args).settings
         specs = _pull_specs(args, settings, load_catalog())
-        options = hub_options(settings)
+        options = fetch.hub_options(settings)
     except st.SettingsError as exc:
         return c.settings_error(exc)
     except (CatalogError, ValueError) as exc:
@@ -297,7 +281,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def run_catalog_refresh(args: argparse.Namespace) -> int:
     from localspec.catalog import CatalogError
-    from localspec.fetch import refresh_catalog
+    from localspec.fetch import hub_options, refresh_catalog
 
     try:
         settings = c.load_settings(args).settings

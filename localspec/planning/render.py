@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from localspec.hardware import GiB
+from localspec.planning.result import Plan
 
 if TYPE_CHECKING:
-    from localspec.planning.result import Plan
     from localspec.planning.team import TeamServer
 
 MAX_REJECTIONS_SHOWN = 8

@@ -9,7 +9,6 @@ from typing import Any
 
 from localspec.engine.types import EngineSettings, ModelSettings, SpecSettings
 from localspec.planning.memory import padded_ctx
-from localspec.planning.render import render_plan
 from localspec.planning.types import DeviceMemory, PlanError
 
 
@@ -129,9 +128,6 @@ class Plan:
         data["memory"] = [r.to_json() for r in self.memory]
         data["concurrent_sessions"] = self.concurrent_sessions
         return data
-
-    def explain(self) -> str:
-        return render_plan(self)
 
 
 def smaller(plan: Plan) -> Plan | None:
