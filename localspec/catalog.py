@@ -112,6 +112,20 @@ class Arch(_Frozen):
         return 2 * self.n_layer * self.n_head_kv * self.head_dim * bytes_per_elem
 
 
+class FimText(_Frozen):
+    """The FIM control tokens as text, for an upstream that takes a text prompt (the openai
+    backend kind: localspec lays the prompt out and the upstream tokenizes it, special tokens
+    parsed). ``end``: texts that end a completion (end-of-text, the FIM pad/repo/file tokens)."""
+
+    pre: str = Field(min_length=1)
+    suf: str = Field(min_length=1)
+    mid: str = Field(min_length=1)
+    pad: str | None = None
+    rep: str | None = None
+    sep: str | None = None
+    end: tuple[str, ...] = ()
+
+
 class Tokenizer(_Frozen):
     """The vocabulary facts llama.cpp compares before it lets a draft speculate for a target."""
 
@@ -122,6 +136,7 @@ class Tokenizer(_Frozen):
     add_eos: bool = False
     eos_id: int | None = None
     fim: bool = False  # FIM tokens present (prefix/suffix/middle), so /infill works
+    fim_text: FimText | None = None  # those tokens' texts (a text-prompt upstream needs them)
 
 
 class ModelEntry(_Frozen):
@@ -132,6 +147,8 @@ class ModelEntry(_Frozen):
     arch: Arch
     tokenizer: Tokenizer
     quants: dict[str, QuantEntry] = Field(min_length=1)
+    # the original weights on the hub (safetensors), which vLLM and SGLang serve
+    hf_model: str | None = Field(default=None, pattern=r"^[\w.\-]+/[\w.\-]+$")
     note: str = ""
     source: str = Field(default="", exclude=True)  # the TOML file it came from
 
@@ -205,6 +222,23 @@ class Catalog:
             return self.pairs[pair_id]
         except KeyError:
             raise CatalogError(_unknown("pair", pair_id, self.pairs)) from None
+
+    def match_model(self, name: str) -> ModelEntry | None:
+        """The catalog model a server's model name means: its id, its ``hf_model``, or a name
+        that starts with its id once the organisation, case and Ollama's ``:`` tag separator
+        are set aside (``Qwen/Qwen2.5-Coder-7B-Instruct-AWQ`` and ``qwen2.5-coder:7b`` both
+        mean ``qwen2.5-coder-7b``). The longest id wins; None when nothing matches."""
+        lowered = name.strip().lower()
+        for entry in self.models.values():
+            if entry.id == lowered or (entry.hf_model or "").lower() == lowered:
+                return entry
+        key = lowered.rsplit("/", 1)[-1].replace(":", "-").replace("_", "-")
+        found = [
+            m
+            for m in self.models.values()
+            if key == m.id or (key.startswith(m.id) and not key[len(m.id)].isalnum())
+        ]
+        return max(found, key=lambda m: len(m.id), default=None)
 
     def pairs_for(self, target_id: str) -> list[PairEntry]:
         """Compatible pairs whose target is ``target_id`` (n-gram-only pairs included)."""

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
+from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -42,12 +43,13 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 LAYER_KINDS = ("default", "system", "user", "env", "flag")
-SECRET_KEYS = frozenset({"server.api_key"})
+SECRET_KEYS = frozenset({"server.api_key", "backend.api_key"})
 ENV_PREFIX = "LOCALSPEC_"
 # Environment variables other tools already define, read as a lower-precedence spelling of a key.
 ENV_ALIASES: dict[str, str] = {"HF_ENDPOINT": "hub.endpoint", "HF_HUB_OFFLINE": "hub.offline"}
-# LOCALSPEC_* variables that are not settings: directory overrides (localspec.paths) and
-# LOCALSPEC_LLAMA_LOG, which lets llama.cpp's own log through (localspec.engine.llama).
+# LOCALSPEC_* variables that are not settings: directory overrides (localspec.paths),
+# LOCALSPEC_LLAMA_LOG, which lets llama.cpp's own log through (localspec.engine.llama), and
+# LOCALSPEC_FIXTURE_CACHE, where the test suite keeps its fixture models (tests/fixtures).
 ENV_NOT_SETTINGS = frozenset(
     {
         "CONFIG_DIR",
@@ -57,6 +59,7 @@ ENV_NOT_SETTINGS = frozenset(
         "STATE_DIR",
         "CACHE_DIR",
         "LLAMA_LOG",
+        "FIXTURE_CACHE",
     }
 )
 
@@ -174,6 +177,86 @@ class LogSettings(_Section):
     requests: bool = Field(False, description="log one line per request (no prompt text)")
 
 
+class BackendSettings(_Section):
+    """Where completions are computed: this machine (local) or a shared team server."""
+
+    kind: Literal["local", "llama-server", "openai"] = Field(
+        "local",
+        description="local: this machine's model; llama-server: forward to a llama-server (or "
+        "another localspec); openai: build the FIM prompt here, send it to an OpenAI-style "
+        "/v1/completions (vLLM, SGLang, Ollama, LM Studio)",
+    )
+    url: str | None = Field(None, description="the upstream's base URL, e.g. https://llm.corp:8443")
+    api_key: SecretStr | None = Field(
+        None, description="Bearer key for the upstream (prefer api_key_file)"
+    )
+    api_key_file: Path | None = Field(
+        None, description="file holding the upstream's Bearer key (mode 600)"
+    )
+    ca_bundle: Path | None = Field(
+        None, description="PEM file of CA certificates trusted for the upstream's TLS"
+    )
+    allow_insecure_http: bool = Field(
+        False,
+        description="allow plain http:// to a host that is not loopback (the code and the key "
+        "cross the network unencrypted)",
+    )
+    model: str | None = Field(
+        None,
+        description="the upstream's model name (sent as 'model'); openai: required unless the "
+        "upstream serves exactly one",
+    )
+    fim_model: str | None = Field(
+        None,
+        description="openai: catalog model whose FIM tokens lay out the prompt; unset: the "
+        "catalog model backend.model names (Qwen/Qwen2.5-Coder-7B -> qwen2.5-coder-7b)",
+    )
+    slot: int | None = Field(
+        None,
+        ge=-1,
+        description="llama-server: upstream slot to pin; unset: a stable hash of this machine's "
+        "id and the user; -1: let the upstream choose",
+    )
+    connect_timeout_s: float = Field(3.0, gt=0, description="connecting to the upstream")
+    read_timeout_s: float = Field(
+        60.0, gt=0, description="the upstream going silent mid-answer for this long is a failure"
+    )
+    fallback: Literal["local", "none"] = Field(
+        "local",
+        description="who answers while the upstream is down or slow: this machine's model "
+        "(planned, downloaded and loaded as for kind local) or nobody (a 503)",
+    )
+    fallback_ms: float = Field(
+        2000.0,
+        ge=0,
+        description="an answer (its first chunk when streamed) not started by the upstream "
+        "within this many ms comes from the local model instead; 0: wait for read_timeout_s",
+    )
+    health_interval_s: float = Field(
+        5.0, gt=0, description="how often the upstream's health is checked"
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _upstream_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        if not value.startswith(("http://", "https://")):
+            raise ValueError("must be an http:// or https:// URL")
+        if "@" in value.split("://", 1)[1].split("/", 1)[0]:
+            raise ValueError(
+                "must not carry credentials (user:password@): put the key in "
+                "backend.api_key_file"
+            )
+        return value.rstrip("/")
+
+    @model_validator(mode="after")
+    def _remote_needs_url(self) -> BackendSettings:
+        if self.kind != "local" and self.url is None:
+            raise ValueError(f"kind {self.kind!r} needs backend.url (the upstream's base URL)")
+        return self
+
+
 class Settings(_Section):
     models: ModelsSettings = Field(default_factory=ModelsSettings)
     hub: HubSettings = Field(default_factory=HubSettings)
@@ -182,6 +265,7 @@ class Settings(_Section):
     speculative: SpeculativeSettings = Field(default_factory=SpeculativeSettings)
     cache: CacheSettings = Field(default_factory=CacheSettings)
     log: LogSettings = Field(default_factory=LogSettings)
+    backend: BackendSettings = Field(default_factory=BackendSettings)
     telemetry: bool = Field(False, description="always off: localspec sends nothing anywhere")
 
     @field_validator("telemetry")
@@ -673,15 +757,20 @@ def read_secret_file(path: Path, key: str) -> str:
     return text
 
 
+def _section_key(section: str, inline: SecretStr | None, file: Path | None) -> str | None:
+    """A section's key: ``<section>.api_key_file`` (permission-checked) or ``api_key``."""
+    if inline is not None and file is not None:
+        raise SettingsError([f"{section}: set api_key or api_key_file, not both"])
+    if file is not None:
+        return read_secret_file(file.expanduser(), f"{section}.api_key_file")
+    if inline is not None:
+        return inline.get_secret_value() or None
+    return None
+
+
 def resolve_api_key(settings: Settings) -> str | None:
     server = settings.server
-    if server.api_key is not None and server.api_key_file is not None:
-        raise SettingsError(["server: set api_key or api_key_file, not both"])
-    if server.api_key_file is not None:
-        return read_secret_file(server.api_key_file.expanduser(), "server.api_key_file")
-    if server.api_key is not None:
-        return server.api_key.get_secret_value() or None
-    return None
+    return _section_key("server", server.api_key, server.api_key_file)
 
 
 def check_security(settings: Settings) -> str | None:
@@ -705,3 +794,31 @@ def check_security(settings: Settings) -> str | None:
     if settings.hub.token_file is not None:
         read_secret_file(settings.hub.token_file.expanduser(), "hub.token_file")
     return api_key
+
+
+def check_backend(settings: Settings) -> str | None:
+    """The upstream's key, after the rules for talking to it; raises SettingsError to refuse.
+
+    Plain http to a host that is not loopback would send the code being edited, and the key,
+    across the network in the clear: refused unless backend.allow_insecure_http says so.
+    """
+    backend = settings.backend
+    if backend.kind == "local":
+        return None
+    assert backend.url is not None  # the section's own rule
+    parts = urlsplit(backend.url)
+    host = parts.hostname or ""
+    if parts.scheme == "http" and not is_loopback(host) and not backend.allow_insecure_http:
+        raise SettingsError(
+            [
+                f"backend.url = {backend.url} is plain http to {host}, which is not this "
+                "machine: the code you edit and the key would cross the network unencrypted. "
+                "Use https:// (with backend.ca_bundle for a private CA), or set "
+                "backend.allow_insecure_http = true to accept that"
+            ]
+        )
+    if backend.ca_bundle is not None:
+        bundle = backend.ca_bundle.expanduser()
+        if not bundle.is_file():
+            raise SettingsError([f"backend.ca_bundle: {bundle} is not a file"])
+    return _section_key("backend", backend.api_key, backend.api_key_file)

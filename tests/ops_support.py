@@ -120,16 +120,20 @@ class Daemon:
         raise AssertionError(f"daemon ended before {prefix!r}: {err[-2000:]}")
 
 
-def launch(**args: Any) -> Daemon:
+def spawn(script: str, args: dict[str, Any]) -> subprocess.Popen[str]:
+    """``python -c script '<args as JSON>'``, its output piped as text."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", DAEMON, json.dumps(args)],
+    return subprocess.Popen(
+        [sys.executable, "-c", script, json.dumps(args)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env=env,
     )
-    return Daemon(proc)
+
+
+def launch(**args: Any) -> Daemon:
+    return Daemon(spawn(DAEMON, args))
 
 
 @contextlib.contextmanager

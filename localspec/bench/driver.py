@@ -59,6 +59,7 @@ class Outcome:
     server_timing: dict[str, float] = field(default_factory=dict)
     # n_cmpl > 1: each completion's generated tokens (the first is predicted_n)
     cmpl_predicted: list[int] = field(default_factory=list)
+    backend: str = ""  # a localspec in front of a team server: who answered (upstream, local)
     error: str = ""
     # n_probs' report (completion_probabilities), kept for the cold probes only
     probabilities: list[dict[str, Any]] | None = None
@@ -180,11 +181,18 @@ class Target:
     next location would start from a cache that no editor session has."""
 
     def __init__(
-        self, name: str, url: str, api_key: str | None = None, oracle: Target | None = None
+        self,
+        name: str,
+        url: str,
+        api_key: str | None = None,
+        oracle: Target | None = None,
+        *,
+        meter: bool = True,
     ) -> None:
         self.name = name
         self.url = url.rstrip("/")
         self.oracle = oracle
+        self.meter = meter  # False: its /metrics counts no prompt work (a proxy's do not)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.AsyncClient(
             base_url=self.url, headers=headers, timeout=httpx.Timeout(None, connect=10.0)
@@ -201,6 +209,7 @@ class Target:
             return outcome
         outcome.latency_ms = (time.perf_counter() - t0) * 1e3
         outcome.server_timing = _parse_server_timing(r.headers.get("server-timing"))
+        outcome.backend = r.headers.get("x-localspec-backend", "")
         if r.status_code != 200:
             outcome.status, outcome.error = "error", f"HTTP {r.status_code}: {r.text[:300]}"
             return outcome
@@ -213,6 +222,8 @@ class Target:
     async def prompt_work(self) -> float | None:
         """The server's own count of prompt tokens evaluated so far (``/metrics``), aborted
         requests included; None when it does not expose one."""
+        if not self.meter:
+            return None
         try:
             r = await self.http.get("/metrics")
         except httpx.HTTPError:

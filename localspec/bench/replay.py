@@ -20,12 +20,12 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from localspec.bench import anchor, editor, report
+from localspec.bench import anchor, editor, proxy, report
 from localspec.bench.background import busy_loops
 from localspec.bench.driver import Outcome, Target, replay
 from localspec.bench.stats import fmt, percentile, ratio
@@ -39,6 +39,9 @@ examples:
   localspec bench replay --url http://127.0.0.1:8012 --vs http://127.0.0.1:8080
   # your own code, greedy answers, every completed request checked against a cold cache
   localspec bench replay --url http://127.0.0.1:8012 --code ~/src/app --greedy --cold all
+  # what a localspec in front of a team server adds (docs/team-server.md), and failover
+  localspec bench replay --target t.gguf --via-proxy --cold none --json proxy.json
+  localspec bench replay --target t.gguf --failover --cold none --json failover.json
 
 llama-server comes from $LLAMA_SERVER_BIN (build it with scripts/build-llama-server.sh).
 """
@@ -102,6 +105,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--load-timeout", type=float, default=600.0, help="seconds to wait for a server to load"
     )
     srv.add_argument("--log-dir", type=Path, help="where started servers log (default: a tmpdir)")
+    srv.add_argument(
+        "--via-proxy",
+        action="store_true",
+        help="also replay through a second localspec whose backend is the started one "
+        "(backend.kind llama-server): the latency a team-server proxy adds",
+    )
+    srv.add_argument(
+        "--failover",
+        action="store_true",
+        help="replay through a proxy with a local fallback only, killing the team server "
+        "halfway and starting it again at three quarters",
+    )
 
     tr = p.add_argument_group("traffic")
     tr.add_argument("--code", type=Path, help="source tree to type in (default: Python's stdlib)")
@@ -208,6 +223,14 @@ def server_specs(args: argparse.Namespace) -> list[anchor.ServerSpec]:
         for mode in (m.strip() for m in args.vs_llama_server.split(",")):
             if mode:
                 specs.append(anchor.llama_server_spec(binary, serve, mode))
+    if args.via_proxy or args.failover:
+        if args.url is not None or not specs:
+            raise ValueError("--via-proxy and --failover start the team server: drop --url")
+        # the first started server is the team server: slot 0 for the direct replay, 1 the
+        # proxy's; the proxy replays right after it
+        team = specs[0]
+        proxy.two_slots(team)
+        specs.insert(1, proxy.proxy_spec(team.url, serve, local=args.failover))
     return specs
 
 
@@ -217,7 +240,7 @@ def oracle_specs(
     """The twin each cold-checked started server gets (by its name), for ``--cold-on twin``."""
     if args.cold == "none" or args.cold_on != "twin":
         return {}
-    checked = list(specs)
+    checked = [spec for spec in specs if spec.name != proxy.PROXY]  # its answers are upstream's
     if args.cold_servers == "first":  # the first target: the URL's (checked on itself) if any
         checked = checked[:1] if args.url is None else []
     return {spec.name: anchor.twin(spec) for spec in checked}
@@ -265,14 +288,21 @@ def machine() -> dict[str, Any]:
 
 
 async def _run(
-    targets: list[Target], schedule: editor.Schedule, cold: str, cold_first: bool, quiet: bool
+    targets: list[Target],
+    schedule: editor.Schedule,
+    cold: str,
+    cold_first: bool,
+    quiet: bool,
+    after_burst: Callable[[int], None] | None = None,
 ) -> list[Outcome]:
     names = [t.name for t in targets]
     n = len(schedule.bursts)
 
-    def progress(_: int, burst: editor.Burst, done: list[Outcome]) -> None:
+    def progress(index: int, burst: editor.Burst, done: list[Outcome]) -> None:
         if not quiet:
             print(_burst_line(n, burst, done, names), file=sys.stderr, flush=True)
+        if after_burst is not None:
+            after_burst(index)
 
     try:
         return await replay(
@@ -396,15 +426,37 @@ def _main(args: argparse.Namespace) -> int:
             targets.append(Target(f"url:{args.url.rstrip('/').rsplit(':', 1)[-1]}", args.url,
                                   args.api_key))  # fmt: skip
         for spec in specs:
+            if args.failover and spec.name != proxy.PROXY:
+                continue  # the team server is only reached through the proxy (others idle)
             twin = twins.get(spec.name)
             oracle = Target(twin.name, twin.url) if twin is not None else None
-            targets.append(Target(spec.name, spec.url, oracle=oracle))
+            # a proxy's own engine does none of the work it relays: no prompt-work meter
+            meter = not (spec.name == proxy.PROXY and not args.failover)
+            targets.append(Target(spec.name, spec.url, oracle=oracle, meter=meter))
         for i, url in enumerate(args.vs):
             targets.append(Target(f"vs{i + 1}:{url.rstrip('/').rsplit(':', 1)[-1]}", url))
+        n_bursts = len(schedule.bursts)
+        failover = None
+        if args.failover:
+            team = started[0]  # specs[0], started first
+            failover = proxy.FailoverRun(
+                team,
+                targets[0].url,
+                kill_after=max(1, n_bursts // 2),
+                restart_after=max(2, n_bursts * 3 // 4),
+                load_timeout_s=args.load_timeout,
+            )
         t0 = time.perf_counter()
         with busy_loops(args.background):
             if args.clients == 1:
-                run = _run(targets, schedule, args.cold, args.cold_servers == "first", args.quiet)
+                run = _run(
+                    targets,
+                    schedule,
+                    args.cold,
+                    args.cold_servers == "first",
+                    args.quiet,
+                    after_burst=failover,
+                )
             else:
                 run = _run_clients(targets, schedules, args.cold, args.quiet)
             outcomes = asyncio.run(run)
@@ -445,6 +497,21 @@ def _main(args: argparse.Namespace) -> int:
             )
         )
         print(f"\n{first.server} vs llama-server's best here ({best.server}): {shown}")
+    extra: dict[str, Any] = {}
+    if args.via_proxy:
+        added = proxy.overhead(outcomes, direct=specs[0].name)
+        print("\n" + proxy.overhead_table(added))
+        extra["proxy_overhead"] = {**proxy.to_json(added), "met": added.met}
+    if failover is not None:
+        phases = proxy.failover_phases(outcomes, failover, n_bursts)
+        print("\n" + proxy.failover_table(phases, failover))
+        extra["failover"] = {
+            "phases": [proxy.to_json(p) for p in phases],
+            "down_noticed_s": failover.down_noticed_s,
+            "back_s": failover.back_s,
+            "events": failover.events,
+            "every_request_answered": all(p.errors == 0 for p in phases),
+        }
     print(f"\nwall time {wall_s:.0f} s; server logs in {log_dir}")
 
     if args.json:
@@ -465,6 +532,7 @@ def _main(args: argparse.Namespace) -> int:
             "ratios": report.ratios(summaries),
             "best_llama_server": best.server if best else None,
             "requests": [o.to_json() for o in outcomes],
+            **extra,
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=1))

@@ -116,15 +116,20 @@ def run_down(args: argparse.Namespace) -> int:
 # --- status ----------------------------------------------------------------------------------
 
 
-def _get_json(url: str, api_key: str | None) -> Any:
+def _get_json(url: str, api_key: str | None, *, keep: str | None = None) -> Any:
+    """The JSON at ``url``; None unless it answered 200 (or, with ``keep``, an error body
+    holding that key: /props says why the team server refuses even when it does)."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         response = httpx.get(url, headers=headers, timeout=5.0)
-        return response.json() if response.status_code == 200 else None
+        body = response.json()
     except (httpx.HTTPError, ValueError):
         return None
+    if response.status_code == 200 or (keep and isinstance(body, dict) and keep in body):
+        return body
+    return None
 
 
 def metric_totals(text: str) -> dict[str, float]:
@@ -171,7 +176,7 @@ def gather_status(host: str, port: int, api_key: str | None) -> dict[str, Any]:
     if state == "down":
         return report
     report["health_body"] = health
-    props = _get_json(f"{url}/props", api_key)
+    props = _get_json(f"{url}/props", api_key, keep="backend")
     report["props"] = props
     report["localspec"] = bool(props) and daemon.MARKER in str(props).lower()
     slots = _get_json(f"{url}/slots", api_key)
@@ -185,6 +190,7 @@ def gather_status(host: str, port: int, api_key: str | None) -> dict[str, Any]:
         response = httpx.get(f"{url}/metrics", headers=headers, timeout=5.0)
         if response.status_code == 200:
             report["metrics"] = summarise(metric_totals(response.text))
+
     except (httpx.HTTPError, ValueError):
         pass
     pid = _find_pid(host, port, api_key)
@@ -231,6 +237,9 @@ def _human_time(seconds: float) -> str:
 
 def render_status(report: dict[str, Any]) -> str:
     lines = [f"localspec at {report['url']}: {report['health']}"]
+    error = (report.get("health_body") or {}).get("error")
+    if report["health"] != "ready" and isinstance(error, dict) and error.get("message"):
+        lines.append(f"  why          {error['message']}")  # e.g. the team server is down
     if "pid" in report:
         extra = f", up {_human_time(report['uptime_s'])}" if "uptime_s" in report else ""
         rss = f", {human_bytes(report['rss_bytes'])} resident" if "rss_bytes" in report else ""
@@ -239,6 +248,13 @@ def render_status(report: dict[str, Any]) -> str:
     settings = props.get("default_generation_settings") or {}
     model = props.get("model_path") or props.get("model")
     alias = props.get("model_alias")
+    backend = props.get("backend")
+    if isinstance(backend, dict):
+        lines += _backend_lines(backend)
+    if isinstance(backend, dict) and backend.get("answering") == "upstream":
+        if alias or model:
+            lines.append(f"  upstream     {alias or model}")
+        alias = model = None
     if alias and (not model or Path(str(model)).name != alias):
         lines.append(f"  pair         {alias}")
     if model:
@@ -283,6 +299,32 @@ def render_status(report: dict[str, Any]) -> str:
             "drafted tokens" + (f" ({rate:.0%})" if rate is not None else "")
         )
     return "\n".join(lines)
+
+
+def _backend_lines(backend: dict[str, Any]) -> list[str]:
+    """Where completions come from: the team server's state, the local fallback, who answered."""
+    state = backend.get("status", "?")
+    error = f" ({backend['error']})" if backend.get("error") else ""
+    slot = ""
+    if backend.get("id_slot") is not None and backend.get("upstream_slots"):
+        slot = f", slot {backend['id_slot']} of {backend['upstream_slots']}"
+    lines = [
+        f"  backend      {backend.get('kind')} {backend.get('url')}: {state}{error}{slot}",
+        f"  answering    {backend.get('answering')}",
+    ]
+    if backend.get("local_model"):
+        local = backend.get("local_state", "?")
+        lines.append(f"  fallback     local model {backend['local_model']} ({local})")
+    else:
+        lines.append("  fallback     none (backend.fallback = none)")
+    counts = backend.get("answered") or {}
+    reasons = backend.get("fallbacks") or {}
+    why = ", ".join(f"{reason} {n}" for reason, n in sorted(reasons.items()))
+    lines.append(
+        f"  completions  {counts.get('upstream', 0)} by the upstream, "
+        f"{counts.get('local', 0)} by the local model" + (f" (fallbacks: {why})" if why else "")
+    )
+    return lines
 
 
 def run_status(args: argparse.Namespace) -> int:

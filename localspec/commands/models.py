@@ -31,6 +31,10 @@ examples:
   localspec plan --json                      the same plan with its arithmetic, as JSON
   localspec plan --hardware rtx4090-24gb     plan for a named hardware profile instead
   localspec plan --gpu-memory-gb 10 --ctx-size 8192
+  localspec plan --team 50 --hardware h100-80gb --emit vllm
+                      a shared server for 50 developers: the vLLM launch command, the capacity
+                      arithmetic behind it, and the profile that points workstations at it
+  localspec plan --team 500 --hardware 2xh100-80gb --emit llama-server --server-url https://llm.corp:8012
 """
 CATALOG_EPILOG = """\
 examples:
@@ -73,6 +77,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--hardware", metavar="NAME|FILE", help="plan for a hardware profile")
+    team = p.add_argument_group(
+        "team server", "plan a shared server for a team (docs/team-server.md)"
+    )
+    team.add_argument("--team", type=int, metavar="N", help="developers sharing the server")
+    team.add_argument(
+        "--emit",
+        choices=("llama-server", "vllm", "sglang"),
+        default="llama-server",
+        help="the engine whose launch command to print (default llama-server)",
+    )
+    team.add_argument(
+        "--server-url", metavar="URL", help="the server's URL, for the workstation profile"
+    )
     c.add_settings_flags(p, serve=True)
     p.set_defaults(func=run_plan)
 
@@ -223,6 +240,24 @@ def run_plan(args: argparse.Namespace) -> int:
                 facts = hardware.probe()
                 progress.finish("done")
             measured = step_costs.load(facts.description)  # `localspec bench steps` here
+        if args.team is not None:
+            from localspec.planning.render import render_team
+            from localspec.planning.team import team_plan
+
+            team = team_plan(
+                catalog,
+                facts,
+                settings,
+                developers=args.team,
+                engine=args.emit,
+                server_url=args.server_url,
+                step_costs=measured,
+            )
+            if args.json:
+                c.print_json(team.to_json())
+            else:
+                print(render_team(team))
+            return c.EXIT_OK
         chosen = plan.make_plan(catalog, facts, settings, step_costs=measured)
     except st.SettingsError as exc:
         return c.settings_error(exc)

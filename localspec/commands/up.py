@@ -76,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
         resolved = c.load_settings(args)
         settings = resolved.settings
         api_key = st.check_security(settings)
+        upstream_key = st.check_backend(settings)
     except st.SettingsError as exc:
         return c.settings_error(exc)
     _warn_readable_inline_key(resolved)
@@ -98,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         return _detach(args, host, port)
     if args.log_file is not None:
         _redirect_output(args.log_file)
-    return _serve(args, settings, api_key)
+    return _serve(args, settings, api_key, upstream_key)
 
 
 def _warn_readable_inline_key(resolved: st.ResolvedSettings) -> None:
@@ -274,7 +275,57 @@ def _fallback(served: Served) -> Served | None:
     return Served(smaller.engine_settings(*served.paths), served.alias, smaller, served.paths)
 
 
-def _server_settings(settings: st.Settings, api_key: str | None, served: Served) -> Any:
+def _upstream_settings(settings: st.Settings, key: str | None) -> Any:
+    """The ``backend`` section as the server takes it; None for kind local. The openai kind
+    lays FIM prompts out with a catalog model's FIM tokens: ``backend.fim_model``, else the
+    catalog model ``backend.model`` names."""
+    from localspec.server.upstream.config import UpstreamSettings
+
+    backend = settings.backend
+    if backend.kind == "local":
+        return None
+    assert backend.url is not None  # the settings' own rule
+    fim = fim_model = None
+    if backend.kind == "openai":
+        from localspec.commands.models import load_catalog
+
+        name = backend.fim_model or backend.model
+        if not name:
+            raise UpError(
+                "backend.kind = openai needs backend.model (the upstream's model name) or "
+                "backend.fim_model (the catalog model whose FIM tokens lay out prompts)"
+            )
+        try:
+            catalog = load_catalog()
+        except ValueError as exc:
+            raise UpError(str(exc)) from None
+        entry = catalog.match_model(name)
+        if entry is None or entry.tokenizer.fim_text is None:
+            which = "backend.fim_model" if backend.fim_model else "backend.model"
+            raise UpError(
+                f"{which} = {name!r} names no catalog model with FIM tokens "
+                f"(`localspec models` lists them); set backend.fim_model to the one the "
+                "upstream serves"
+            )
+        fim, fim_model = entry.tokenizer.fim_text, entry.id
+    return UpstreamSettings(
+        kind=backend.kind,
+        url=backend.url,
+        api_key=key,
+        ca_bundle=str(backend.ca_bundle.expanduser()) if backend.ca_bundle else None,
+        model=backend.model,
+        fim=fim,
+        fim_model=fim_model,
+        slot=backend.slot,
+        connect_timeout_s=backend.connect_timeout_s,
+        read_timeout_s=backend.read_timeout_s,
+        fallback=backend.fallback == "local",
+        fallback_ms=backend.fallback_ms,
+        health_interval_s=backend.health_interval_s,
+    )
+
+
+def _server_settings(settings: st.Settings, api_key: str | None, served: Served | None) -> Any:
     from localspec.server.settings import ServerSettings
 
     server = settings.server
@@ -282,12 +333,12 @@ def _server_settings(settings: st.Settings, api_key: str | None, served: Served)
         host=server.host,
         port=server.port,
         api_key=api_key,
-        n_parallel=served.engine.n_slots,
+        n_parallel=served.engine.n_slots if served else server.slots or 1,
         queue_limit=server.queue_limit,
         request_timeout_s=server.request_timeout_s,
         metrics=server.metrics,
         cors_origins=tuple(server.cors_origins),
-        model_alias=served.alias,
+        model_alias=served.alias if served else None,
         n_cmpl_max=server.n_cmpl_max,
         max_body_bytes=server.max_body_bytes,
         body_timeout_s=server.body_timeout_s,
@@ -309,12 +360,18 @@ def _configure_logging(log_settings: st.LogSettings) -> None:
     configure(log_settings.level, log_settings.format, log_settings.requests)
 
 
-def _serve(args: argparse.Namespace, settings: st.Settings, api_key: str | None) -> int:
+def _serve(
+    args: argparse.Namespace, settings: st.Settings, api_key: str | None, upstream_key: str | None
+) -> int:
     _configure_logging(settings.log)
     if hasattr(signal, "SIGTERM"):
         signal.signal(signal.SIGTERM, _terminate)
+    backend = settings.backend
+    served: Served | None = None
     try:
-        served = _local_models(args, settings) if args.target else _planned_models(settings)
+        upstream = _upstream_settings(settings, upstream_key)
+        if upstream is None or upstream.fallback:  # a local model serves, or stands in
+            served = _local_models(args, settings) if args.target else _planned_models(settings)
         server_settings = _server_settings(settings, api_key, served)
         server_settings.check()
     except UpError as exc:
@@ -331,7 +388,12 @@ def _serve(args: argparse.Namespace, settings: st.Settings, api_key: str | None)
     log_path = args.log_file.expanduser() if args.log_file else None
     daemon.write_pid_file(settings.server.host, settings.server.port, log_path)
     url = daemon.base_url(settings.server.host, settings.server.port)
-    progress = c.Progress(f"loading {served.alias}").__enter__()
+    if upstream is None:
+        waiting = f"loading {served.alias}" if served else "starting"
+    else:
+        local = f"; local fallback {served.alias}" if served else ""
+        waiting = f"connecting to the {backend.kind} upstream {backend.url}{local}"
+    progress = c.Progress(waiting).__enter__()
 
     def on_ready(*_: object) -> None:
         progress.finish(f"serving at {url} (Ctrl-C to stop)")
@@ -339,9 +401,15 @@ def _serve(args: argparse.Namespace, settings: st.Settings, api_key: str | None)
     uvicorn_level = "debug" if settings.log.level == "debug" else "warning"
     try:
         while True:
-            code = serve(server_settings, served.engine, on_ready=on_ready, log_level=uvicorn_level)
+            code = serve(
+                server_settings,
+                served.engine if served else None,
+                on_ready=on_ready,
+                log_level=uvicorn_level,
+                upstream=upstream,
+            )
             # serve: 0 clean stop, 4 could not bind, else the model failed to load
-            retry = _fallback(served) if code not in (0, 4) else None
+            retry = _fallback(served) if code not in (0, 4) and served else None
             if retry is None:
                 break
             served = retry

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from localspec.hardware import GiB
 from localspec.planning.result import Plan
+
+if TYPE_CHECKING:
+    from localspec.planning.team import TeamServer
 
 MAX_REJECTIONS_SHOWN = 8
 
@@ -70,4 +75,25 @@ def render_plan(plan: Plan) -> str:
         lines.append(f"note: {note}")
     for warning in plan.warnings:
         lines.append(f"warning: {warning}")
+    return "\n".join(lines)
+
+
+def render_team(team: TeamServer) -> str:
+    """What `localspec plan --team N --emit ENGINE` prints: the plan with its capacity
+    arithmetic, the server's launch command, and the workstations' profile."""
+    lines = [
+        f"team server for {team.developers} developers, served by {team.engine}",
+        "",
+        render_plan(team.plan),
+        "",
+        f"launch command ({team.engine}, port {team.port})",
+        "",
+        team.command(),
+        "",
+        *(f"note: {note}" for note in team.notes),
+        "",
+        "workstation profile (<site config dir>/50-team.toml, e.g. /etc/xdg/localspec/)",
+        "",
+        team.profile.rstrip(),
+    ]
     return "\n".join(lines)

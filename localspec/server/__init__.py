@@ -3,5 +3,6 @@
 from localspec.server.app import create_app
 from localspec.server.run import serve
 from localspec.server.settings import ServerSettings
+from localspec.server.upstream.config import UpstreamSettings
 
-__all__ = ["ServerSettings", "create_app", "serve"]
+__all__ = ["ServerSettings", "UpstreamSettings", "create_app", "serve"]

@@ -20,7 +20,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from localspec import __version__
-from localspec.engine.types import EngineSettings
+from localspec.engine.types import EngineSettings, ModelSettings
 from localspec.server import prompts
 from localspec.server.dispatch import error_response
 from localspec.server.errors import ApiError, InvalidRequest, NotSupported
@@ -38,6 +38,10 @@ from localspec.server.schemas import (
 )
 from localspec.server.service import Service
 from localspec.server.settings import ServerSettings
+from localspec.server.upstream.backend import Upstream
+from localspec.server.upstream.config import UpstreamSettings
+from localspec.server.upstream.failover import Failover, local_probe, ready_probe
+from localspec.server.upstream.openai_kind import Limits
 
 
 async def service(request: Request) -> Service:
@@ -303,21 +307,47 @@ def default_loader(engine_settings: EngineSettings) -> Callable[[], Any]:
     return load
 
 
+def _once(callback: Callable[[], None] | None) -> Callable[[], None] | None:
+    """``callback`` called at most once (the upstream and the local model both make the
+    daemon ready; whichever comes first says so)."""
+    if callback is None:
+        return None
+    done = False
+
+    def call() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            callback()
+
+    return call
+
+
 def create_app(
     server_settings: ServerSettings,
-    engine_settings: EngineSettings,
+    engine_settings: EngineSettings | None,
     *,
     load: Callable[[], Any] | None = None,
     on_ready: Callable[[], None] | None = None,
     on_failure: Callable[[BaseException], None] | None = None,
+    upstream: UpstreamSettings | None = None,
 ) -> FastAPI:
     """The ASGI app; the engine loads in a background thread at startup (/health: 503 till then).
 
     ``server_settings.n_parallel`` is the slot count (llama-server's ``-np``): it replaces
-    ``engine_settings.n_slots``.
+    ``engine_settings.n_slots``. With ``upstream`` the editor's requests go to a team server
+    (server/upstream/), the local model (``engine_settings``; None: no local model) answering
+    while it is down or slow.
     """
+    has_local = engine_settings is not None
+    if engine_settings is None:
+        if upstream is None:
+            raise ValueError("nothing to serve: give engine_settings, an upstream, or both")
+        # never loaded: the worker does not start without a local model
+        engine_settings = EngineSettings(target=ModelSettings(path=""))
     if engine_settings.n_slots != server_settings.n_parallel:
         engine_settings = dataclasses.replace(engine_settings, n_slots=server_settings.n_parallel)
+    on_ready = _once(on_ready)
     svc = Service.create(
         server_settings,
         engine_settings,
@@ -325,13 +355,31 @@ def create_app(
         on_ready=on_ready,
         on_failure=on_failure,
     )
+    remote = None
+    if upstream is not None:
+        remote = Upstream(
+            upstream,
+            limits=Limits(
+                n_cmpl_max=server_settings.n_cmpl_max,
+                spm_infill=server_settings.spm_infill,
+                infill_room=server_settings.infill_room,
+            ),
+            registry=svc.metrics.registry if svc.metrics is not None else None,
+        )
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        svc.worker.start()
+        if has_local:
+            svc.worker.start()
+        if remote is not None:
+            await remote.start()
+            if remote.health.usable and on_ready is not None:
+                on_ready()
         try:
             yield
         finally:
+            if remote is not None:
+                await remote.aclose()
             await run_in_threadpool(svc.worker.stop)
 
     app = FastAPI(
@@ -351,10 +399,24 @@ def create_app(
     app.add_exception_handler(Exception, _on_error)
     metrics = svc.metrics
     app.add_middleware(Direct, routes=app.routes)  # added first: innermost, inside the gate
+    not_ready = svc.not_ready
+    if remote is not None:
+        local = local_probe(svc.not_ready, has_local)
+        app.add_middleware(
+            Failover,
+            upstream=remote,
+            local=local,
+            local_props=svc.props,
+            local_model=svc.model_name if has_local else None,
+        )
+        not_ready = ready_probe(remote, local)
+        remote.local_model = svc.model_name if has_local else None
+        remote.local_state = local
+    app.state.upstream = remote
     app.add_middleware(
         Gate,
         api_key=server_settings.api_key,
-        not_ready=svc.not_ready,
+        not_ready=not_ready,
         max_body=server_settings.max_body_bytes,
         body_timeout_s=server_settings.body_timeout_s,
         routes=route_paths(app.routes),

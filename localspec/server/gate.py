@@ -100,7 +100,7 @@ class Gate:
             if body is None:
                 return
             logs.log_body(scope["method"], scope["path"], body)
-            receive = _replay(body, receive)
+            receive = replay_body(body, receive)
         await self.app(scope, receive, send)
 
     async def _read_body(self, scope: Scope, receive: Receive, send: Send) -> bytes | None:
@@ -154,7 +154,7 @@ class Gate:
         return key_matches(presented_key(auth, x_key), self.api_key)
 
 
-def _replay(body: bytes, receive: Receive) -> Receive:
+def replay_body(body: bytes, receive: Receive) -> Receive:
     """The body as one message, then the real channel (the routes watch it for a disconnect)."""
     sent = False
 

@@ -154,6 +154,9 @@ def configure(
     debug = numeric <= logging.DEBUG
     logging.getLogger(REQUESTS).setLevel(logging.INFO if requests or debug else logging.WARNING)
     logging.getLogger(BODIES).setLevel(logging.DEBUG if debug else logging.WARNING)
+    # the team-server client's own line per request (and per health check) only when debugging:
+    # the request line says the same (backend=upstream upstream_ms=...)
+    logging.getLogger("httpx").setLevel(logging.DEBUG if debug else logging.WARNING)
     if debug:
         logging.getLogger("localspec.server").warning(BODY_WARNING)
     return handler

@@ -90,9 +90,11 @@ def _rate(ms: float, n: int) -> float:
     return 1e3 / ms * n if ms > 0 else 0.0
 
 
-def timings(result: GenerationResult) -> dict[str, Any]:
+def timings(result: GenerationResult, n_predicted: int | None = None) -> dict[str, Any]:
+    """llama-server's timings; ``n_predicted`` counts the generated tokens where their ids
+    are not known (an upstream's text stream)."""
     prompt_n = result.n_evaluated
-    predicted_n = len(result.tokens)
+    predicted_n = len(result.tokens) if n_predicted is None else n_predicted
     return {
         "cache_n": result.n_cached,
         "prompt_n": prompt_n,
@@ -145,10 +147,13 @@ def final_object(
     settings_json: dict[str, Any],
     stream: bool = False,
     piece: Piece | None = None,
+    n_predicted: int | None = None,
 ) -> dict[str, Any]:
     """llama-server's final completion object (``stop: true``); content is empty when streamed,
-    and the token probabilities (n_probs, given ``piece``) went out with the streamed pieces."""
+    and the token probabilities (n_probs, given ``piece``) went out with the streamed pieces.
+    ``n_predicted``: the generated token count where the ids are not known."""
     r = done.result
+    n_predicted = len(r.tokens) if n_predicted is None else n_predicted
     probs = (
         {"completion_probabilities": completion_probabilities(r.tokens, r.probs, piece)}
         if r.probs and piece is not None and not stream
@@ -161,7 +166,7 @@ def final_object(
         "id_slot": done.id_slot,
         "stop": True,
         "model": model,
-        "tokens_predicted": len(r.tokens),
+        "tokens_predicted": n_predicted,
         "tokens_evaluated": r.n_prompt,
         "generation_settings": settings_json,
         "prompt": done.prompt_text,
@@ -171,7 +176,7 @@ def final_object(
         "stopping_word": r.stopping_word,
         "tokens_cached": done.tokens_cached,
         **probs,
-        "timings": timings(r),
+        "timings": timings(r, n_predicted),
     }
 
 

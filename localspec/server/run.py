@@ -20,6 +20,7 @@ import uvicorn
 from localspec.engine.types import EngineSettings
 from localspec.server.app import create_app
 from localspec.server.settings import ServerSettings
+from localspec.server.upstream.config import UpstreamSettings
 
 log = logging.getLogger("localspec.server")
 
@@ -102,13 +103,16 @@ class _Server(uvicorn.Server):
 
 def serve(
     server_settings: ServerSettings,
-    engine_settings: EngineSettings,
+    engine_settings: EngineSettings | None,
     *,
     on_ready: Callable[[], None] | None = None,
     on_bound: Callable[[list[tuple[str, int]]], None] | None = None,
     log_level: str = "warning",
+    upstream: UpstreamSettings | None = None,
 ) -> int:
-    """Serve until SIGINT/SIGTERM; 0 on a clean stop, non-zero when loading or binding failed."""
+    """Serve until SIGINT/SIGTERM; 0 on a clean stop, non-zero when loading or binding failed.
+    ``upstream``: a team server answers, the local model (``engine_settings``; None: none)
+    only while it cannot."""
     server_settings.check()
     failure: list[BaseException] = []
     server: _Server | None = None
@@ -119,7 +123,9 @@ def serve(
         if server is not None:
             server.should_exit = True
 
-    app = create_app(server_settings, engine_settings, on_ready=on_ready, on_failure=failed)
+    app = create_app(
+        server_settings, engine_settings, on_ready=on_ready, on_failure=failed, upstream=upstream
+    )
     svc = app.state.service
     try:
         sockets = bind_sockets(server_settings.host, server_settings.port)

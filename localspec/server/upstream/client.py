@@ -1,0 +1,81 @@
+"""The HTTP client that talks to the upstream (httpx), and its failures in words a user can act on.
+
+TLS is verified by default (the system's trust store, or ``ca_bundle``); the key goes in an
+``Authorization: Bearer`` header set once on the client, so no code path formats it. Proxies
+come from the environment (``HTTPS_PROXY``/``NO_PROXY``), as for every other localspec
+download.
+"""
+
+from __future__ import annotations
+
+import ssl
+
+import httpx
+
+from localspec.server.upstream.config import UpstreamSettings
+
+KEEPALIVE = 32  # pooled connections kept open to the upstream (one editor needs one or two)
+
+
+def make_client(cfg: UpstreamSettings) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    verify: ssl.SSLContext | bool = True
+    if cfg.url.startswith("https://"):
+        verify = ssl.create_default_context(cafile=cfg.ca_bundle)
+    return httpx.AsyncClient(
+        base_url=cfg.url,
+        headers=headers,
+        verify=verify,
+        timeout=httpx.Timeout(cfg.read_timeout_s, connect=cfg.connect_timeout_s),
+        limits=httpx.Limits(max_keepalive_connections=KEEPALIVE, keepalive_expiry=30.0),
+        follow_redirects=False,  # a redirect would carry the key to wherever it points
+    )
+
+
+class UpstreamFailure(Exception):
+    """The upstream could not answer: unreachable, TLS refused, timed out, closed mid-answer,
+    or answered 502/503/504. ``reason`` is a short label (logs, metrics), ``message`` the
+    sentence the editor and the log get."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+def _tls_cause(exc: BaseException) -> ssl.SSLError | None:
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ssl.SSLError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def failure(exc: httpx.HTTPError, url: str) -> UpstreamFailure:
+    """An httpx error as an UpstreamFailure that says what happened and what to do."""
+    tls = _tls_cause(exc)
+    if tls is not None:
+        detail = getattr(tls, "verify_message", None) or getattr(tls, "reason", None) or tls
+        if isinstance(tls, ssl.SSLCertVerificationError):
+            return UpstreamFailure(
+                "tls",
+                f"the upstream {url} presented a TLS certificate localspec does not trust "
+                f"({detail}): set backend.ca_bundle to the PEM file of the CA that signed it",
+            )
+        return UpstreamFailure("tls", f"TLS with the upstream {url} failed ({detail})")
+    if isinstance(exc, httpx.ConnectTimeout):
+        return UpstreamFailure("timeout", f"the upstream {url} did not accept a connection in time")
+    if isinstance(exc, httpx.ConnectError):
+        return UpstreamFailure("unreachable", f"the upstream {url} is unreachable ({exc})")
+    if isinstance(exc, httpx.ReadTimeout):
+        return UpstreamFailure(
+            "timeout", f"the upstream {url} went silent for longer than backend.read_timeout_s"
+        )
+    if isinstance(exc, httpx.TimeoutException):
+        return UpstreamFailure("timeout", f"the upstream {url} timed out ({type(exc).__name__})")
+    if isinstance(exc, httpx.RemoteProtocolError | httpx.ReadError | httpx.WriteError):
+        return UpstreamFailure(
+            "closed", f"the upstream {url} closed the connection mid-answer ({exc or 'no detail'})"
+        )
+    return UpstreamFailure("error", f"talking to the upstream {url} failed: {exc!r}")

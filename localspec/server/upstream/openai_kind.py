@@ -1,0 +1,274 @@
+"""The ``openai`` kind: /infill and /completion for servers that only speak OpenAI's API (vLLM,
+SGLang, Ollama, LM Studio).
+
+localspec lays the FIM prompt out as text (:mod:`.fim_text`, the catalog model's FIM tokens,
+local serving's layout), sends ``/v1/completions`` with the raw prompt and ``stream: true``
+(:mod:`.openai_request`), applies the editor's stop rules to the stream and closes it once
+every choice has stopped (:mod:`.openai_stream`), and answers in llama-server's shape, with
+``timings`` measured here (prompt: request to first piece; generation: first piece to last).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pydantic_core
+
+from localspec.server.errors import ApiError, InvalidRequest, NotSupported
+from localspec.server.params import task_params
+from localspec.server.results import dumps, sse
+from localspec.server.schemas import (
+    CompletionRequest,
+    GenerationFields,
+    InfillRequest,
+    parse_body,
+)
+from localspec.server.upstream.answer import SSE, Answer, error_answer, json_answer, upstream_error
+from localspec.server.upstream.client import UpstreamFailure, failure
+from localspec.server.upstream.config import UpstreamSettings
+from localspec.server.upstream.fim_text import infill_text
+from localspec.server.upstream.health import Health
+from localspec.server.upstream.openai_request import completion_body
+from localspec.server.upstream.openai_stream import Collector
+from localspec.server.upstream.relay import UNAVAILABLE
+
+DEFAULT_N_CTX = 8192  # an upstream that does not say its context (Ollama, LM Studio)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The daemon's own rules that apply to a translated request too."""
+
+    n_cmpl_max: int = 16
+    spm_infill: bool = False
+    infill_room: int = 256
+
+
+async def _events(lines: AsyncIterator[str]) -> AsyncIterator[dict[str, Any] | None]:
+    """The ``data:`` objects of a server-sent event stream; None for ``[DONE]``."""
+    async for line in lines:
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            yield None
+            return
+        try:
+            obj = pydantic_core.from_json(data)
+        except ValueError:
+            continue
+        if isinstance(obj, dict):
+            if isinstance(obj.get("error"), dict | str):  # an error mid-stream (vLLM, SGLang)
+                raise UpstreamFailure("error", f"the upstream failed mid-answer: {obj['error']}")
+            yield obj
+
+
+async def _whole(raw: bytes) -> AsyncIterator[dict[str, Any] | None]:
+    """A whole (not streamed) completion answer as the one event it amounts to."""
+    try:
+        obj = pydantic_core.from_json(raw)
+    except ValueError:
+        raise UpstreamFailure("error", f"the upstream answered no JSON: {raw[:200]!r}") from None
+    if isinstance(obj, dict):
+        yield obj
+    yield None
+
+
+async def _usage(collector: Collector, events: AsyncIterator[dict[str, Any] | None]) -> None:
+    """The usage report that follows the last choice's end (when the upstream ended every
+    choice itself: then the rest of the stream is a few bytes away)."""
+    if not collector.upstream_finished:
+        return
+    try:
+        async for obj in events:
+            if obj is None:
+                return
+            collector.feed(obj)
+    except (httpx.HTTPError, UpstreamFailure):
+        return  # the answer is complete; only the token counts are missing
+
+
+def _text_only(name: str, value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if all(isinstance(p, str) for p in value):
+        return "".join(value)
+    raise InvalidRequest(
+        f"{name}: token ids need the model's own tokenizer, and backend.kind = openai sends "
+        "text; send text"
+    )
+
+
+class OpenAIBackend:
+    def __init__(
+        self, cfg: UpstreamSettings, client: httpx.AsyncClient, health: Health, limits: Limits
+    ) -> None:
+        assert cfg.fim is not None
+        self.cfg = cfg
+        self.fim = cfg.fim
+        self.client = client
+        self.health = health
+        self.limits = limits
+
+    @property
+    def model_name(self) -> str:
+        return self.cfg.model or self.health.state.model or "upstream"
+
+    @property
+    def n_ctx(self) -> int:
+        return self.health.state.n_ctx or DEFAULT_N_CTX
+
+    def _params(self, body: GenerationFields) -> Any:
+        if body.n_probs:
+            raise NotSupported(
+                "n_probs is not available with backend.kind = openai (no token ids or "
+                "probabilities come back as llama-server reports them)"
+            )
+        return task_params(body, n_ctx=self.n_ctx, n_cmpl_max=self.limits.n_cmpl_max)
+
+    async def infill(self, raw: bytes) -> Answer:
+        try:
+            body = parse_body(InfillRequest, raw)
+            params = self._params(body)
+            prompt = infill_text(
+                self.fim,
+                input_prefix=_text_only("input_prefix", body.input_prefix),
+                input_suffix=_text_only("input_suffix", body.input_suffix),
+                input_extra=body.input_extra or (),
+                prompt=body.prompt or "",
+                n_ctx=self.n_ctx,
+                room=self.limits.infill_room,
+                spm=self.limits.spm_infill,
+                ring_only=body.is_ring_warmup,
+            )
+        except ApiError as exc:
+            return error_answer(exc)
+        return await self._run(prompt, params)
+
+    async def completion(self, raw: bytes) -> Answer:
+        try:
+            body = parse_body(CompletionRequest, raw)
+            params = self._params(body)
+            prompt = _text_only("prompt", body.prompt)
+        except ApiError as exc:
+            return error_answer(exc)
+        return await self._run(prompt, params)
+
+    async def _run(self, prompt: str, params: Any) -> Answer:
+        payload = completion_body(
+            prompt=prompt, params=params, model=self.cfg.model, end=self.fim.end
+        )
+        request = self.client.build_request(
+            "POST", "/v1/completions", content=dumps(payload), headers=_HEADERS
+        )
+        t0 = time.perf_counter()
+        try:
+            response = await self.client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise failure(exc, self.cfg.url) from None
+        try:
+            return await self._answer(response, prompt, params, t0)
+        except httpx.HTTPError as exc:
+            await response.aclose()
+            raise failure(exc, self.cfg.url) from None
+        except BaseException:  # a failure, or the editor left: the upstream stops now
+            await response.aclose()
+            raise
+
+    async def _answer(
+        self, response: httpx.Response, prompt: str, params: Any, t0: float
+    ) -> Answer:
+        if response.status_code in UNAVAILABLE:
+            raw = await response.aread()
+            raise UpstreamFailure(
+                "unavailable",
+                f"the upstream {self.cfg.url} answered HTTP {response.status_code} ({raw[:200]!r})",
+            )
+        if response.status_code >= 400:
+            raw = await response.aread()
+            await response.aclose()
+            return upstream_error(response.status_code, raw, self.cfg)
+        wants_prompt = not params.response_fields or any(
+            f == "prompt" or f.startswith("prompt/") for f in params.response_fields
+        )
+        shown_prompt = prompt if wants_prompt else ""
+        collector = Collector(params, end=self.fim.end, t_sent=t0)
+        events = _events(response.aiter_lines())
+        if not response.headers.get("content-type", "").startswith("text/event-stream"):
+            events = _whole(await response.aread())  # a server that ignores stream: true
+        if not params.stream:
+            await self._drain(collector, events)
+            await response.aclose()
+            finals = collector.finals(model=self.model_name, stream=False, prompt_text=shown_prompt)
+            upstream_ms = (time.perf_counter() - t0) * 1e3
+            return json_answer(finals[0] if len(finals) == 1 else finals, upstream_ms=upstream_ms)
+        first = await self._first(collector, events)
+        upstream_ms = (time.perf_counter() - t0) * 1e3
+        chunks = self._stream(first, collector, events, response, shown_prompt)
+        return Answer(200, SSE, chunks=chunks, close=response.aclose, upstream_ms=upstream_ms)
+
+    async def _drain(
+        self, collector: Collector, events: AsyncIterator[dict[str, Any] | None]
+    ) -> None:
+        async for obj in events:
+            if obj is None:
+                break
+            collector.feed(obj)
+            if collector.done:
+                await _usage(collector, events)
+                return
+        else:
+            raise UpstreamFailure(
+                "closed", f"the upstream {self.cfg.url} ended the stream without [DONE]"
+            )
+        collector.close()
+
+    async def _first(
+        self, collector: Collector, events: AsyncIterator[dict[str, Any] | None]
+    ) -> list[tuple[int, str]]:
+        """Read until the first text (or the end): the answer is committed from there on."""
+        async for obj in events:
+            if obj is None:
+                return collector.close()
+            got = collector.feed(obj)
+            if got or collector.done:
+                return got
+        raise UpstreamFailure(
+            "closed", f"the upstream {self.cfg.url} ended the stream without [DONE]"
+        )
+
+    async def _stream(
+        self,
+        first: list[tuple[int, str]],
+        collector: Collector,
+        events: AsyncIterator[dict[str, Any] | None],
+        response: httpx.Response,
+        prompt: str,
+    ) -> AsyncIterator[bytes]:
+        try:
+            for index, text in first:
+                yield sse(collector.partial(index, text))
+            while not collector.done:
+                item = await anext(events, _ENDED)
+                if item is _ENDED:
+                    raise UpstreamFailure(
+                        "closed", f"the upstream {self.cfg.url} ended the stream mid-answer"
+                    )
+                got = collector.close() if item is None else collector.feed(item)
+                for index, text in got:
+                    yield sse(collector.partial(index, text))
+            await _usage(collector, events)
+        except httpx.HTTPError as exc:
+            raise failure(exc, self.cfg.url) from None
+        finally:
+            await response.aclose()
+        for obj in collector.finals(model=self.model_name, stream=True, prompt_text=prompt):
+            yield sse(obj)
+
+
+_ENDED: Any = object()  # the stream stopped without [DONE]
+_HEADERS = {"Content-Type": "application/json", "Accept": "text/event-stream"}

@@ -1,0 +1,151 @@
+"""The ``llama-server`` kind: every editor route is forwarded to an upstream llama-server (or
+another localspec) as it came, streamed answers passed on chunk by chunk.
+
+Two changes to a generation request's body: ``id_slot`` becomes this workstation's stable slot
+(:mod:`.identity`), so its cache survives the other developers' traffic, and ``model`` becomes
+``backend.model`` when set (a llama-server in router mode picks its model by it). The editor's
+own ``Authorization`` never leaves the machine; the upstream gets localspec's key.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pydantic_core
+
+from localspec.server.results import dumps
+from localspec.server.upstream.answer import SSE, Answer, is_llama_error, upstream_error
+from localspec.server.upstream.client import UpstreamFailure, failure
+from localspec.server.upstream.config import UpstreamSettings
+from localspec.server.upstream.identity import stable_slot
+
+# routes whose body is a generation request: these get the stable slot
+GENERATION = frozenset(
+    {"/infill", "/completion", "/completions", "/v1/completions", "/v1/chat/completions",
+     "/chat/completions"}
+)  # fmt: skip
+UNAVAILABLE = frozenset({502, 503, 504})  # the upstream cannot answer now: the local model may
+
+
+def pinned_slot(cfg: UpstreamSettings, n_slots: int | None, identity: str) -> int:
+    """The slot a generation request asks for: ``backend.slot`` if set, else the stable hash
+    over the upstream's slots; -1 (any) while its slot count is not known."""
+    if cfg.slot is not None:
+        return cfg.slot
+    return stable_slot(n_slots, identity) if n_slots else -1
+
+
+def prepare(raw: bytes, *, slot: int | None, model: str | None) -> tuple[bytes, bool]:
+    """The body to send, with ``id_slot`` (unless None) and ``model`` (when given) set, and
+    whether it asks for a stream (one parse for both). A body that is not a JSON object goes
+    as it is (the upstream answers its own 400)."""
+    try:
+        body = pydantic_core.from_json(raw) if raw else None
+    except ValueError:
+        return raw, False
+    if not isinstance(body, dict):
+        return raw, False
+    stream = bool(body.get("stream"))
+    if slot is None and not model:
+        return raw, stream
+    if slot is not None:
+        body["id_slot"] = slot
+    if model:
+        body["model"] = model
+    return dumps(body), stream
+
+
+async def open_upstream(
+    client: httpx.AsyncClient,
+    cfg: UpstreamSettings,
+    method: str,
+    path: str,
+    query: str,
+    content: bytes | None,
+    *,
+    stream: bool,
+) -> Answer:
+    """Send one request and return the committed answer (see :class:`Answer`); a failure
+    before that is an UpstreamFailure. Cancelling this closes the upstream request."""
+    headers = {"Accept": "text/event-stream" if stream else "application/json"}
+    if content is not None:
+        headers["Content-Type"] = "application/json"
+    request = client.build_request(
+        method, path, content=content, params=query or None, headers=headers
+    )
+    t0 = time.perf_counter()
+    try:
+        response = await client.send(request, stream=True)
+    except httpx.HTTPError as exc:
+        raise failure(exc, cfg.url) from None
+    try:
+        return await _commit(response, cfg, stream=stream, t0=t0)
+    except BaseException:  # a failure, or the editor left (cancelled): end it upstream now
+        await response.aclose()
+        raise
+
+
+async def _commit(
+    response: httpx.Response, cfg: UpstreamSettings, *, stream: bool, t0: float
+) -> Answer:
+    status = response.status_code
+    content_type = response.headers.get("content-type", "application/json").encode("latin-1")
+    timing = response.headers.get("server-timing", "")
+    try:
+        if status in UNAVAILABLE:
+            raw = await response.aread()
+            raise UpstreamFailure(
+                "unavailable", f"the upstream {cfg.url} answered HTTP {status} ({raw[:200]!r})"
+            )
+        if status >= 400:
+            raw = await response.aread()
+            await response.aclose()
+            if status not in (401, 403) and is_llama_error(raw):
+                return Answer(status, content_type, raw, upstream_ms=_ms(t0))
+            return upstream_error(status, raw, cfg)
+        if not stream or not content_type.startswith(SSE):
+            raw = await response.aread()
+            await response.aclose()
+            return Answer(status, content_type, raw, upstream_ms=_ms(t0), upstream_timing=timing)
+        chunks = response.aiter_raw()
+        first = await anext(chunks, b"")
+    except httpx.HTTPError as exc:
+        raise failure(exc, cfg.url) from None
+    return Answer(
+        status,
+        content_type,
+        chunks=_prepend(first, chunks, cfg),
+        close=response.aclose,
+        upstream_ms=_ms(t0),
+    )
+
+
+def _ms(t0: float) -> float:
+    return (time.perf_counter() - t0) * 1e3
+
+
+async def _prepend(
+    first: bytes, rest: AsyncIterator[bytes], cfg: UpstreamSettings
+) -> AsyncIterator[bytes]:
+    if first:
+        yield first
+    try:
+        async for chunk in rest:
+            yield chunk
+    except httpx.HTTPError as exc:
+        raise failure(exc, cfg.url) from None
+
+
+def props_with(raw: bytes, backend: dict[str, Any]) -> bytes:
+    """The upstream's /props with localspec's ``backend`` section added."""
+    try:
+        body = pydantic_core.from_json(raw)
+    except ValueError:
+        return raw
+    if not isinstance(body, dict):
+        return raw
+    body["backend"] = backend
+    return dumps(body)

@@ -1,0 +1,132 @@
+"""``localspec up`` with an IT profile that points the workstation at a team server: real
+subprocesses, a temporary HOME, a second localspec daemon as the team server."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.test_cli import INFILL, _free_port, _system, _user_config, _wait_ready, env, localspec
+from tests.upstream_support import daemon
+
+__all__ = ["env"]  # the fixture, imported for these tests
+
+SECRET = "sk-team-upstream-7f3a"
+
+
+def test_an_it_profile_points_up_at_the_team_server(
+    env: dict[str, str], qwen_target: Path, tmp_path: Path
+) -> None:
+    with daemon(tmp_path, model=str(qwen_target), api_key=SECRET, n_parallel=4) as team:
+        key = tmp_path / "upstream.key"
+        key.write_text(SECRET + "\n")
+        key.chmod(0o600)
+        profile = _system(env) / "50-team.toml"
+        profile.write_text(
+            'locked = ["backend"]\n[backend]\nkind = "llama-server"\n'
+            f'url = "{team.url}"\napi_key_file = "{key}"\nfallback = "none"\n'
+        )
+        _user_config(env).write_text('[backend]\nkind = "local"\n')  # locked: ignored
+        port = _free_port()
+        out = (tmp_path / "up.out").open("w+")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "localspec", "up", "--port", str(port), "--log-requests"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            _wait_ready(port, proc)
+            url = f"http://127.0.0.1:{port}"
+            answer = httpx.post(f"{url}/infill", json=INFILL, timeout=60)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["model"] == qwen_target.name  # the team server's model
+
+            status = localspec(env, "status", "--port", str(port))
+            assert status.returncode == 0, status.stderr
+            assert f"backend      llama-server {team.url}: up, slot " in status.stdout
+            assert "of 4" in status.stdout and "answering    upstream" in status.stdout
+            assert "fallback     none" in status.stdout
+            assert "completions  1 by the upstream, 0 by the local model" in status.stdout
+            report = json.loads(localspec(env, "status", "--port", str(port), "--json").stdout)
+            assert report["props"]["backend"]["status"] == "up"
+
+            explain = localspec(env, "profile", "explain")
+            lines = explain.stdout.splitlines()
+            rows = {line.split()[0]: line for line in lines if line and line[0] != " "}
+            assert rows["backend.kind"].split()[1] == "llama-server"
+            assert rows["backend.kind"].endswith("[locked]")
+            assert str(key) in rows["backend.api_key_file"]
+            assert "tried to set local" in explain.stdout
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(60)
+        out.seek(0)
+        log = out.read()
+        assert code == 0, log
+        assert "connecting to the llama-server upstream" in log and "serving at" in log
+        assert "POST /infill 200 ok" in log and "backend=upstream" in log
+        shown = log + status.stdout + explain.stdout + json.dumps(report)
+        assert SECRET not in shown
+        assert SECRET not in Path(team.log_file or "").read_text()
+
+
+def test_up_refuses_plain_http_to_another_host(env: dict[str, str]) -> None:
+    _user_config(env).write_text(
+        '[backend]\nkind = "llama-server"\nurl = "http://10.9.9.9:8012"\nfallback = "none"\n'
+    )
+    result = localspec(env, "up", "--port", str(_free_port()))
+    assert result.returncode == 2
+    assert "plain http to 10.9.9.9" in result.stderr
+    assert "backend.allow_insecure_http" in result.stderr
+
+
+def test_up_needs_a_catalog_model_for_the_openai_kind(env: dict[str, str]) -> None:
+    _user_config(env).write_text(
+        '[backend]\nkind = "openai"\nurl = "http://127.0.0.1:9"\nmodel = "llama3"\n'
+        'fallback = "none"\n'
+    )
+    result = localspec(env, "up", "--port", str(_free_port()))
+    assert result.returncode == 1
+    assert "backend.model = 'llama3' names no catalog model with FIM tokens" in result.stderr
+
+
+@pytest.mark.skipif(os.name != "posix", reason="signals and file modes as on POSIX")
+def test_up_with_an_unreachable_team_server_and_no_fallback_says_why(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    dead = f"http://127.0.0.1:{_free_port()}"
+    _user_config(env).write_text(
+        f'[backend]\nkind = "llama-server"\nurl = "{dead}"\nfallback = "none"\n'
+    )
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "localspec", "up", "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        assert health.status_code == 503
+        assert f"the upstream {dead} is down" in health.json()["error"]["message"]
+        status = localspec(env, "status", "--port", str(port))
+        assert "loading" in status.stdout  # answering, but not ready (nothing can serve)
+        assert f"  why          the upstream {dead} is down" in status.stdout
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
