@@ -12,7 +12,6 @@ docs/planning.md for the module map).
 from __future__ import annotations
 
 from localspec.planning.candidates import candidate_order, candidates_from_catalog
-from localspec.planning.capacity import MAX_SLOTS
 from localspec.planning.facts import (
     QUANT_BITS,
     estimate_model_facts,
@@ -50,6 +49,7 @@ from localspec.planning.speed import (
 )
 from localspec.planning.types import (
     KV_TYPE_BYTES,
+    MAX_SLOTS,
     Candidate,
     Device,
     DeviceMemory,

@@ -36,6 +36,7 @@ from pydantic import (
 )
 
 from localspec import paths
+from localspec.planning.types import MAX_SLOTS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -104,7 +105,9 @@ class ServerSection(_Section):
     api_key: SecretStr | None = Field(None, description="Bearer key clients must send")
     api_key_file: Path | None = Field(None, description="file holding the API key (mode 600)")
     api_key_required: bool = Field(False, description="refuse to start without an API key")
-    slots: int | None = Field(None, ge=1, le=256, description="parallel slots; unset: the plan")
+    slots: int | None = Field(
+        None, ge=1, le=MAX_SLOTS, description="parallel slots; unset: the plan"
+    )
     queue_limit: int = Field(16, ge=0, description="requests waiting beyond the slots; 0: none")
     request_timeout_s: float = Field(600.0, gt=0, description="cancel a request after this")
     metrics: bool = Field(True, description="serve Prometheus metrics at /metrics")

@@ -30,7 +30,7 @@ class StepEngine:
     def submit(self, task: Task) -> None:
         self.tasks.append(task)
 
-    def waiting_for_prompt(self) -> bool:
+    def busy_besides(self, slot: int) -> bool:
         return len(self.tasks) > 1
 
     def slot_tokens(self, slot: int) -> list[int]:

@@ -227,3 +227,25 @@ def test_the_draft_model_drafts_for_several_sequences_in_one_batch(
         drafts = engine.draft_slot_tokens(slot)
         verified = prompt + res.tokens
         assert drafts == verified[: len(drafts)] and len(drafts) >= len(prompt)
+
+
+def test_prompts_that_arrive_together_are_evaluated_together(
+    engine: Engine, scorer: Scorer, batches: list[list[Segment]]
+) -> None:
+    """Two file switches at once: every step carries a piece of each prompt (one pass over
+    the weights for both), and each answer is still the target's."""
+    texts = "".join(code_prompts(8, lines=20))
+    a = engine.vocab.tokenize(texts)[:300]
+    b = engine.vocab.tokenize(texts)[300:600]
+    engine.clear_slot(0)
+    engine.clear_slot(1)
+    tasks = [
+        Task([GenerationRequest(slot=s, prompt=p, n_predict=6, sampling=GREEDY)])
+        for s, p in ((0, a), (1, b))
+    ]
+    run(engine, *tasks)
+    both = [b for b in batches if sum(len(s.tokens) > 1 for s in b) == 2]
+    assert len(both) >= 300 // 64 - 1  # piece beside piece, not one prompt after the other
+    assert all({s.seq for s in batch} == {0, 1} for batch in both)
+    for task, prompt in ((tasks[0], a), (tasks[1], b)):
+        assert exact(scorer, prompt, task.results[0].tokens)

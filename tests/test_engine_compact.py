@@ -166,7 +166,7 @@ def test_compact_refuses_a_state_larger_than_its_cap(model: Model, toks: list[in
 def test_compacting_for_one_slot_keeps_the_other_slots_kv(model: Model, toks: list[int]) -> None:
     """The save and restore is of the whole context: every slot's cells move."""
     settings = ms(Path(model.path))
-    ctx = Context(model, settings, n_seq=3, n_ctx_total=2 * N_CTX, clock=Clock())
+    ctx = Context(model, settings, n_seq=4, n_ctx_total=2 * N_CTX, clock=Clock())
     try:
         caches = SlotCaches(ctx, 2)
         other = toks[100:400]
@@ -180,7 +180,7 @@ def test_compacting_for_one_slot_keeps_the_other_slots_kv(model: Model, toks: li
         assert caches.slots[1].tokens == other
     finally:
         ctx.close()
-    ref = Context(model, settings, n_seq=3, n_ctx_total=2 * N_CTX, clock=Clock())
+    ref = Context(model, settings, n_seq=4, n_ctx_total=2 * N_CTX, clock=Clock())
     try:
         ref_caches = SlotCaches(ref, 2, compact_min_work=COMPACT_OFF)
         ref_caches.prefill(ref_caches.slots[1], other, PrefillPolicy())

@@ -145,9 +145,12 @@ def test_n_predict_zero_fills_the_cache_only(qwen_pair: Engine) -> None:
 def test_flash_attention_is_off_on_the_cpu_unless_the_kv_cache_is_quantized(
     qwen_pair: Engine, qwen_target: Path, smollm_q4: Path
 ) -> None:
-    """This build has no GPU: the KQ matmul path (faster drafts to verify); a quantized V
-    cache needs flash attention, so it stays on there."""
-    assert qwen_pair.flash_attn is False
+    """This build has no GPU: one slot takes the KQ matmul path (faster drafts to verify);
+    several slots share one KV buffer, whose masked cells only flash attention skips, and a
+    quantized V cache needs flash attention, so it is on there."""
+    assert qwen_pair.n_slots == 2 and qwen_pair.flash_attn is True
+    with Engine.load(EngineSettings(target=small(qwen_target))) as eng:
+        assert eng.flash_attn is False
     # blocks of 32: SmolLM2's 64-wide heads, not Qwen's 16
     quantized = EngineSettings(target=small(smollm_q4, type_k="q8_0", type_v="q8_0"))
     with Engine.load(quantized) as eng:

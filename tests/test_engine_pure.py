@@ -358,3 +358,13 @@ def test_a_shared_step_keeps_the_likeliest_drafted_tokens_across_sequences() -> 
     assert share_step([unsure, unsure], cpu_like) == [0, 0]  # a plain step pays best
     assert share_step([[], []], cpu_like) == [0, 0]
     assert share_step([sure], VerifyCost()) == [0]  # nothing measured: a plain step first
+
+
+def test_a_shared_step_counts_the_fixed_drafts_of_other_sequences() -> None:
+    from localspec.engine.policy import VerifyCost, share_step
+
+    cpu_like = VerifyCost(ms={1: 10.0, 2: 16.0, 4: 22.0, 8: 40.0, 16: 70.0})
+    sure = [0.95, 0.9, 0.85, 0.8]
+    alone = share_step([sure], cpu_like)
+    crowded = share_step([sure], cpu_like, others=8)  # a step already 8 tokens long
+    assert alone[0] >= crowded[0]

@@ -53,6 +53,7 @@ class ServeSettings:
     # see N x ctx as their context, which also widens /infill's extra-context budget: off for
     # the editor replay, on for plain /completion throughput
     kv_unified: bool = False
+    flash_attn: str | None = None  # localspec only ("on" | "off"); None: its default
 
 
 @dataclass
@@ -167,6 +168,8 @@ def localspec_spec(
         argv += ["--cache-exact-ms", str(serve.cache_exact_ms)]
     if serve.ring_attention is not None:
         argv += ["--ring-attention", serve.ring_attention]
+    if serve.flash_attn is not None:
+        argv += ["--flash-attn", serve.flash_attn]
     name = "localspec" if not spec_mode else f"localspec/{spec_mode}"
     return ServerSpec(name, argv, port)
 

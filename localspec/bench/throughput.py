@@ -139,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--vs-llama-server", default="plain", help="llama-server modes, e.g. plain,draft ('': none)"
     )
     p.add_argument("--spec-mode", help="localspec's speculative mode (default: its settings)")
+    p.add_argument(
+        "--flash-attn", choices=("on", "off"), help="localspec's flash attention (default: its own)"
+    )
     p.add_argument("--no-localspec", action="store_true", help="only the llama-server modes")
     p.add_argument("--llama-server-bin", metavar="PATH", help="instead of $LLAMA_SERVER_BIN")
     p.add_argument("--repeats", type=int, default=1, help="rounds over every cell (default 1)")
@@ -301,6 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             threads=args.threads,
             slots=max(client_counts),
             kv_unified=True,
+            flash_attn=args.flash_attn,
             n_predict=args.n_predict,
         )
         specs = [] if args.no_localspec else [anchor.localspec_spec(serve, args.spec_mode)]

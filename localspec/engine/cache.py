@@ -1,24 +1,25 @@
 """Per-sequence KV caches on one llama context: apply a reuse plan, evaluate, roll back.
 
 Each slot is one sequence id and keeps the list of tokens whose KV it holds (position i
-holds token i), in a :class:`SeqState`. One extra sequence (``scratch``) parks the KV runs a
-plan moves: llama.cpp only accepts a batch that continues a sequence (positions max+1...), so
-the runs that come after an edited middle are parked, the middle is evaluated, and each run
-is re-attached when the evaluation reaches its position. With a unified KV buffer, parking
-re-tags cells (no copy). Extra completions of a request (``n_cmpl``) decode in ``aux``
-sequences that share the prompt's cells with the slot (``share_prefix``: a re-tag too).
+holds token i), in a :class:`SeqState`. A sequence of the slot's own (``scratch``) parks the
+KV runs a plan moves: llama.cpp only accepts a batch that continues a sequence (positions
+max+1...), so the runs that come after an edited middle are parked, the middle is evaluated,
+and each run is re-attached when the evaluation reaches its position. With a unified KV
+buffer, parking re-tags cells (no copy). Extra completions of a request (``n_cmpl``) decode
+in ``aux`` sequences that share the prompt's cells with the slot (``share_prefix``: a re-tag
+too).
 
 Blocks (``prefill(blocks=...)``): the prompt's leading spans are each evaluated on its own
-(attending only to itself, in a second extra sequence ``iso``) and then joined to the slot;
+(attending only to itself, in a third sequence of the slot's, ``iso``) and then joined to it;
 everything after them attends to all. A block's KV then depends on its own tokens only, so a
 block that moves (an editor's ring losing its oldest chunk) is moved by a KV shift and still
 equals what a cold evaluation of the same layout computes, up to the rounding of K's
 rotation.
 
 A prefill is a generator of batch segments (``prefill_steps``): the scheduler evaluates each
-piece, alone or in one batch with other sequences' decoding steps, and resumes it; the KV
-operations between pieces run inside it. Only one prefill may be in progress per context (it
-owns ``scratch`` and ``iso`` while it runs).
+piece, alone or in one batch with other sequences' pieces and decoding steps, and resumes it;
+the KV operations between pieces run inside it. Every slot has its scratch and iso
+sequences, so the prefills of several slots can be in progress at once.
 """
 
 from __future__ import annotations
@@ -83,6 +84,8 @@ class SeqState:
     """What one sequence's KV holds and how it was built."""
 
     seq: int  # the llama.cpp sequence id
+    scratch: int = -1  # a slot's: where a reuse plan parks the runs it moves
+    iso: int | None = None  # a slot's: where its ring blocks are evaluated, each on its own
     tokens: list[int] = field(default_factory=list)  # position i holds tokens[i]
     # leading tokens whose KV a cold evaluation would compute bit for bit: everything from the
     # first moved run on attended to KV computed after other text
@@ -140,8 +143,9 @@ def drive(ctx: Context, steps: PrefillSteps) -> PrefillResult:
 
 
 class SlotCaches:
-    """The sequences of one context: ``n_slots`` slots, the scratch and iso sequences, and
-    ``n_aux`` sequences for extra completions."""
+    """The sequences of one context: ``n_slots`` slots (each with its scratch sequence, and its
+    iso sequence when the context has room for one per slot), then ``n_aux`` sequences for
+    extra completions."""
 
     def __init__(
         self,
@@ -154,10 +158,12 @@ class SlotCaches:
         self.ctx = ctx
         self.compact_min_work = compact_min_work  # COMPACT_OFF: never compact
         self.n_slots = n_slots
-        self.slots = [SeqState(i) for i in range(n_slots)]
-        self.scratch = n_slots
-        self.iso = n_slots + 1 if ctx.n_seq > n_slots + 1 else None  # evaluates one block
-        first_aux = n_slots + 2
+        with_iso = ctx.n_seq >= 3 * n_slots
+        self.slots = [
+            SeqState(i, scratch=n_slots + i, iso=2 * n_slots + i if with_iso else None)
+            for i in range(n_slots)
+        ]
+        first_aux = (3 if with_iso else 2) * n_slots
         self.aux = [SeqState(first_aux + j) for j in range(min(n_aux, ctx.n_seq - first_aux))]
         self.n_compacted = 0  # KV buffer compactions done by prefills
         # cells freed below cells that stay (moved runs and blocks keep their old cells), less
@@ -242,7 +248,7 @@ class SlotCaches:
         while pos < n_prompt:
             run = runs.get(pos)
             if run is not None:
-                self._unpark(seq, run.dst, run.dst + run.n)
+                self._unpark(st, run.dst, run.dst + run.n)
                 toks.extend(prompt[run.dst : run.dst + run.n])
                 pos += run.n
                 continue
@@ -261,7 +267,7 @@ class SlotCaches:
             toks.extend(prompt[pos:end])
             pos = end
         if plan.runs:
-            ctx.seq_rm(self.scratch, -1, -1)
+            ctx.seq_rm(st.scratch, -1, -1)
         # the KV stays exact up to the first moved run (when it was exact up to the prefix)
         first_moved = min((r.dst for r in plan.runs if r.dst < len(toks)), default=len(toks))
         if exact >= plan.n_prefix:
@@ -347,7 +353,7 @@ class SlotCaches:
         they are in place already (then the cache is untouched)."""
         spans = block_spans(blocks)
         end = spans[-1][1]
-        ctx, seq, iso = self.ctx, st.seq, self.iso
+        ctx, seq, iso = self.ctx, st.seq, st.iso
         assert iso is not None
         cached, old = st.tokens, st.spans
         if st.sink != sink:  # blocks built with another rule do not match
@@ -402,7 +408,7 @@ class SlotCaches:
             run = moves.get(s)
             if run is not None:
                 pos = s + run.n
-                self._unpark(seq, s, pos)
+                self._unpark(st, s, pos)
                 toks.extend(prompt[s:pos])
                 placed.shifted += run.n
                 if pos == e:
@@ -432,14 +438,14 @@ class SlotCaches:
             if placed.cancelled:
                 break
         if moves:
-            ctx.seq_rm(self.scratch, -1, -1)
+            ctx.seq_rm(st.scratch, -1, -1)
         st.exact = len(toks)  # every block present is as a cold evaluation makes it
         return placed
 
     def _park(self, st: SeqState, runs: Sequence[Run], cut: int, beyond: int) -> None:
         """Park ``runs`` of ``st`` on the scratch sequence, already at their new positions,
         and drop ``st``'s KV from ``cut`` on. ``beyond``: past every position in play."""
-        ctx, scratch, seq = self.ctx, self.scratch, st.seq
+        ctx, scratch, seq = self.ctx, st.scratch, st.seq
         if runs:
             ctx.seq_rm(scratch, -1, -1)
             for r in runs:
@@ -453,10 +459,10 @@ class SlotCaches:
             for r in runs:
                 ctx.seq_add(scratch, r.src + beyond, r.src + r.n + beyond, r.dst - r.src - beyond)
 
-    def _unpark(self, seq: int, p0: int, p1: int) -> None:
-        """Attach the parked KV at positions [p0, p1) to ``seq`` (it is in place already)."""
-        self.ctx.seq_cp(self.scratch, seq, p0, p1)
-        self.ctx.seq_rm(self.scratch, p0, p1)
+    def _unpark(self, st: SeqState, p0: int, p1: int) -> None:
+        """Attach the parked KV at positions [p0, p1) to ``st`` (it is in place already)."""
+        self.ctx.seq_cp(st.scratch, st.seq, p0, p1)
+        self.ctx.seq_rm(st.scratch, p0, p1)
 
     def _unblock(self, st: SeqState) -> None:
         """Before a prompt without blocks: keep only the first block (at position 0 it is
@@ -485,7 +491,7 @@ class SlotCaches:
             if st.spans:
                 self._unblock(st)
             return _Placed()
-        if self.iso is None:
+        if st.iso is None:
             raise ValueError("blocks need a context with a sequence for them (n_seq)")
         move = move and self.ctx.can_shift  # min_chunk 0: no KV shift at all, as asked
         return (

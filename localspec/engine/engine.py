@@ -29,10 +29,11 @@ from localspec.engine.types import (
     TokenCallback,
 )
 from localspec.engine.vocab import Vocab, check_pair
+from localspec.planning.types import MAX_SLOTS
 
 __all__ = ["Engine", "draft_window_start"]
 
-# llama.cpp's limit on sequence ids in one context (LLAMA_MAX_SEQ)
+# llama.cpp's limit on sequence ids in one context (LLAMA_MAX_SEQ); a slot takes three
 MAX_SEQ = 256
 
 
@@ -40,13 +41,13 @@ class Engine:
     """A loaded model pair. Not thread-safe: one thread owns it (submit, step, generate)."""
 
     def __init__(self, settings: EngineSettings) -> None:
-        if settings.n_slots < 1:
-            raise ValueError(f"n_slots must be >= 1, got {settings.n_slots}")
+        if not 1 <= settings.n_slots <= MAX_SLOTS:
+            raise ValueError(f"n_slots must be within 1..{MAX_SLOTS}, got {settings.n_slots}")
         self.settings = settings
         self.n_slots = settings.n_slots
         # extra completions' sequences (n_cmpl > 1), within llama.cpp's sequence limit
         n_aux = settings.n_aux if settings.n_aux is not None else 2 * self.n_slots
-        self.n_aux = max(0, min(n_aux, MAX_SEQ - self.n_slots - 2))
+        self.n_aux = max(0, min(n_aux, MAX_SEQ - 3 * self.n_slots))
         self.aux_room = settings.aux_room
         self._clock = Clock()  # the target's llama.cpp time
         self._dclock = Clock()  # the draft's: apart, since it may run on its own thread
@@ -65,20 +66,22 @@ class Engine:
             self._tctx = Context(
                 self._target,
                 settings.target,
-                # + the scratch sequence, + one for ring blocks, + the extra completions'
-                n_seq=self.n_slots + 2 + self.n_aux,
+                # each slot, its scratch and its ring-block sequences, the extra completions'
+                n_seq=3 * self.n_slots + self.n_aux,
                 n_ctx_total=settings.target.n_ctx * self.n_slots + self.n_aux * self.aux_room,
                 clock=self._clock,
                 governor=self.governor,
+                n_slots=self.n_slots,
             )
             if self._draft is not None and settings.draft is not None:
                 self._dctx = Context(
                     self._draft,
                     settings.draft,
-                    n_seq=self.n_slots + 1,
+                    n_seq=2 * self.n_slots,  # each slot and its scratch sequence
                     n_ctx_total=settings.draft.n_ctx * self.n_slots,
                     clock=self._dclock,
                     governor=self.governor,
+                    n_slots=self.n_slots,
                 )
         except BaseException:
             self.close()
@@ -253,9 +256,9 @@ class Engine:
         """Fail every request in the engine with ``exc`` (their slots start over)."""
         self.scheduler.abort(exc)
 
-    def waiting_for_prompt(self) -> bool:
-        """A request waits for the prompt lane (see Scheduler.waiting_for_prompt)."""
-        return self.scheduler.waiting_for_prompt()
+    def busy_besides(self, slot: int) -> bool:
+        """Another request runs or waits (see Scheduler.busy_besides)."""
+        return self.scheduler.busy_besides(slot)
 
     def generate(
         self,

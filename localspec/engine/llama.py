@@ -20,7 +20,8 @@ import numpy as np
 
 from localspec.engine.errors import DecodeError, ModelLoadError
 from localspec.engine.threads import ThreadGovernor, physical_cores
-from localspec.engine.types import ModelSettings, default_flash_attn
+from localspec.engine.types import ModelSettings
+from localspec.planning.types import default_flash_attn
 
 _KV_TYPES = {
     "f32": C.GGML_TYPE_F32,
@@ -181,7 +182,10 @@ class Context:
         n_ctx_total: int,
         clock: Clock,
         governor: ThreadGovernor | None = None,
+        n_slots: int = 1,
     ) -> None:
+        """``n_slots``: the slots that share this context's KV buffer (flash attention's
+        default depends on it)."""
         params = C.llama_context_default_params()
         params.n_ctx = n_ctx_total
         params.n_batch = settings.n_batch
@@ -201,7 +205,7 @@ class Context:
         flash_attn = settings.flash_attn
         if flash_attn is None:
             on_gpu = settings.n_gpu_layers != 0 and bool(C.llama_supports_gpu_offload())
-            flash_attn = default_flash_attn(on_gpu, settings.type_k, settings.type_v)
+            flash_attn = default_flash_attn(on_gpu, settings.type_k, settings.type_v, n_slots)
         self.flash_attn = flash_attn
         params.flash_attn_type = (
             C.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else C.LLAMA_FLASH_ATTN_TYPE_DISABLED

@@ -248,7 +248,7 @@ class SpecPolicy:
 
 
 def share_step(
-    offers: list[list[float]], cost: VerifyCost, *, min_gain: float = 1.05
+    offers: list[list[float]], cost: VerifyCost, *, others: int = 0, min_gain: float = 1.05
 ) -> list[int]:
     """Draft lengths for the sequences of one step, from the measured cost of a step of that
     many tokens.
@@ -259,7 +259,9 @@ def share_step(
     kept survivals; the kept tokens are the likeliest ones across all sequences (each
     sequence's in order), as many as maximise the yield per ms. On a CPU, where a step's
     time grows with its tokens, that keeps the few sure ones; on a GPU, nearly all. A single
-    sequence gets the length the single-sequence rule would pick (the same curve)."""
+    sequence gets the length the single-sequence rule would pick (the same curve).
+    ``others``: tokens of the step's other sequences (whose drafts are fixed), counted as
+    one emitted token each in the step's yield."""
     n = len(offers)
     if n == 0:
         return []
@@ -267,15 +269,16 @@ def share_step(
         ((s, i, j) for i, survival in enumerate(offers) for j, s in enumerate(survival)),
         key=lambda x: (-x[0], x[2]),
     )
-    t_plain = cost.cost(n)
+    base = n + others
+    t_plain = cost.cost(base)
     if t_plain <= 0:
         return [0] * n
-    plain = n / t_plain
+    plain = base / t_plain
     best, take = plain, 0
-    produced = float(n)
+    produced = float(base)
     for k, (s, _, _) in enumerate(items, start=1):
         produced += s
-        rate = produced / cost.cost(n + k)
+        rate = produced / cost.cost(base + k)
         if rate > best:
             best, take = rate, k
     if best < plain * min_gain:

@@ -6,14 +6,14 @@ extra sequences that share the prompt's KV). Tasks on different slots run at the
 
 The policy, step by step:
 
-* A task starts when its slot is free and the prompt lane is free: one prompt is evaluated at
-  a time (it owns the context's scratch and iso sequences while its reuse plan runs), first
-  come, first served; a task for a busy slot waits without holding up the others.
+* A task starts as soon as its slot is free (a task for a busy slot waits without holding up
+  the others) and, with extra completions, sequences are free for them.
 * Each step is one batch holding, for every decoding sequence, its last token and its draft,
-  and at most one piece (``prefill_chunk`` tokens) of the prompt being evaluated. A request
-  that arrives while others decode starts its prompt at the next step, and a long prompt (an
-  editor's file switch) advances one piece per step instead of freezing the others: a step
-  costs them at most one piece.
+  and one piece (``prefill_chunk`` tokens) of every prompt being evaluated, oldest first while
+  the batch has room. A request that arrives while others decode starts at the next step; a
+  long prompt (an editor's file switch) advances a piece per step instead of freezing the
+  others (a step costs them at most the pieces in it); prompts that arrive together are
+  evaluated together, one pass over the weights for all of them.
 * A cancelled task's sequences stop at the next step; the others go on.
 """
 
@@ -91,7 +91,7 @@ class Scheduler:
         self.e = engine
         self.waiting: deque[Task] = deque()
         self.running: list[_Running] = []
-        self.prefilling: _Running | None = None
+        self.prefilling: list[_Running] = []  # prompts being evaluated, oldest first
         self._free_aux: list[SeqState] = list(engine._tcache.aux)
 
     # --- the owner's side ------------------------------------------------------------------
@@ -128,43 +128,45 @@ class Scheduler:
     def slot_busy(self, slot: int) -> bool:
         return any(r.task.slot == slot for r in self.running)
 
-    def waiting_for_prompt(self) -> bool:
-        """A task waits for the prompt lane (a prompt of a client that left is evaluated on,
-        as a cache fill, only until someone else needs the lane)."""
-        return any(not self.slot_busy(t.slot) for t in self.waiting)
+    def busy_besides(self, slot: int) -> bool:
+        """Anything else running or waiting (a prompt of a client that left is evaluated on,
+        as a cache fill, only while the engine would otherwise idle)."""
+        return bool(self.waiting) or any(r.task.slot != slot for r in self.running)
 
     def step(self) -> bool:
         """One step: start what can start, then one batch for every active sequence and a
-        piece of the prompt being evaluated. Returns whether work is left."""
+        piece of each prompt being evaluated. Returns whether work is left."""
         self._admit()
         live = self._live()
-        if len(live) + (self.prefilling is not None) > 1:
+        if len(live) + len(self.prefilling) > 1:
             for c in live:
                 c.unpipe()  # the draft thread drafts for one sequence alone
         self._drafts(live)
         segments = [c.segment() for c in live]
-        run = self.prefilling
-        piece = run.piece if run is not None else None
         n_tokens = sum(len(s.tokens) for s in segments)
-        if piece is not None and segments and n_tokens + len(piece.tokens) > self.e.n_batch:
-            piece = None  # a full batch of decoding sequences: the prompt waits a step
-        batch = segments + ([piece] if piece is not None else [])
+        pieces: list[tuple[_Running, Segment]] = []
+        for run in self.prefilling:  # oldest first, while the batch has room
+            assert run.piece is not None
+            if (segments or pieces) and n_tokens + len(run.piece.tokens) > self.e.n_batch:
+                break
+            pieces.append((run, run.piece))
+            n_tokens += len(run.piece.tokens)
+        batch = segments + [piece for _, piece in pieces]
         if batch:
             try:
                 t0 = time.perf_counter()
                 bases = self.e._tctx.decode_many(batch)
                 step_ms = (time.perf_counter() - t0) * 1000.0
                 if segments:
-                    n_step = n_tokens + (len(piece.tokens) if piece else 0)
-                    self.e.observe_step(n_step, step_ms, pipelined=live[0].pipe is not None)
+                    self.e.observe_step(n_tokens, step_ms, pipelined=live[0].pipe is not None)
                 for c, base in zip(live, bases, strict=False):
                     c.verify(base, step_ms)
-                if piece is not None and run is not None:
-                    run.shared = run.shared or bool(segments)
-                    at = bases[-1] + len(piece.tokens) - 1
-                    self._advance(run, at, None if segments else step_ms)
+                alone = len(batch) == 1  # a piece alone in its batch prices prompt tokens
+                for (run, piece), base in zip(pieces, bases[len(segments) :], strict=True):
+                    run.shared = run.shared or not alone
+                    self._advance(run, base + len(piece.tokens) - 1, step_ms if alone else None)
             except BaseException as exc:  # the tasks in this batch fail, not the engine
-                self._fail_all(exc, live, run if piece is not None else None)
+                self._fail_all(exc, live, [run for run, _ in pieces])
                 return self.busy
         self._retire()
         return self.busy
@@ -179,25 +181,27 @@ class Scheduler:
         for c in live:
             c.propose(c.room(), defer_model=True)
         draft_together([c for c in live if c.model_k])
-        offers = [c.policy.source(c.key).survival(len(c.draft)) if c.draft else [] for c in live]
-        for c, k in zip(live, share_step(offers, self.e.step_costs(False)), strict=True):
+        # fixed modes (llama-server's rule) keep their drafts; the cost model shares the rest
+        adaptive = [c for c in live if c.auto]
+        fixed = sum(1 + len(c.draft) for c in live if not c.auto)
+        offers = [
+            c.policy.source(c.key).survival(len(c.draft)) if c.draft else [] for c in adaptive
+        ]
+        lengths = share_step(offers, self.e.step_costs(False), others=fixed)
+        for c, k in zip(adaptive, lengths, strict=True):
             c.draft = c.draft[:k]
             if not c.draft:
                 c.source = c.key = ""
 
     # --- starting ------------------------------------------------------------------------------
     def _admit(self) -> None:
-        """Start the first waiting task whose slot is free, when no prompt is being evaluated
-        (and its extra completions have sequences to decode in)."""
-        if self.prefilling is not None:
-            return
+        """Start every waiting task whose slot is free and whose extra completions have
+        sequences to decode in, in the order they came."""
         for task in list(self.waiting):
             if self.slot_busy(task.slot) or len(task.requests) - 1 > len(self._free_aux):
                 continue
             self.waiting.remove(task)
             self._start(task)
-            if self.prefilling is not None:
-                return
 
     def _start(self, task: Task) -> None:
         e = self.e
@@ -244,7 +248,7 @@ class Scheduler:
                 first.block_sink,
                 cancel,
             )
-            self.prefilling = run
+            self.prefilling.append(run)
             self._advance(run, -1, None, first_piece=True)
         except BaseException as exc:
             self._fail(run, exc)
@@ -280,7 +284,8 @@ class Scheduler:
         except StopIteration as done:
             pre: PrefillResult = done.value
         run.steps = run.piece = None
-        self.prefilling = None
+        if run in self.prefilling:
+            self.prefilling.remove(run)
         run.pre = pre
         run.prompt_ms = (time.perf_counter() - run.t0) * 1000.0
         e, task = self.e, run.task
@@ -330,7 +335,7 @@ class Scheduler:
 
     def _retire(self) -> None:
         for run in list(self.running):
-            if run is self.prefilling or run.pre is None:
+            if run.pre is None:  # its prompt is still being evaluated
                 continue
             if all(c.done for c in run.completions):
                 results = [c.finish() for c in run.completions]
@@ -360,8 +365,8 @@ class Scheduler:
     def _finish(self, run: _Running) -> None:
         if run in self.running:
             self.running.remove(run)
-        if self.prefilling is run:
-            self.prefilling = None
+        if run in self.prefilling:
+            self.prefilling.remove(run)
         task = run.task
         task.done = True
         if task.on_done is not None:
@@ -389,11 +394,11 @@ class Scheduler:
                 task.on_done(task)
 
     def _fail_all(
-        self, exc: BaseException, live: list[Completion], prefill: _Running | None
+        self, exc: BaseException, live: list[Completion], prefills: list[_Running]
     ) -> None:
         """A batch failed: llama.cpp may keep part of it, so every task in it starts over."""
         runs = {id(r): r for r in self.running if any(c in live for c in r.completions)}
-        if prefill is not None:
-            runs[id(prefill)] = prefill
+        for run in prefills:
+            runs[id(run)] = run
         for run in runs.values():
             self._fail(run, exc)

@@ -29,7 +29,8 @@ class ModelSettings:
     n_ctx: int = 4096  # per slot; the llama context holds n_ctx * n_seq_max cells
     n_batch: int = 1024
     n_ubatch: int = 1024
-    flash_attn: bool | None = None  # None = default_flash_attn() for where the layers run
+    # None = planning.types.default_flash_attn() for where the layers run and how many slots
+    flash_attn: bool | None = None
     type_k: str = "f16"  # f16 | q8_0 | q4_0
     type_v: str = "f16"
     n_threads: int | None = None  # None = a sensible split of the physical cores
@@ -40,17 +41,6 @@ class ModelSettings:
     tensor_split: tuple[float, ...] | None = None
     # llama.cpp's extra weight buffers (repacking, AMX); None = llama.default_repack_weights()
     repack_weights: bool | None = None
-
-
-UNQUANTIZED_KV = frozenset({"f16", "f32", "bf16"})
-
-
-def default_flash_attn(on_gpu: bool, type_k: str, type_v: str) -> bool:
-    """Flash attention on GPUs and for a quantized KV cache (llama.cpp needs it for a quantized
-    V), off on the CPU: there llama.cpp's KQ matmul verifies a 16-token draft at 3.4k positions
-    in 105 ms against flash attention's 187 (docs/engine.md), for an n_kv x n_ubatch score
-    matrix in the compute buffer that the planner counts."""
-    return on_gpu or type_k not in UNQUANTIZED_KV or type_v not in UNQUANTIZED_KV
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,7 @@ from localspec.planning.speed import (
     sessions_held,
     target_seconds,
 )
-from localspec.planning.types import Candidate, DeviceMemory, Layout
-
-MAX_SLOTS = 256  # the server's limit
+from localspec.planning.types import MAX_SLOTS, Candidate, DeviceMemory, Layout
 
 
 def size_slots(

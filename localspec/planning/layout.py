@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from localspec.engine.types import default_flash_attn
 from localspec.hardware import HardwareFacts
 from localspec.planning.memory import (
     CTX_STEP,
@@ -17,7 +16,14 @@ from localspec.planning.memory import (
     padded_ctx,
 )
 from localspec.planning.settings import PlanSettings
-from localspec.planning.types import Candidate, Device, DeviceMemory, Layout, ModelFacts
+from localspec.planning.types import (
+    Candidate,
+    Device,
+    DeviceMemory,
+    Layout,
+    ModelFacts,
+    default_flash_attn,
+)
 
 
 @dataclass(frozen=True)
@@ -46,10 +52,10 @@ class SearchContext:
     def full_ngl(self, m: ModelFacts) -> int:
         return m.n_layer + 1 if self.n_gpus else 0
 
-    def attention(self, type_kv: str) -> tuple[bool, ...]:
-        """Flash attention settings to try, best first: off on a CPU (faster verify steps)
-        unless its score matrix is what keeps the layout from fitting, then on."""
-        preferred = default_flash_attn(self.n_gpus > 0, type_kv, type_kv)
+    def attention(self, type_kv: str, n_slots: int = 1) -> tuple[bool, ...]:
+        """Flash attention settings to try, best first: the engine's default, then on when
+        its score matrix is what keeps the layout from fitting."""
+        preferred = default_flash_attn(self.n_gpus > 0, type_kv, type_kv, n_slots)
         return (True,) if preferred else (False, True)
 
     def ctx_max(self, m: ModelFacts) -> int:
@@ -133,7 +139,7 @@ def fit_first_attention(
     c: SearchContext, cand: Candidate, layout: Layout
 ) -> tuple[Layout, list[DeviceMemory]] | None:
     """``layout`` with the first attention setting (``c.attention``) under which it fits."""
-    for flash_attn in c.attention(layout.type_kv):
+    for flash_attn in c.attention(layout.type_kv, layout.n_slots):
         fitted, rows = fit_rows(c, cand, replace(layout, flash_attn=flash_attn))
         if fits(rows):
             return fitted, rows

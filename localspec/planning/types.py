@@ -7,6 +7,27 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Literal
 
+# the engine's slot limit: llama.cpp has 256 sequence ids in a context, and a slot takes three
+# (its cache, the runs a reuse plan parks, its ring blocks)
+MAX_SLOTS = 85
+
+UNQUANTIZED_KV = frozenset({"f16", "f32", "bf16"})
+
+
+def default_flash_attn(on_gpu: bool, type_k: str, type_v: str, n_slots: int = 1) -> bool:
+    """Whether llama.cpp's flash attention is on, the engine's and the plan's one rule.
+
+    On GPUs; for a quantized KV cache (llama.cpp needs it for a quantized V); and for several
+    slots: they share one KV buffer, and without it every token computes a score for every
+    cell below the highest used one, every slot's, masked or not, where its CPU kernel skips
+    masked cells (4 clients on 4 slots: 1.8x the tokens/s, docs/benchmarks.md). One slot on
+    the CPU: off, because llama.cpp's KQ matmul verifies a 16-token draft at 3.4k positions in
+    105 ms against flash attention's 187 and decodes faster (docs/engine.md), for an
+    n_kv x n_ubatch score matrix in the compute buffer that the planner counts."""
+    quantized = type_k not in UNQUANTIZED_KV or type_v not in UNQUANTIZED_KV
+    return on_gpu or quantized or n_slots > 1
+
+
 KV_TYPE_BYTES: dict[str, float] = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 """Bytes per cached K or V element (q8_0/q4_0 store 32 values plus an f16 scale)."""
 

@@ -189,9 +189,9 @@ class Worker:
                 _finish(job, JobResult([], cancelled=reason))
                 self.n_cancelled += 1
 
-    def others_wait(self) -> bool:
-        """A live job or a tokenizer call is queued, a started job waits for the prompt lane
-        (or the worker is stopping)."""
+    def others_wait(self, slot: int) -> bool:
+        """A live job or a tokenizer call is queued, the engine has other work than this
+        slot's (or the worker is stopping)."""
         with self._cond:
             if (
                 self.state == "stopping"
@@ -200,7 +200,7 @@ class Worker:
             ):
                 return True
         engine = self.engine
-        return engine is not None and engine.waiting_for_prompt()
+        return engine is not None and engine.busy_besides(slot)
 
     def _supersede(self, job: Job) -> None:
         """A newer job pinned to a slot replaces older queued ones for that slot.
@@ -471,11 +471,12 @@ def _finish(job: Job, result: JobResult) -> None:
 
 @dataclass
 class _UntilOthersWait:
-    """The prompt of a job whose client left is evaluated on, as a cache fill, until someone
-    else waits: the next keystroke's prompt starts with the same tokens (everything but the
-    cursor line, which sits at the end), so this is work it would otherwise queue behind and
-    redo, and the engine would idle until it came. A job the worker itself stopped
-    (``stopped_by``) stops at once. Checked between prompt chunks, never during generation."""
+    """The prompt of a job whose client left is evaluated on, as a cache fill, while the
+    engine has nothing else to do: the next keystroke's prompt starts with the same tokens
+    (everything but the cursor line, which sits at the end), so this is work it would
+    otherwise redo, and the engine would idle until it came. It stops once anyone else waits
+    or runs (it would share their steps), and at once for a job the worker itself stopped
+    (``stopped_by``). Checked between prompt pieces, never during generation."""
 
     job: Job
     worker: Worker
@@ -483,7 +484,7 @@ class _UntilOthersWait:
     def is_set(self) -> bool:
         if not self.job.cancel.is_set():
             return False
-        return bool(self.job.stopped_by) or self.worker.others_wait()
+        return bool(self.job.stopped_by) or self.worker.others_wait(self.job.slot)
 
 
 def _log_cut_short(job: Job, result: JobResult) -> None:
