@@ -143,6 +143,11 @@ def test_sampler_names_and_chars() -> None:
         sampler_chain(["top_k", "bogus"])
     with pytest.raises(InvalidRequest, match="'z'"):
         sampler_chain("kz")
+    # one table with the engine's, llama.cpp's: what passes here, the engine builds
+    assert sampler_chain(["topk", "min-p", "adaptive_p"]) == ("top_k", "min_p", "adaptive_p")
+    assert sampler_chain("a") == ("adaptive_p",)
+    with pytest.raises(InvalidRequest, match="typical"):  # not one of llama.cpp's spellings
+        sampler_chain(["typical"])
 
 
 def test_common_prefix_across_chunk_boundaries() -> None:

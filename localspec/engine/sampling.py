@@ -31,15 +31,42 @@ for _name in _CANONICAL:
 _NOOP = {"dry", "typ_p", "xtc", "penalties", "top_n_sigma", "adaptive_p"}
 
 
-def canonical_samplers(names: tuple[str, ...] | list[str]) -> tuple[str, ...]:
-    """Map names (any llama-server spelling) to canonical ones; ValueError names an unknown."""
+# llama-server's one-letter codes (common_sampler_type_to_chr)
+_CHARS = {
+    "d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "s": "top_n_sigma", "m": "min_p",
+    "t": "temperature", "x": "xtc", "i": "infill", "e": "penalties", "a": "adaptive_p",
+}  # fmt: skip
+
+
+class UnknownSampler(ValueError):
+    """A sampler name (or one-letter code) llama-server does not know; ``unknown`` lists
+    them and the message says what is accepted."""
+
+    def __init__(self, unknown: list[str], *, codes: bool) -> None:
+        self.unknown = unknown
+        known = "".join(_CHARS) if codes else ", ".join(_CANONICAL)
+        kind = "sampler code(s)" if codes else "sampler(s)"
+        super().__init__(f"Unknown {kind} {', '.join(map(repr, unknown))}: use {known}")
+
+
+def canonical_samplers(names: tuple[str, ...] | list[str] | str) -> tuple[str, ...]:
+    """Canonical names from a list of names (any llama-server spelling) or a string of
+    one-letter codes; UnknownSampler names what it does not know."""
+    if isinstance(names, str):
+        unknown = sorted({c for c in names if c not in _CHARS})
+        if unknown:
+            raise UnknownSampler(unknown, codes=True)
+        return tuple(_CHARS[c] for c in names)
     out: list[str] = []
+    bad: list[str] = []
     for raw in names:
         name = str(raw).lower()
         name = _ALIASES.get(name, name)
         if name not in _CANONICAL:
-            raise ValueError(f"unknown sampler {raw!r}; known: {', '.join(_CANONICAL)}")
+            bad.append(str(raw))
         out.append(name)
+    if bad:
+        raise UnknownSampler(sorted(set(bad)), codes=False)
     return tuple(out)
 
 

@@ -11,71 +11,24 @@ import random
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from localspec.engine.sampling import UnknownSampler, canonical_samplers
 from localspec.engine.types import GenerationRequest, PromptLayout, SamplingParams
 from localspec.server.errors import InvalidRequest
 from localspec.server.schemas import GenerationFields
 
 RANDOM_SEED = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED
 
-# Canonical sampler names and the other spellings llama.cpp accepts for them.
-_SAMPLER_NAMES: dict[str, str] = {
-    "dry": "dry",
-    "top_k": "top_k",
-    "top-k": "top_k",
-    "typ_p": "typ_p",
-    "typ-p": "typ_p",
-    "typ": "typ_p",
-    "typical_p": "typ_p",
-    "typical-p": "typ_p",
-    "typical": "typ_p",
-    "top_p": "top_p",
-    "top-p": "top_p",
-    "nucleus": "top_p",
-    "min_p": "min_p",
-    "min-p": "min_p",
-    "temperature": "temperature",
-    "temp": "temperature",
-    "xtc": "xtc",
-    "infill": "infill",
-    "penalties": "penalties",
-    "top_n_sigma": "top_n_sigma",
-    "top-n-sigma": "top_n_sigma",
-}
-_SAMPLER_CHARS: dict[str, str] = {
-    "d": "dry",
-    "k": "top_k",
-    "y": "typ_p",
-    "p": "top_p",
-    "m": "min_p",
-    "t": "temperature",
-    "x": "xtc",
-    "i": "infill",
-    "e": "penalties",
-    "s": "top_n_sigma",
-}
-
-
 def sampler_chain(samplers: list[str] | str) -> tuple[str, ...]:
-    """llama.cpp's names, or a string of one-letter codes.
+    """llama.cpp's names (any spelling it accepts), or a string of one-letter codes, as the
+    engine's canonical names (one table: engine/sampling.py).
 
     llama-server skips unknown names with a warning in its own log; a client that misspells
     a sampler would never learn its chain changed, so an unknown name is a 400 here.
     """
-    if isinstance(samplers, str):
-        unknown = sorted({c for c in samplers if c not in _SAMPLER_CHARS})
-        if unknown:
-            raise InvalidRequest(
-                f"Unknown sampler code(s) {', '.join(map(repr, unknown))} in 'samplers': "
-                f"use {''.join(_SAMPLER_CHARS)}"
-            )
-        return tuple(_SAMPLER_CHARS[c] for c in samplers)
-    unknown = sorted({s for s in samplers if s not in _SAMPLER_NAMES})
-    if unknown:
-        raise InvalidRequest(
-            f"Unknown sampler(s) {', '.join(map(repr, unknown))} in 'samplers': "
-            f"use {', '.join(sorted(set(_SAMPLER_NAMES.values())))}"
-        )
-    return tuple(_SAMPLER_NAMES[s] for s in samplers)
+    try:
+        return canonical_samplers(samplers)
+    except UnknownSampler as exc:
+        raise InvalidRequest(str(exc).replace(":", " in 'samplers':", 1)) from None
 
 
 def _clamp(value: float, low: float, high: float) -> float:
