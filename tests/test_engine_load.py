@@ -112,7 +112,7 @@ def test_vocab_exposes_fim_eog_and_tokenizes_without_special(qwen_pair: Engine) 
 
 
 def test_bad_requests_are_value_errors(qwen_pair: Engine) -> None:
-    with pytest.raises(ValueError, match="Unknown sampler.* 'nope'"):
+    with pytest.raises(ValueError, match=r"Unknown sampler.* 'nope'"):
         qwen_pair.generate(
             GenerationRequest(slot=0, prompt=[1, 2], sampling=SamplingParams(samplers=("nope",)))
         )

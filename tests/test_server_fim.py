@@ -10,10 +10,10 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from localspec.engine.vocab import FimTokens
 from localspec.server.fim import (
     SNIPPET_SEPARATOR,
     Extra,
-    FimIds,
     budgets,
     extra_blocks,
     infill_prompt,
@@ -21,8 +21,8 @@ from localspec.server.fim import (
 )
 
 PRE, SUF, MID, REP, SEP, BOS = -1, -2, -3, -4, -5, -6
-QWEN_LIKE = FimIds(pre=PRE, suf=SUF, mid=MID, rep=REP, sep=SEP)
-NO_REPO = FimIds(pre=PRE, suf=SUF, mid=MID)
+QWEN_LIKE = FimTokens(pre=PRE, suf=SUF, mid=MID, rep=REP, sep=SEP)
+NO_REPO = FimTokens(pre=PRE, suf=SUF, mid=MID)
 
 
 def chars(text: str) -> list[int]:

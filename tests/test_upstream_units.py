@@ -12,7 +12,8 @@ import pytest
 
 from localspec import settings as st
 from localspec.catalog import load_catalog
-from localspec.server.fim import Extra, FimIds, infill_prompt
+from localspec.engine.vocab import FimTokens
+from localspec.server.fim import Extra, infill_prompt
 from localspec.server.params import task_params
 from localspec.server.schemas import InfillRequest
 from localspec.server.upstream.answer import upstream_error, upstream_message
@@ -165,7 +166,7 @@ def test_the_text_layout_is_local_servings_layout() -> None:
         "<|fim_middle|>    y = "
     )
     # the order and blocks come from infill_prompt itself: the same call on token ids agrees
-    ids = FimIds(pre=-1, suf=-2, mid=-3, rep=-4, sep=-5)
+    ids = FimTokens(pre=-1, suf=-2, mid=-3, rep=-4, sep=-5)
     names = {-1: FIM.pre, -2: FIM.suf, -3: FIM.mid, -4: FIM.rep, -5: FIM.sep}
     layout = infill_prompt(
         tokenize=lambda s: [ord(c) for c in s],

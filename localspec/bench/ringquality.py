@@ -44,7 +44,7 @@ from localspec.engine.cache import PrefillPolicy, SlotCaches
 from localspec.engine.llama import Clock, Context, Model
 from localspec.engine.types import ModelSettings
 from localspec.engine.vocab import Vocab
-from localspec.server.fim import Extra, FimIds, extra_blocks
+from localspec.server.fim import Extra, extra_blocks
 
 MODES = (
     "no ring", "causal ring", "causal, rotated", "block ring", "block, rotated", "sink blocks",
@@ -154,8 +154,7 @@ def run(
     ctx = Context(model, settings, n_seq=3, n_ctx_total=settings.n_ctx, clock=Clock())
     try:
         vocab = Vocab(model.vocab_handle)
-        fim = vocab.fim  # only the repository/file separators are used (when it has them)
-        ids = FimIds(pre=fim.pre or 0, suf=fim.suf or 0, mid=fim.mid or 0, rep=fim.rep, sep=fim.sep)
+        ids = vocab.fim  # only the repository/file separators are used (when it has them)
         caches = SlotCaches(ctx, 1)
         rows: list[dict[str, Any]] = []
         # every prompt starts with a repository header, the first block (the one the sink

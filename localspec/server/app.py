@@ -131,7 +131,7 @@ async def health() -> Response:
 async def infill(body: InfillRequest, request: Request, svc: Svc) -> Response:
     """Fill in the middle, as llama-vscode and llama.vim call it."""
     try:
-        prompts.fim_ids(svc.engine.vocab)  # 501 before queueing, as llama-server
+        prompts.fim_tokens(svc.engine.vocab)  # 501 before queueing, as llama-server
         params = svc.params(body)
     except ApiError as exc:
         return error_response(exc, request)
@@ -169,7 +169,7 @@ async def openai_completions(body: OpenAICompletionRequest, request: Request, sv
     try:
         params = svc.params(body)
         if body.suffix is not None:
-            prompts.fim_ids(svc.engine.vocab)
+            prompts.fim_tokens(svc.engine.vocab)
             if not isinstance(body.prompt, str):
                 raise InvalidRequest("with a suffix, the prompt must be a string")
             prepare = prompts.infill(

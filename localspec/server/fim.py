@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from localspec.engine.types import PromptLayout
+from localspec.engine.vocab import FimTokens
 
 Tokenize = Callable[[str], list[int]]  # text -> ids, no BOS, special-token parsing off
 
@@ -48,15 +49,6 @@ Tokenize = Callable[[str], list[int]]  # text -> ids, no BOS, special-token pars
 SNIPPET_SEPARATOR = "\n\n--- snippet ---\n\n"
 PROJECT_NAME = "myproject"  # llama-server's fixed repository name
 FILE_PLACEHOLDER = "filename"  # llama-server's fixed name for the file being edited
-
-
-@dataclass(frozen=True)
-class FimIds:
-    pre: int
-    suf: int
-    mid: int
-    rep: int | None = None
-    sep: int | None = None
 
 
 @dataclass(frozen=True)
@@ -90,7 +82,7 @@ def tokenize_mixed(tokenize: Tokenize, value: str | Sequence[int | str]) -> list
 
 
 def extra_blocks(
-    tokenize: Tokenize, fim: FimIds, chunks: Sequence[ExtraText]
+    tokenize: Tokenize, fim: FimTokens, chunks: Sequence[ExtraText]
 ) -> tuple[list[int], list[int]]:
     """The extra context, and the lengths of its blocks: the repository header, then each
     chunk with its file separator; the current file's separator closes it, outside them."""
@@ -181,7 +173,7 @@ def budgets(
 def infill_prompt(
     *,
     tokenize: Tokenize,
-    fim: FimIds,
+    fim: FimTokens,
     input_prefix: str | Sequence[int | str],
     input_suffix: str | Sequence[int | str],
     input_extra: Sequence[ExtraText],

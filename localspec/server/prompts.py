@@ -7,37 +7,25 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from localspec.engine.types import PromptLayout
+from localspec.engine.vocab import FimTokens
 from localspec.server.errors import InvalidRequest, NotSupported
-from localspec.server.fim import ExtraText, FimIds, infill_prompt, tokenize_mixed
+from localspec.server.fim import ExtraText, infill_prompt, tokenize_mixed
 from localspec.server.tokcache import TokenCache
 
 Prepare = Callable[[Any], PromptLayout]  # engine -> the prompt, as the engine evaluates it
 
 
-_last_fim: tuple[Any, FimIds] | None = None  # (vocab, its ids): asked twice per request
-
-
-def fim_ids(vocab: Any) -> FimIds:
+def fim_tokens(vocab: Any) -> FimTokens:
     """The vocabulary's FIM tokens; 501 like llama-server when any of the three is missing."""
-    global _last_fim
-    last = _last_fim
-    if last is not None and last[0] is vocab:
-        return last[1]
-    fim = vocab.fim
+    fim: FimTokens = vocab.fim
+    if fim.supported:
+        return fim
     missing = "".join(
         f"{name} token is missing. "
         for name, value in (("prefix", fim.pre), ("suffix", fim.suf), ("middle", fim.mid))
-        if value is None or value < 0
+        if value is None
     )
-    if missing:
-        raise NotSupported(f"Infill is not supported by this model: {missing}")
-
-    def opt(value: int | None) -> int | None:
-        return None if value is None or value < 0 else value
-
-    ids = FimIds(pre=fim.pre, suf=fim.suf, mid=fim.mid, rep=opt(fim.rep), sep=opt(fim.sep))
-    _last_fim = (vocab, ids)
-    return ids
+    raise NotSupported(f"Infill is not supported by this model: {missing}")
 
 
 def _bos(vocab: Any) -> int | None:
@@ -70,7 +58,7 @@ def infill(
 
     def prepare(engine: Any) -> PromptLayout:
         vocab = engine.vocab
-        fim = fim_ids(vocab)
+        fim = fim_tokens(vocab)
         check_ids(user_ids, vocab.n_vocab)
 
         def plain(text: str) -> list[int]:

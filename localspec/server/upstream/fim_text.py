@@ -18,7 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from localspec.catalog import FimText
-from localspec.server.fim import ExtraText, FimIds, infill_prompt
+from localspec.engine.vocab import FimTokens
+from localspec.server.fim import ExtraText, infill_prompt
 
 # Code characters per token, the 5th percentile over 4,000-character windows of the Python
 # standard library with Qwen's tokenizer (median 4.4): 95 % of windows take no more tokens
@@ -48,7 +49,7 @@ def infill_text(
 ) -> str:
     """The prompt text of one /infill request (``ring_only``: just the extra-context head,
     for a ring warm-up). ``n_ctx`` and ``room`` are tokens."""
-    ids = FimIds(
+    ids = FimTokens(
         pre=_PRE,
         suf=_SUF,
         mid=_MID,
