@@ -71,6 +71,9 @@ class LocalHub:
         self.fail_after_cut = True
         self.ignore_range = False  # answer 200 with the whole file, as some CDNs do
         self.chunk_delay = 0.0  # seconds slept per 64 KiB sent: a slow link
+        # when set: a download stops after its first 64 KiB until the event is set (a download
+        # still under way whenever the test looks, however loaded the machine)
+        self.paused: threading.Event | None = None
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
         self._server.daemon_threads = True
         self.scheme = "http"
@@ -322,6 +325,8 @@ def _handler_for(hub: LocalHub) -> type[BaseHTTPRequestHandler]:
                 pos += len(block)
                 if hub.chunk_delay:
                     time.sleep(hub.chunk_delay)
+                if hub.paused is not None:
+                    hub.paused.wait(60)
             if limit is not None:
                 self.wfile.flush()
             return sent
