@@ -2,7 +2,7 @@
 
 Every emitted token is re-scored with the target alone (one cold batch over prompt + output):
 it must be the target's greedy choice, except where the target's top two logits are within
-1e-3 (batched and single-token kernels round differently). Covers a low-agreement pair (tiny
+TIE (batched and single-token kernels round differently). Covers a low-agreement pair (tiny
 random Qwen models: their output is whatever their weights prefer), the follow pair (a draft
 that misses every third token: rejections at every draft position by construction) and a
 high-agreement pair (SmolLM2 F32 target, Q4_1 draft). Drafting is sequential here on any
@@ -31,7 +31,10 @@ from tests.fixtures.models import follow_chain
 
 N_PROMPTS = 30
 GREEDY = SamplingParams(top_k=1, temperature=0.0)
-TIE = 1e-3
+# a token's logits computed alone and inside a batch differ by up to 1e-5 for the tiny Qwen
+# models and 5e-3 for SmolLM2 F32 (measured, AVX2-only and AVX-512 builds alike): closer calls
+# than this may go either way
+TIE = 0.02
 
 
 def model_settings(path: Path) -> ModelSettings:
