@@ -27,6 +27,7 @@ from localspec.engine.completion import Completion
 from localspec.engine.llama import Clock, Context, Model
 from localspec.engine.types import GenerationResult
 from tests.fixtures.models import follow_chain
+from tests.steer import fixed_costs
 
 GREEDY = SamplingParams(top_k=1, temperature=0.0)
 
@@ -462,12 +463,15 @@ def test_cancel_mid_prefill_stops_between_pieces_and_keeps_what_was_evaluated(
 
 
 def test_auto_mode_skips_a_draft_prefill_that_does_not_pay(
-    qwen_follow: Path, qwen_follow_draft: Path, prompt_text: str
+    qwen_follow: Path, qwen_follow_draft: Path, prompt_text: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """At a new location the draft model would first evaluate the whole new prompt; auto mode
     weighs that against what its drafts can save and, when it does not pay, generates without
     it (same greedy output), leaving the draft's cache as it was. (The follow pair: its greedy
     output is known, so "the same" cannot turn on a near tie.)"""
+    # whatever this CPU measures: a 5-token step at 1.2x a single token's time and free draft
+    # tokens, so drafts pay and the prefill rule alone decides
+    fixed_costs(monkeypatch, {1: 10.0, 5: 12.0}, draft_ms=0.0)
     s = EngineSettings(
         target=ms(qwen_follow),
         draft=ms(qwen_follow_draft),
@@ -475,6 +479,7 @@ def test_auto_mode_skips_a_draft_prefill_that_does_not_pay(
         # auto's cost model, drafting sequentially on any number of cores (a pipelined draft
         # prefills beside the target and is never skipped)
         spec=SpecSettings(mode="draft", adaptive=True, n_max=4, pipeline=False),
+        follow_load=False,  # step costs are kept per thread count: one count throughout
     )
     with Engine.load(s) as eng:
         first = eng.vocab.tokenize(prompt_text)
@@ -490,10 +495,7 @@ def test_auto_mode_skips_a_draft_prefill_that_does_not_pay(
         assert policy.target_prefill_ms > 0  # the target's price, measured on its prefill
 
         def worth_drafting() -> None:
-            """Whatever this CPU measured: a draft model whose drafts pay, so the prefill
-            rule alone decides (a 5-token verify at 1.2x a single token's time, every draft
-            accepted, drafts free)."""
-            policy.verify.ms = {1: 10.0, 5: 12.0}
+            """A draft model whose drafts are all accepted (and cost nothing)."""
             policy.sources.pop("draft", None)
             for _ in range(12):
                 policy.observe_result("draft", 4, 4)

@@ -155,7 +155,8 @@ def test_high_agreement_pair_is_target_exact_pipelined(
     # auto's cost model with the costs of a CPU where a batch of k + 1 costs (1 + k / 8)
     # single steps: drafting pays, whatever this machine and its load measure
     fixed_costs(monkeypatch, {1: 8.0, 2: 9.0, 5: 12.0, 9: 16.0, 17: 24.0})
-    s = settings(smollm_f32, smollm_q4, mode="auto", n_max=8)
+    # (step costs are kept per thread count: one count throughout)
+    s = replace(settings(smollm_f32, smollm_q4, mode="auto", n_max=8), follow_load=False)
     scorer = Scorer(smollm_f32)
     try:
         with Engine.load(s) as eng:
