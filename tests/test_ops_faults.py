@@ -20,7 +20,15 @@ import pytest
 from localspec.engine.types import EngineSettings, ModelSettings
 from localspec.server import ServerSettings, logs, serve
 from localspec.server.run import EXIT_BIND_FAILED, EXIT_LOAD_FAILED
-from tests.ops_support import Live, engine_settings, launch, running_daemon, start, stop
+from tests.ops_support import (
+    Live,
+    engine_settings,
+    launch,
+    running_daemon,
+    start,
+    stop,
+    wait_until,
+)
 from tests.steer import held_generation, held_prefill
 
 N_CTX = 2048
@@ -109,17 +117,22 @@ def test_client_leaving_mid_prefill_generation_or_stream_leaves_a_good_cache(
             else:
                 abort_stream(live, greedy(CODE, 100_000))
             wait_idle(live)
-            assert worker.n_cancelled == cancelled + 1, case
+            # counted (and logged) just after the slot is free: the test can look first
+            wait_until(lambda cancelled=cancelled: worker.n_cancelled == cancelled + 1)
             cached = c.get("/slots").json()[0]["n_prompt_tokens"]
             if case == "prefill":
                 # nobody else waited: the left prompt was evaluated to its end (the next
                 # keystroke's head) and nothing was generated for it
-                stopped = [
-                    r.fields  # type: ignore[attr-defined]
-                    for r in caplog.records[seen:]
-                    if getattr(r, "fields", {}).get("outcome") == "engine stopped"
-                ]
-                assert stopped and stopped[-1]["predicted"] == 0, "never left during the prompt"
+                def engine_stopped(seen: int = seen) -> list[dict[str, Any]]:
+                    return [
+                        r.fields  # type: ignore[attr-defined]
+                        for r in caplog.records[seen:]
+                        if getattr(r, "fields", {}).get("outcome") == "engine stopped"
+                    ]
+
+                wait_until(engine_stopped)  # logged once the engine let go: the test can be first
+                stopped = engine_stopped()
+                assert stopped[-1]["predicted"] == 0, "never left during the prompt"
                 assert stopped[-1]["evaluated"] == stopped[-1]["n_prompt"] == cached
                 assert cached > reference["tokens_evaluated"]
             again = c.post("/completion", json=greedy(CODE, 12)).json()

@@ -217,9 +217,9 @@ def abort_mid_generation(live: Live, path: str, body: dict[str, Any]) -> int:
         sock.sendall(head + payload)
         hold.wait_reached()  # it has generated a little
         sock.close()
-        wait_until(lambda: worker.n_done > done_before)  # the job ended (cancelled) ...
-    assert not worker.busy  # ... and the engine is free again
-    assert worker.n_cancelled == cancelled_before + 1
+        # the job ended cancelled (counted just after its slot is freed) ...
+        wait_until(lambda: worker.n_cancelled == cancelled_before + 1)
+    assert worker.n_done > done_before and not worker.busy  # ... and the engine is free again
     slot = next(s for s in worker.slots if s.n_requests and s.last_used == max(
         x.last_used for x in worker.slots))  # fmt: skip
     prompt_len = slot.last_prompt_n + slot.last_cache_n
