@@ -46,8 +46,10 @@ ensure_llama_wheel() {
     say "building llama.cpp (llama-cpp-python $LLAMA_CPP_VERSION, CMAKE_ARGS=$CMAKE_ARGS)."
     say "this happens once and takes about 5-15 minutes on 2 cores; the wheel is kept in $WHEELHOUSE"
     mkdir -p "$WHEELHOUSE"
+    # --no-cache-dir: pip's own wheel cache is keyed on the source archive alone, so it would
+    # hand back a wheel built with other CMAKE_ARGS (a native build instead of an AVX2-only one)
     CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2)} \
-        "$VENV/bin/python" -m pip wheel --no-deps --progress-bar off -w "$WHEELHOUSE" \
+        "$VENV/bin/python" -m pip wheel --no-cache-dir --no-deps --progress-bar off -w "$WHEELHOUSE" \
         "llama-cpp-python==$LLAMA_CPP_VERSION" ||
         die "building llama-cpp-python failed (see the compiler output above)."
 }

@@ -49,8 +49,9 @@ ENV_PREFIX = "LOCALSPEC_"
 # Environment variables other tools already define, read as a lower-precedence spelling of a key.
 ENV_ALIASES: dict[str, str] = {"HF_ENDPOINT": "hub.endpoint", "HF_HUB_OFFLINE": "hub.offline"}
 # LOCALSPEC_* variables that are not settings: directory overrides (localspec.paths),
-# LOCALSPEC_LLAMA_LOG, which lets llama.cpp's own log through (localspec.engine.llama), and
-# LOCALSPEC_FIXTURE_CACHE, where the test suite keeps its fixture models (tests/fixtures).
+# LOCALSPEC_LLAMA_LOG, which lets llama.cpp's own log through (localspec.engine.llama),
+# LOCALSPEC_FIXTURE_CACHE, where the test suite keeps its fixture models (tests/fixtures), and
+# the launcher's (launcher/bootstrap.sh), which stay in the environment of the daemon it starts.
 ENV_NOT_SETTINGS = frozenset(
     {
         "CONFIG_DIR",
@@ -61,6 +62,9 @@ ENV_NOT_SETTINGS = frozenset(
         "CACHE_DIR",
         "LLAMA_LOG",
         "FIXTURE_CACHE",
+        "VENV",
+        "PYTHON",
+        "WHEELHOUSE",
     }
 )
 

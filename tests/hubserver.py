@@ -71,6 +71,9 @@ class LocalHub:
         self.fail_after_cut = True
         self.ignore_range = False  # answer 200 with the whole file, as some CDNs do
         self.chunk_delay = 0.0  # seconds slept per 64 KiB sent: a slow link
+        # when set: a download stops after its first 64 KiB until the event is set (a download
+        # still under way whenever the test looks, however loaded the machine)
+        self.paused: threading.Event | None = None
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
         self._server.daemon_threads = True
         self.scheme = "http"
@@ -161,22 +164,25 @@ def _handler_for(hub: LocalHub) -> type[BaseHTTPRequestHandler]:
             return
 
         # -- plumbing --------------------------------------------------------------------
-        def _record(self, status: int, sent: int = 0) -> None:
+        def _record(self, status: int, sent: int = 0) -> Request:
+            """Recorded before the answer goes out (a client that has read it finds it
+            counted, however slow this thread is to get on)."""
+            request = Request(
+                self.command,
+                self.path,
+                self.headers.get("Range"),
+                status,
+                sent,
+                self.headers.get("Authorization"),
+            )
             with hub.lock:
-                hub.requests.append(
-                    Request(
-                        self.command,
-                        self.path,
-                        self.headers.get("Range"),
-                        status,
-                        sent,
-                        self.headers.get("Authorization"),
-                    )
-                )
+                hub.requests.append(request)
+            return request
 
         def _send(
             self, status: int, body: bytes = b"", headers: dict[str, str] | None = None
         ) -> None:
+            self._record(status, 0 if self.command == "HEAD" else len(body))
             self.send_response(status)
             for key, value in (headers or {}).items():
                 self.send_header(key, value)
@@ -184,7 +190,6 @@ def _handler_for(hub: LocalHub) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             if self.command != "HEAD":
                 self.wfile.write(body)
-            self._record(status, 0 if self.command == "HEAD" else len(body))
 
         def _json(self, status: int, payload: Any, headers: dict[str, str] | None = None) -> None:
             body = json.dumps(payload).encode()
@@ -291,39 +296,44 @@ def _handler_for(hub: LocalHub) -> type[BaseHTTPRequestHandler]:
                     return
                 start, status = int(match[1]), 206
                 headers["Content-Range"] = f"bytes {start}-{f.size - 1}/{f.size}"
+            record = self._record(status)
             self.send_response(status)
             for key, value in headers.items():
                 self.send_header(key, value)
             self.send_header("Content-Length", str(f.size - start))
             self.end_headers()
             if self.command == "HEAD":
-                self._record(status)
                 return
             limit = hub._cut.pop(filename, None)
-            sent = self._stream(f, start, filename, limit)
-            self._record(status, sent)
+            self._stream(f, start, filename, limit, record)
             if limit is not None:
                 if hub.fail_after_cut:
                     hub.failing.add(filename)
                 self.close_connection = True
 
-        def _stream(self, f: HubFile, start: int, filename: str, limit: int | None) -> int:
+        def _stream(
+            self, f: HubFile, start: int, filename: str, limit: int | None, record: Request
+        ) -> None:
             end = f.size if limit is None else min(f.size, start + limit)
-            sent, pos = 0, start
+            pos = start
             while pos < end:
                 block = bytearray(f.read(pos, min(end, pos + _CHUNK)))
                 if filename in hub.corrupt and pos <= f.size // 2 < pos + len(block):
                     block[f.size // 2 - pos] ^= 0xFF
+                with hub.lock:  # counted before the client can have it
+                    record.bytes_sent += len(block)
                 try:
                     self.wfile.write(block)
                 except (BrokenPipeError, ConnectionResetError):
+                    with hub.lock:
+                        record.bytes_sent -= len(block)
                     break
-                sent += len(block)
                 pos += len(block)
                 if hub.chunk_delay:
                     time.sleep(hub.chunk_delay)
+                if hub.paused is not None:
+                    hub.paused.wait(60)
             if limit is not None:
                 self.wfile.flush()
-            return sent
 
     return Handler

@@ -327,10 +327,17 @@ def _burst(keys: list[tuple[str, float, editor.KeyKind]], warmups: int = 1) -> e
     )
 
 
+# between keystrokes of these tests: a request is aborted once the next key is due, so the
+# stub's instant answers must come back within it, on a loaded machine too (a stalled answer
+# waits 3 s, far longer)
+KEY_S = 0.5
+
+
 def test_slow_requests_are_aborted_on_the_wire() -> None:
     burst = _burst(
-        [("a", 0.1, "type"), ("ab", 0.1, "type"), ("abc", 0.1, "type"), ("abcd", 5.0, "final")]
-    )
+        [("a", KEY_S, "type"), ("ab", KEY_S, "type"), ("abc", KEY_S, "type"),
+         ("abcd", 5.0, "final")]
+    )  # fmt: skip
     with Stub(_slow_on("b")) as stub:
 
         async def go() -> list[Outcome]:
@@ -355,7 +362,9 @@ def test_slow_requests_are_aborted_on_the_wire() -> None:
 
 def two_locations() -> editor.Schedule:
     """A short schedule in three generated files: 2 locations, 3 keys each, no pauses."""
-    settings = editor.TrafficSettings(locations=2, max_keys=3, pause_prob=0.0)
+    settings = editor.TrafficSettings(
+        locations=2, max_keys=3, pause_prob=0.0, interval_s=(KEY_S, KEY_S)
+    )
     src = [
         editor.SourceFile(f"/m{i}.py", [f"x{i}_{j} = {j}  # filler" for j in range(120)])
         for i in range(3)

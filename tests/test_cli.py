@@ -408,6 +408,9 @@ def test_logs_follow_prints_new_lines_and_stops_on_ctrl_c(env: dict[str, str]) -
         env=env,
         stdout=subprocess.PIPE,
         text=True,
+        # Ctrl-C as in a terminal: a suite started in the background (nohup, `cmd &` in a
+        # script) hands its children SIGINT ignored, and Python then never raises on it
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
     def line() -> str:
@@ -420,9 +423,11 @@ def test_logs_follow_prints_new_lines_and_stops_on_ctrl_c(env: dict[str, str]) -
         with log.open("a") as fh:
             fh.write("new 1\n")
         assert line() == "new 1\n"
-    finally:
         proc.send_signal(signal.SIGINT)
-    assert proc.wait(30) == 0
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()  # whatever happened, no follower is left running
+        proc.wait()
 
 
 def test_catalog_refresh_pins_sizes_and_sha256_from_the_hub(

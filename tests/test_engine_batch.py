@@ -24,6 +24,8 @@ from localspec.engine import (
     Task,
 )
 from localspec.engine.llama import Segment
+from tests.fixtures.models import follow_chain
+from tests.steer import fixed_costs
 from tests.test_engine_exact import Scorer, model_settings
 
 GREEDY = SamplingParams(top_k=1, temperature=0.0)
@@ -196,37 +198,59 @@ def test_extra_completions_stop_at_their_reserved_room(qwen_target: Path) -> Non
 
 
 def test_the_draft_model_drafts_for_several_sequences_in_one_batch(
-    engine: Engine, scorer: Scorer, monkeypatch: pytest.MonkeyPatch
+    qwen_follow: Path, qwen_follow_draft: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Draft-model drafts for two slots come from shared draft batches; outputs stay the
-    target's, and each draft cache keeps only verified tokens."""
-    dctx = engine._dctx
-    assert dctx is not None
-    seen: list[set[int]] = []
-    decode_many = dctx.decode_many
+    target's, and each draft cache keeps only verified tokens.
 
-    def record(segments: Sequence[Segment]) -> list[int]:
-        seen.append({s.seq for s in segments})
-        return decode_many(segments)
+    Beside each other, the sequences' draft lengths come from the measured cost of a step and
+    their acceptance so far: here the follow pair (its drafts accepted two tokens in three,
+    rejected at known places) and the costs of a machine where a bigger step costs little
+    more, so the drafts are kept whatever this CPU, its load or an earlier test measured."""
+    fixed_costs(monkeypatch, {1: 10.0, 64: 10.5})
+    s = EngineSettings(
+        target=model_settings(qwen_follow),
+        draft=model_settings(qwen_follow_draft),
+        n_slots=2,
+        spec=SpecSettings(mode="draft", n_max=4, p_min=0.0, pipeline=False),
+        follow_load=False,  # step costs are kept per thread count: one count throughout
+    )
+    scorer = Scorer(qwen_follow)
+    try:
+        with Engine.load(s) as engine:
+            dctx = engine._dctx
+            assert dctx is not None
+            seen: list[set[int]] = []
+            decode_many = dctx.decode_many
 
-    monkeypatch.setattr(dctx, "decode_many", record)
-    a, b = prompts(engine, 2)
-    reqs = [
-        GenerationRequest(slot=s, prompt=p, n_predict=20, sampling=GREEDY, spec_n_max=4)
-        for s, p in ((0, a), (1, b))
-    ]
-    tasks = [Task([r]) for r in reqs]
-    spec = replace(engine.settings.spec, mode="draft")
-    monkeypatch.setattr(engine, "settings", replace(engine.settings, spec=spec))
-    run(engine, *tasks)
-    assert any(seqs == {0, 1} for seqs in seen)
-    for task, prompt, slot in ((tasks[0], a, 0), (tasks[1], b, 1)):
-        (res,) = task.results
-        assert res.drafted["draft"].drafted > 0
-        assert exact(scorer, prompt, res.tokens)
-        drafts = engine.draft_slot_tokens(slot)
-        verified = prompt + res.tokens
-        assert drafts == verified[: len(drafts)] and len(drafts) >= len(prompt)
+            def record(segments: Sequence[Segment]) -> list[int]:
+                seen.append({s.seq for s in segments})
+                return decode_many(segments)
+
+            monkeypatch.setattr(dctx, "decode_many", record)
+            a, b = prompts(engine, 2)
+            tasks = [
+                Task(
+                    [
+                        GenerationRequest(
+                            slot=s, prompt=p, n_predict=20, sampling=GREEDY, spec_n_max=4
+                        )
+                    ]
+                )
+                for s, p in ((0, a), (1, b))
+            ]
+            run(engine, *tasks)
+            assert any(seqs == {0, 1} for seqs in seen)
+            for task, prompt, slot in ((tasks[0], a, 0), (tasks[1], b, 1)):
+                (res,) = task.results
+                assert 0 < res.drafted["draft"].accepted < res.drafted["draft"].drafted
+                assert res.tokens == follow_chain(prompt[-1], 20)
+                assert exact(scorer, prompt, res.tokens)
+                drafts = engine.draft_slot_tokens(slot)
+                verified = prompt + res.tokens
+                assert drafts == verified[: len(drafts)] and len(drafts) >= len(prompt)
+    finally:
+        scorer.close()
 
 
 def test_prompts_that_arrive_together_are_evaluated_together(

@@ -21,6 +21,10 @@ from tests import kv_support
 from tests.kv_support import new_ctx
 
 ATOL = 1e-3  # batch splits round differently (test_engine_exact_kv)
+# a moved block's K is rotated and rounded to F16 again: measured 1.6e-3 after one move and
+# 2.4e-3 / 2.6e-3 after two (AVX-512 / AVX2-only builds). A block whose KV is wrong is far
+# off: a causal ring moved by a shift is 1.0 away, a tail one position late 1.6.
+ROTATION_ATOL = 5e-3
 CHUNK = 60
 
 model = kv_support.model_fixture()
@@ -85,9 +89,9 @@ def test_a_rotated_ring_of_blocks_is_moved_and_stays_exact(
     assert caches.slots[0].exact == len(second) == pre.n_exact
     assert caches.slots[0].spans == block_spans(blocks2)
     warm = logits(caches)
-    # only K's rotation rounds differently (an F16 K cache: ~1.6e-3 here)
+    # only K's rotation rounds differently
     moved_error = np.max(np.abs(warm - cold_logits(model, second, blocks2)))
-    assert moved_error < 2 * ATOL
+    assert moved_error < ROTATION_ATOL
     # the same rotation evaluated causally, with a KV shift: hundreds of times further off
     causal = SlotCaches(new_ctx(model, n_seq=3), 1)
     causal.prefill(causal.slots[0], first, PrefillPolicy(min_chunk=64))
@@ -163,9 +167,9 @@ def test_a_cut_short_block_moves_with_the_ring_and_resumes(
     assert pre.n_shifted == 2 * CHUNK + 40
     assert pre.n_evaluated == 20 + CHUNK + len(tail)
     assert caches.slots[0].exact == len(third)
-    # c3 and c4 turned twice: K's rotation rounds twice (2.5e-3 here, as when c5 was whole)
+    # c3 and c4 turned twice: K's rotation rounds twice (as when c5 was whole)
     np.testing.assert_allclose(
-        logits(caches), cold_logits(model, third, blocks3, sink=True), atol=3 * ATOL
+        logits(caches), cold_logits(model, third, blocks3, sink=True), atol=ROTATION_ATOL
     )
 
 
@@ -231,7 +235,7 @@ def test_blocks_that_see_a_sink_still_move_exactly(
 
     with_sink = cold_logits(model, second, blocks2, sink=True)
     moved_error = np.max(np.abs(warm - with_sink))  # K's rotation rounding, as without a sink
-    assert moved_error < 5 * ATOL
+    assert moved_error < ROTATION_ATOL
     assert (
         np.max(np.abs(with_sink - cold_logits(model, second, blocks2))) > 10 * moved_error
     )  # the chunks saw it

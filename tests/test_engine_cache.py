@@ -26,6 +26,8 @@ from localspec.engine import (
 from localspec.engine.completion import Completion
 from localspec.engine.llama import Clock, Context, Model
 from localspec.engine.types import GenerationResult
+from tests.fixtures.models import follow_chain
+from tests.steer import fixed_costs
 
 GREEDY = SamplingParams(top_k=1, temperature=0.0)
 
@@ -48,7 +50,8 @@ def engine(qwen_target: Path, qwen_draft: Path) -> Engine:
         cache_reuse=16,
         tail_reuse=8,
         exact_ms=0.0,  # these tests are of the KV shift, which this tiny model can afford to skip
-        spec=SpecSettings(mode="draft", n_max=4, p_min=0.0),
+        # sequential drafting on any number of cores (the pipelined draft: test_engine_pipeline)
+        spec=SpecSettings(mode="draft", n_max=4, p_min=0.0, pipeline=False),
     )
     with Engine.load(s) as eng:
         yield eng
@@ -218,16 +221,26 @@ def test_rejected_draft_positions_leave_kv_consistent(
     np.testing.assert_allclose(warm_logits(engine, 0, more), cold_logits(cold, more), atol=0.05)
 
 
-def test_draft_model_kv_keeps_only_accepted_tokens(engine: Engine, prompt_text: str) -> None:
-    prompt = engine.vocab.tokenize(prompt_text)[:100]
-    res = engine.generate(
-        GenerationRequest(slot=0, prompt=prompt, n_predict=24, sampling=GREEDY, cache_prompt=False)
+def test_draft_model_kv_keeps_only_accepted_tokens(
+    qwen_follow: Path, qwen_follow_draft: Path, prompt_text: str
+) -> None:
+    """The follow pair: the draft model misses every third token, so its drafts are rejected
+    at known places on any CPU; its cache then holds accepted tokens only."""
+    s = EngineSettings(
+        target=ms(qwen_follow),
+        draft=ms(qwen_follow_draft),
+        spec=SpecSettings(mode="draft", n_max=4, p_min=0.0, pipeline=False),
     )
-    assert res.drafted["draft"].drafted > res.drafted["draft"].accepted  # rejections
-    d = engine.draft_slot_tokens(0)
-    seq = prompt + res.tokens
-    assert d == seq[: len(d)] and len(d) >= len(prompt)
-    assert_slot_consistent(engine, 0)
+    with Engine.load(s) as eng:
+        prompt = eng.vocab.tokenize(prompt_text)[:100]
+        res = eng.generate(GenerationRequest(slot=0, prompt=prompt, n_predict=24, sampling=GREEDY))
+        assert res.tokens == follow_chain(prompt[-1], 24)
+        stats = res.drafted["draft"]
+        assert 0 < stats.accepted < stats.drafted  # acceptances and rejections
+        d = eng.draft_slot_tokens(0)
+        seq = prompt + res.tokens
+        assert d == seq[: len(d)] and len(d) >= len(prompt)
+        assert_slot_consistent(eng, 0)
 
 
 def test_cancel_returns_partial_output_and_consistent_caches(
@@ -450,16 +463,23 @@ def test_cancel_mid_prefill_stops_between_pieces_and_keeps_what_was_evaluated(
 
 
 def test_auto_mode_skips_a_draft_prefill_that_does_not_pay(
-    qwen_target: Path, qwen_draft: Path, prompt_text: str
+    qwen_follow: Path, qwen_follow_draft: Path, prompt_text: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """At a new location the draft model would first evaluate the whole new prompt; auto mode
     weighs that against what its drafts can save and, when it does not pay, generates without
-    it (same greedy output), leaving the draft's cache as it was."""
+    it (same greedy output), leaving the draft's cache as it was. (The follow pair: its greedy
+    output is known, so "the same" cannot turn on a near tie.)"""
+    # whatever this CPU measures: a 5-token step at 1.2x a single token's time and free draft
+    # tokens, so drafts pay and the prefill rule alone decides
+    fixed_costs(monkeypatch, {1: 10.0, 5: 12.0}, draft_ms=0.0)
     s = EngineSettings(
-        target=ms(qwen_target),
-        draft=ms(qwen_draft),
+        target=ms(qwen_follow),
+        draft=ms(qwen_follow_draft),
         n_slots=1,
-        spec=SpecSettings(mode="draft", adaptive=True, n_max=4),  # auto's cost model
+        # auto's cost model, drafting sequentially on any number of cores (a pipelined draft
+        # prefills beside the target and is never skipped)
+        spec=SpecSettings(mode="draft", adaptive=True, n_max=4, pipeline=False),
+        follow_load=False,  # step costs are kept per thread count: one count throughout
     )
     with Engine.load(s) as eng:
         first = eng.vocab.tokenize(prompt_text)
@@ -475,10 +495,7 @@ def test_auto_mode_skips_a_draft_prefill_that_does_not_pay(
         assert policy.target_prefill_ms > 0  # the target's price, measured on its prefill
 
         def worth_drafting() -> None:
-            """Whatever this CPU measured: a draft model whose drafts pay, so the prefill
-            rule alone decides (a 5-token verify at 1.2x a single token's time, every draft
-            accepted, drafts free)."""
-            policy.verify.ms = {1: 10.0, 5: 12.0}
+            """A draft model whose drafts are all accepted (and cost nothing)."""
             policy.sources.pop("draft", None)
             for _ in range(12):
                 policy.observe_result("draft", 4, 4)
@@ -498,17 +515,20 @@ def test_auto_mode_skips_a_draft_prefill_that_does_not_pay(
         policy.draft_prefill_ms = 1e-6  # one that always does
         paid = run(other)
         assert paid.draft_n_evaluated > 64 and paid.tokens == skipped.tokens
+        assert paid.tokens == follow_chain(other[-1], 24)
 
 
-def test_drafts_never_exceed_the_batch(qwen_target: Path) -> None:
-    """A periodic n-gram draft can be as long as any ``n_max`` a request asks for; the verify
-    batch ``[last, *draft]`` still fits ``n_batch`` (the fuzzer found a 65-token batch)."""
-    small = ModelSettings(str(qwen_target), n_ctx=1024, n_batch=32, n_ubatch=32, n_threads=2)
+def test_drafts_never_exceed_the_batch(qwen_follow: Path) -> None:
+    """An n-gram draft can be as long as any ``n_max`` a request asks for; the verify batch
+    ``[last, *draft]`` still fits ``n_batch`` (the fuzzer found a 65-token batch). The follow
+    model continues the prompt's opening run, so the n-gram match is there on any CPU."""
+    small = ModelSettings(str(qwen_follow), n_ctx=1024, n_batch=32, n_ubatch=32, n_threads=2)
     s = EngineSettings(target=small, spec=SpecSettings(mode="ngram", n_max=16))
     with Engine.load(s) as eng:
-        prompt = eng.vocab.tokenize("x = [" + "0, " * 40)
+        start = 1000
+        prompt = [*follow_chain(start - 1, 300), start]  # start, start + 1, ..., then start
         res = eng.generate(
             GenerationRequest(slot=0, prompt=prompt, n_predict=200, sampling=GREEDY, spec_n_max=100)
         )
-        assert len(res.tokens) == 200
+        assert res.tokens == follow_chain(start, 200)
         assert res.spec_steps and max(n for _, n, _ in res.spec_steps) == 31

@@ -24,6 +24,12 @@ from tests.kv_support import N_CTX, ms, new_ctx
 model = kv_support.model_fixture()
 toks = kv_support.tokens_fixture(1000)
 
+# The same KV in other cells: attention sums the cells in another order, which rounds
+# differently on some builds (1.6e-4 measured with an AVX2-only llama.cpp; 0 with AVX-512).
+# A compaction that loses anything moves logits by far more (a lost K rotation: 7, the next
+# test).
+ORDER_ATOL = 1e-3
+
 
 def fill(ctx: Context, tokens: list[int], pos0: int, seq: int) -> np.ndarray:
     for i in range(0, len(tokens), 100):
@@ -53,7 +59,7 @@ def test_compact_changes_no_logit_and_waits_for_a_pending_shift(
         assert not a.shift_pending
         assert a.compact()
         warm, want = fill(a, toks[801:1000], 301, 1), fill(ref, toks[801:1000], 301, 1)
-        np.testing.assert_allclose(warm, want, rtol=0, atol=1e-4)
+        np.testing.assert_allclose(warm, want, rtol=0, atol=ORDER_ATOL)
         assert int(np.argmax(warm)) == int(np.argmax(want))
     finally:
         a.close()
@@ -74,7 +80,7 @@ def test_a_state_round_trip_with_a_shift_pending_would_lose_the_rotation(
         n = int(llama_mod.C.llama_state_get_data(a.handle, buf, size))
         assert int(llama_mod.C.llama_state_set_data(a.handle, buf, n)) == n
         lost, want = fill(a, toks[800:900], 300, 1), fill(ref, toks[800:900], 300, 1)
-        assert np.max(np.abs(lost - want)) > 1e-2
+        assert np.max(np.abs(lost - want)) > 100 * ORDER_ATOL
     finally:
         a.close()
         ref.close()
@@ -109,8 +115,8 @@ def test_prefill_compacts_before_evaluating_around_moved_runs(
             results.append(fill(ctx, more, len(second), 0))
         finally:
             ctx.close()
-    np.testing.assert_allclose(results[0], results[2], rtol=0, atol=1e-4)
-    np.testing.assert_allclose(results[1], results[3], rtol=0, atol=1e-4)
+    np.testing.assert_allclose(results[0], results[2], rtol=0, atol=ORDER_ATOL)
+    np.testing.assert_allclose(results[1], results[3], rtol=0, atol=ORDER_ATOL)
 
 
 def test_a_small_edit_does_not_compact(model: Model, toks: list[int]) -> None:
@@ -147,7 +153,7 @@ def test_a_failed_restore_empties_every_slot_instead_of_leaving_it_wrong(
             want = fill(cold, second, 0, 0)
         finally:
             cold.close()
-        np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+        np.testing.assert_allclose(got, want, rtol=0, atol=ORDER_ATOL)
     finally:
         ctx.close()
 
@@ -190,7 +196,7 @@ def test_compacting_for_one_slot_keeps_the_other_slots_kv(model: Model, toks: li
     finally:
         ref.close()
     for g, w in zip(got, want, strict=True):
-        np.testing.assert_allclose(g, w, rtol=0, atol=1e-4)
+        np.testing.assert_allclose(g, w, rtol=0, atol=ORDER_ATOL)
 
 
 def test_holes_a_ring_rotation_leaves_are_compacted_by_the_request_that_evaluates_next(
@@ -227,7 +233,7 @@ def test_holes_a_ring_rotation_leaves_are_compacted_by_the_request_that_evaluate
             results.append(np.array(ctx.logits(-1)))
         finally:
             ctx.close()
-    np.testing.assert_allclose(results[0], results[1], rtol=0, atol=1e-3)
+    np.testing.assert_allclose(results[0], results[1], rtol=0, atol=ORDER_ATOL)
 
 
 def threading_set() -> threading.Event:

@@ -67,8 +67,10 @@ def test_bad_draft_file_is_a_load_error(tmp_path: Path, qwen_target: Path) -> No
 def test_pair_check_accepts_151936_with_152064(
     qwen_target: Path, qwen_target_152064: Path, pipeline: bool
 ) -> None:
-    # the tiny draft is as fast as the tiny target: a pipelined target waits for its tokens
-    spec = SpecSettings(pipeline=pipeline, pipeline_wait=2)
+    # the tiny draft is as fast as the tiny target: a pipelined target waits for its tokens.
+    # Mode "draft": the draft model drafts every step, wherever auto's cost model (measured
+    # times) or the random target's output (n-gram matches) would have put it
+    spec = SpecSettings(mode="draft", pipeline=pipeline, pipeline_wait=2)
     with Engine.load(settings(qwen_target_152064, qwen_target, spec=spec)) as eng:
         assert eng.vocab.n_vocab == 152064
         assert eng.draft_path == str(qwen_target)

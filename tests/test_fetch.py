@@ -426,7 +426,7 @@ def test_concurrent_pulls_of_one_file_download_it_once(hub: LocalHub, models: Pa
     import io
     import threading
 
-    hub.chunk_delay = 0.01  # ~0.5 s for the file: the second pull finds the first under way
+    hub.paused = threading.Event()  # the first download stays under way until released
     outs = [io.StringIO(), io.StringIO()]
     results: list[object] = [None, None]
 
@@ -442,15 +442,15 @@ def test_concurrent_pulls_of_one_file_download_it_once(hub: LocalHub, models: Pa
     while not partial.exists() and threads[0].is_alive():  # the first is downloading
         threading.Event().wait(0.01)
     threads[1].start()
+    deadline = time.monotonic() + 60
+    while "waiting for another" not in outs[1].getvalue() and time.monotonic() < deadline:
+        threading.Event().wait(0.01)  # the second pull found the first under way
+    hub.paused.set()
     for t in threads:
         t.join(timeout=60)
     assert results[0] == results[1] and isinstance(results[0], list)
     assert results[0][0].read_bytes() == DATA
-    # the hub records a download after its last byte is written: the client can be faster
-    deadline = time.monotonic() + 5
-    while hub.bytes_served(NAME) < SIZE and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.1)  # a second download, had there been one, would be recorded by now
+    # (the hub counts bytes before it sends them: both pulls are done, so is the count)
     assert hub.bytes_served(NAME) == SIZE  # one download, not two
     assert "waiting for another localspec download" in outs[1].getvalue()
 

@@ -6,8 +6,10 @@ import ctypes
 from pathlib import Path
 
 import llama_cpp
+import numpy as np
 import pytest
 
+from localspec.bench.speculative import code_prompts
 from localspec.engine import (
     Engine,
     EngineSettings,
@@ -15,7 +17,7 @@ from localspec.engine import (
     ModelSettings,
     SamplingParams,
 )
-from tests.fixtures.models import QWEN_FIM_IDS, SMOLLM_FIM_TOKENS
+from tests.fixtures.models import QWEN_FIM_IDS, QWEN_NORMAL, SMOLLM_FIM_TOKENS, follow_chain
 
 
 def _load(path: Path, **kwargs: object) -> llama_cpp.Llama:
@@ -112,16 +114,56 @@ PROMPTS = [
 ]
 
 
-def _greedy(eng: Engine, prompt: str) -> list[int]:
-    req = GenerationRequest(
-        slot=0, prompt=eng.vocab.tokenize(prompt), n_predict=12, sampling=SamplingParams(top_k=1)
-    )
-    return eng.generate(req).tokens
+def _logits(eng: Engine, seq: list[int], first: int) -> np.ndarray:
+    """Rows of logits for positions ``first``.. of ``seq``, evaluated cold in one batch."""
+    eng.clear_slot(0)
+    eng._tctx.decode(seq, 0, 0, logits=list(range(first, len(seq))))
+    return np.array([np.array(eng._tctx.logits(first + i)) for i in range(len(seq) - first)])
 
 
-def test_dequantized_smollm_matches_original_mostly(smollm_q4: Path, smollm_f16: Path) -> None:
+def test_dequantized_smollm_matches_original(smollm_q4: Path, smollm_f16: Path) -> None:
+    """Q4_1 -> F16 keeps the stored values; the models differ only in how llama.cpp computes
+    with them (Q4_1 rounds the activations to 8 bits: logits ~1 apart, so greedy texts may
+    part on a close call). Both see the same tokens, the original's greedy continuation, and
+    their logits must be the same model's: correlation 0.9987 or more and the original's choice
+    within the derived model's top 3 at every position (measured); a mangled tensor, a shifted
+    layout or lost metadata is far off both, and rounding on another CPU (~1e-4) is not."""
     with _engine(smollm_q4) as original, _engine(smollm_f16) as derived:
-        same = sum(_greedy(original, p) == _greedy(derived, p) for p in PROMPTS)
-    # Q4_1 -> F16 is lossless on the stored values, so most greedy texts agree; a few may
-    # differ where kernels round differently at near-ties.
-    assert same >= len(PROMPTS) // 2, f"only {same}/{len(PROMPTS)} prompts agree"
+        for text in PROMPTS:
+            prompt = original.vocab.tokenize(text)
+            req = GenerationRequest(
+                slot=0, prompt=prompt, n_predict=12, sampling=SamplingParams(top_k=1)
+            )
+            seq = prompt + original.generate(req).tokens[:-1]
+            a = _logits(original, seq, len(prompt) - 1)
+            b = _logits(derived, seq, len(prompt) - 1)
+            for row_a, row_b in zip(a, b, strict=True):
+                assert np.corrcoef(row_a, row_b)[0, 1] > 0.995, text
+                assert (row_b > row_b[row_a.argmax()]).sum() < 5, text
+
+
+FOLLOW_PROMPTS = [
+    [1000],
+    [QWEN_NORMAL - 2],  # the rule wraps round to token 0
+    [151659, 5, 6, 151661, 7, 151660],  # FIM_PRE ... FIM_MID: special tokens lead to ordinary
+    [151643],  # the end-of-text token
+]
+
+
+@pytest.mark.parametrize("name,miss", [("qwen_follow", 0), ("qwen_follow_draft", 3)])
+def test_follow_models_follow_their_rule_by_a_wide_margin(
+    name: str, miss: int, request: pytest.FixtureRequest
+) -> None:
+    """What the tests that need known behaviour stand on: the greedy output is follow_chain,
+    after code and after special tokens, with every choice at least a logit ahead (2.7 or
+    more measured; kernels round at ~1e-4)."""
+    with _engine(request.getfixturevalue(name)) as eng:
+        prompts = [eng.vocab.tokenize(t)[-100:] for t in code_prompts(3, lines=8)]
+        for prompt in prompts + FOLLOW_PROMPTS:
+            req = GenerationRequest(
+                slot=0, prompt=prompt, n_predict=24, sampling=SamplingParams(top_k=1)
+            )
+            out = eng.generate(req).tokens
+            assert out == follow_chain(prompt[-1], 24, miss), prompt
+            rows = np.sort(_logits(eng, prompt + out[:-1], len(prompt) - 1), axis=1)
+            assert (rows[:, -1] - rows[:, -2]).min() > 1.0, prompt

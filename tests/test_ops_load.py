@@ -7,9 +7,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import httpx
 import pytest
 
-from localspec.bench.load import LoadReport, run_load
+from localspec.bench.load import LoadReport, infill_bodies, run_load
 from tests.ops_support import running_daemon
 
 N_CTX = 2048
@@ -27,10 +28,22 @@ def check(report: LoadReport, daemon_alive: bool) -> None:
     assert set(report.status) <= {"200", "503"}, report.status
 
 
+def assert_no_close_calls(url: str) -> None:
+    """The premise of "equal to the same request run alone": under load an answer is computed
+    beside other requests (other batch splits, other KV cells: rounding of ~1e-4), so no choice
+    in the answers may be a closer call than that, on any CPU."""
+    with httpx.Client(base_url=url, timeout=120) as c:
+        for body in infill_bodies(6, 8):  # run_load's requests
+            r = c.post("/infill", json={**body, "n_probs": 2, "cache_prompt": False})
+            top = [e["top_logprobs"] for e in r.json()["completion_probabilities"]]
+            assert min(t[0]["logprob"] - t[1]["logprob"] for t in top) > 0.05, top
+
+
 def load(model: Path, clients: int, seconds: float, tmp_path: Path) -> None:
     with running_daemon(
         model=str(model), n_ctx=N_CTX, n_batch=512, n_parallel=4, queue_limit=8
     ) as daemon:
+        assert_no_close_calls(daemon.url)
         report = run_load(daemon.url, clients=clients, seconds=seconds)
         alive = daemon.proc.poll() is None
         (tmp_path / "load.json").write_text(json.dumps(report.__dict__, indent=2))

@@ -151,6 +151,9 @@ def test_env_values_are_parsed_and_unknown_env_is_an_error(dirs) -> None:
         "LOCALSPEC_SPECULATIVE_P_MIN": "0.5",
         "LOCALSPEC_MODELS_DIR": "/not/a/setting",  # a directory override, not a setting
         "LOCALSPEC_LLAMA_LOG": "1",  # llama.cpp's log, a debugging switch, not a setting
+        "LOCALSPEC_VENV": "/opt/venv",  # the launcher's, exported to run it with another venv
+        "LOCALSPEC_PYTHON": "python3.12",
+        "LOCALSPEC_WHEELHOUSE": "/tmp/wheels",
     }
     s = _load(dirs, env).settings
     assert s.models.allowed == ["qwen-7b", "qwen-1.5b"]
