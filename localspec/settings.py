@@ -47,9 +47,11 @@ ENV_PREFIX = "LOCALSPEC_"
 # Environment variables other tools already define, read as a lower-precedence spelling of a key.
 ENV_ALIASES: dict[str, str] = {"HF_ENDPOINT": "hub.endpoint", "HF_HUB_OFFLINE": "hub.offline"}
 # LOCALSPEC_* variables that are not settings: directory overrides (localspec.paths) and
-# LOCALSPEC_LLAMA_LOG, which lets llama.cpp's own log through (localspec.engine.llama).
+# LOCALSPEC_LLAMA_LOG, which lets llama.cpp's own log through (localspec.engine.llama), and
+# LOCALSPEC_FIXTURE_CACHE, the test fixtures' shared cache (a daemon a test starts inherits it).
 ENV_NOT_SETTINGS = frozenset(
     {
+        "FIXTURE_CACHE",
         "CONFIG_DIR",
         "SYSTEM_CONFIG_DIR",
         "DATA_DIR",
