@@ -8,11 +8,25 @@ from pathlib import Path
 import llama_cpp
 import pytest
 
+from localspec.engine import (
+    Engine,
+    EngineSettings,
+    GenerationRequest,
+    ModelSettings,
+    SamplingParams,
+)
 from tests.fixtures.models import QWEN_FIM_IDS, SMOLLM_FIM_TOKENS
 
 
 def _load(path: Path, **kwargs: object) -> llama_cpp.Llama:
     return llama_cpp.Llama(str(path), n_ctx=512, n_threads=2, verbose=False, **kwargs)
+
+
+def _engine(path: Path) -> Engine:
+    """A fixture loaded as the engine loads a model (llama_cpp.Llama's defaults put quantized
+    weights in AMX buffers, which crash on some Intel CPUs: see engine.llama)."""
+    settings = ModelSettings(str(path), n_ctx=512, n_batch=256, n_ubatch=256, n_threads=2)
+    return Engine.load(EngineSettings(target=settings))
 
 
 def _fim_ids(llm: llama_cpp.Llama) -> dict[str, int]:
@@ -41,12 +55,11 @@ def _fim_ids(llm: llama_cpp.Llama) -> dict[str, int]:
     ],
 )
 def test_fixture_loads_and_generates(name: str, request: pytest.FixtureRequest) -> None:
-    path = request.getfixturevalue(name)
-    llm = _load(path, vocab_only=False)
-    tokens = llm.tokenize(b"def add(a, b):\n    return", add_bos=False)
-    assert tokens, "tokenizer produced nothing"
-    out = llm.create_completion("def add(a, b):\n    return", max_tokens=4, temperature=0.0)
-    assert out["usage"]["completion_tokens"] >= 1
+    with _engine(request.getfixturevalue(name)) as eng:
+        tokens = eng.vocab.tokenize("def add(a, b):\n    return")
+        assert len(tokens) > 2, "tokenizer produced nothing"
+        res = eng.generate(GenerationRequest(slot=0, prompt=tokens, n_predict=4))
+        assert res.n_evaluated == len(tokens) and len(res.tokens) >= 1
 
 
 def test_qwen_vocab_sizes(qwen_target: Path, qwen_target_152064: Path) -> None:
@@ -99,15 +112,16 @@ PROMPTS = [
 ]
 
 
-def _greedy(llm: llama_cpp.Llama, prompt: str) -> str:
-    out = llm.create_completion(prompt, max_tokens=12, temperature=0.0, top_k=1)
-    return out["choices"][0]["text"]
+def _greedy(eng: Engine, prompt: str) -> list[int]:
+    req = GenerationRequest(
+        slot=0, prompt=eng.vocab.tokenize(prompt), n_predict=12, sampling=SamplingParams(top_k=1)
+    )
+    return eng.generate(req).tokens
 
 
 def test_dequantized_smollm_matches_original_mostly(smollm_q4: Path, smollm_f16: Path) -> None:
-    original = _load(smollm_q4)
-    derived = _load(smollm_f16)
-    same = sum(_greedy(original, p) == _greedy(derived, p) for p in PROMPTS)
+    with _engine(smollm_q4) as original, _engine(smollm_f16) as derived:
+        same = sum(_greedy(original, p) == _greedy(derived, p) for p in PROMPTS)
     # Q4_1 -> F16 is lossless on the stored values, so most greedy texts agree; a few may
     # differ where kernels round differently at near-ties.
     assert same >= len(PROMPTS) // 2, f"only {same}/{len(PROMPTS)} prompts agree"
