@@ -176,9 +176,10 @@ def _tools(raw: Any) -> list[dict[str, Any]]:
         params = fn.get("parameters")
         if not isinstance(params, Mapping) or not params:
             params = {"type": "object", "properties": {}}
-        function: dict[str, Any] = {"name": fn["name"], "parameters": dict(params)}
+        function: dict[str, Any] = {"name": fn["name"]}  # llama.cpp's order
         if isinstance(fn.get("description"), str):
             function["description"] = fn["description"]
+        function["parameters"] = dict(params)
         out.append({"type": "function", "function": function})
     return out
 

@@ -62,6 +62,8 @@ def chat_side(svc: Service) -> tuple[Service, ChatModel]:
 
 
 def _refuse_unsupported(body: ChatCompletionRequest) -> None:
+    """What a client may ask that localspec cannot do is a 400 that says so (as an unknown
+    sampler name is): silently ignoring a JSON-only request would break its caller."""
     fmt = body.response_format
     if fmt is not None:
         kind = fmt.get("type") if isinstance(fmt, dict) else None
@@ -70,13 +72,13 @@ def _refuse_unsupported(body: ChatCompletionRequest) -> None:
                 f'response_format type must be one of "text" or "json_object", but got: {kind}'
             )
         if kind in ("json_object", "json_schema"):
-            raise NotSupported(
+            raise InvalidRequest(
                 f'response_format "{kind}" is not supported: localspec has no grammar-'
                 'constrained sampling (ask for "text" and validate the JSON yourself)'
             )
     for name in ("grammar", "json_schema"):
         if getattr(body, name) not in (None, "", {}):
-            raise NotSupported(f"{name} is not supported: localspec has no grammar sampler")
+            raise InvalidRequest(f"{name} is not supported: localspec has no grammar sampler")
     if body.logprobs and body.tools and body.stream:
         raise InvalidRequest("logprobs is not supported with tools + stream")
     if body.top_logprobs is not None and not body.logprobs:
