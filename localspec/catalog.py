@@ -124,11 +124,17 @@ class Tokenizer(_Frozen):
     fim: bool = False  # FIM tokens present (prefix/suffix/middle), so /infill works
 
 
+Capability = Literal["fim", "chat"]
+
+
 class ModelEntry(_Frozen):
     id: str
     family: str
     role: Literal["target", "draft", "both"]
     params_b: float = Field(gt=0)
+    # what the model was trained for: "fim" (code completion: base models, and Qwen3-Coder)
+    # and "chat" (instruct models: chat, instruction editing, tool calls)
+    capabilities: tuple[Capability, ...] = Field(default=("fim",), min_length=1)
     arch: Arch
     tokenizer: Tokenizer
     quants: dict[str, QuantEntry] = Field(min_length=1)
@@ -142,6 +148,9 @@ class ModelEntry(_Frozen):
     @property
     def can_draft(self) -> bool:
         return self.role in ("draft", "both")
+
+    def can(self, capability: Capability) -> bool:
+        return capability in self.capabilities
 
     def quant_ladder(self) -> list[str]:
         """This model's quants, smallest first (unknown names last, alphabetically)."""
@@ -205,6 +214,13 @@ class Catalog:
             return self.pairs[pair_id]
         except KeyError:
             raise CatalogError(_unknown("pair", pair_id, self.pairs)) from None
+
+    def pair_can(self, pair_id: str, capability: Capability) -> bool:
+        """Whether the pair's target was trained for ``capability`` (a model unknown to the
+        catalog can nothing)."""
+        pair = self.pairs.get(pair_id)
+        target = self.models.get(pair.target) if pair is not None else None
+        return target is not None and target.can(capability)
 
     def pairs_for(self, target_id: str) -> list[PairEntry]:
         """Compatible pairs whose target is ``target_id`` (n-gram-only pairs included)."""

@@ -18,10 +18,47 @@ def gib(n: float) -> str:
 
 def render_plan(plan: Plan) -> str:
     """The table `localspec plan` prints: choice, memory per device, rejections, speed."""
+    lines = [f"hardware: {plan.hardware}", *_pair_lines(plan)]
+    target_tps, draft_tps = plan.decode_ceiling_tps
+    lines += [
+        "",
+        f"decode ceiling: target {target_tps:.0f} tok/s"
+        + (f", draft {draft_tps:.0f} tok/s" if draft_tps else "")
+        + f" (bandwidth bound); expected ~{plan.expected_tps:.0f} tok/s",
+    ]
+    if plan.expected_spec_speedup is not None:
+        lines.append(
+            f"speculative: expected {plan.expected_spec_speedup:.2f}x at draft length "
+            f"{plan.best_draft_len} (assumed acceptance; measured live by the engine)"
+        )
+    if plan.capacity:
+        lines += [
+            "",
+            "concurrent sessions",
+            *("  " + s for s in plan.capacity.explanation.split("\n")),
+        ]
+    if plan.chat is not None:
+        lines += ["", f"chat:     {plan.chat.mode}: {plan.chat.reason}"]
+        if plan.chat.plan is not None:
+            lines += ["  " + line if line else "" for line in _pair_lines(plan.chat.plan)]
+    if plan.rejected:
+        lines += ["", "rejected"]
+        shown = plan.rejected[-MAX_REJECTIONS_SHOWN:]  # the nearest misses come last
+        if len(plan.rejected) > len(shown):
+            lines.append(f"  ({len(plan.rejected) - len(shown)} bigger candidates: see --json)")
+        lines += [f"  {r.candidate}: {r.reason}" for r in shown]
+    for note in plan.notes:
+        lines.append(f"note: {note}")
+    for warning in plan.warnings:
+        lines.append(f"warning: {warning}")
+    return "\n".join(lines)
+
+
+def _pair_lines(plan: Plan) -> list[str]:
+    """One pair's choice and its memory per device (the completion pair, or the chat pair)."""
     t_layers = plan.target_layers
     offload = "all" if plan.target_ngl >= t_layers else f"{plan.target_ngl}"
     lines = [
-        f"hardware: {plan.hardware}",
         f"pair:     {plan.pair_id}",
         f"target:   {plan.target[0]} {plan.target[1]}  "
         f"(GPU layers {offload}/{t_layers}; sizes from {plan.target_source})",
@@ -46,32 +83,4 @@ def render_plan(plan: Plan) -> str:
             f"  {r.device[:35]:<36}{gib(r.weights):>9}{gib(r.kv):>8}{gib(r.compute):>9}"
             f"{gib(r.draft):>8}{gib(r.margin):>8}{gib(r.used):>8}{gib(r.budget):>8}"
         )
-    target_tps, draft_tps = plan.decode_ceiling_tps
-    lines += [
-        "",
-        f"decode ceiling: target {target_tps:.0f} tok/s"
-        + (f", draft {draft_tps:.0f} tok/s" if draft_tps else "")
-        + f" (bandwidth bound); expected ~{plan.expected_tps:.0f} tok/s",
-    ]
-    if plan.expected_spec_speedup is not None:
-        lines.append(
-            f"speculative: expected {plan.expected_spec_speedup:.2f}x at draft length "
-            f"{plan.best_draft_len} (assumed acceptance; measured live by the engine)"
-        )
-    if plan.capacity:
-        lines += [
-            "",
-            "concurrent sessions",
-            *("  " + s for s in plan.capacity.explanation.split("\n")),
-        ]
-    if plan.rejected:
-        lines += ["", "rejected"]
-        shown = plan.rejected[-MAX_REJECTIONS_SHOWN:]  # the nearest misses come last
-        if len(plan.rejected) > len(shown):
-            lines.append(f"  ({len(plan.rejected) - len(shown)} bigger candidates: see --json)")
-        lines += [f"  {r.candidate}: {r.reason}" for r in shown]
-    for note in plan.notes:
-        lines.append(f"note: {note}")
-    for warning in plan.warnings:
-        lines.append(f"warning: {warning}")
-    return "\n".join(lines)
+    return lines

@@ -104,11 +104,13 @@ def serve(
     server_settings: ServerSettings,
     engine_settings: EngineSettings,
     *,
+    chat_engine_settings: EngineSettings | None = None,
     on_ready: Callable[[], None] | None = None,
     on_bound: Callable[[list[tuple[str, int]]], None] | None = None,
     log_level: str = "warning",
 ) -> int:
-    """Serve until SIGINT/SIGTERM; 0 on a clean stop, non-zero when loading or binding failed."""
+    """Serve until SIGINT/SIGTERM; 0 on a clean stop, non-zero when loading or binding failed.
+    ``chat_engine_settings``: a second pair that answers chat (its own worker)."""
     server_settings.check()
     failure: list[BaseException] = []
     server: _Server | None = None
@@ -119,7 +121,13 @@ def serve(
         if server is not None:
             server.should_exit = True
 
-    app = create_app(server_settings, engine_settings, on_ready=on_ready, on_failure=failed)
+    app = create_app(
+        server_settings,
+        engine_settings,
+        on_ready=on_ready,
+        on_failure=failed,
+        chat_engine_settings=chat_engine_settings,
+    )
     svc = app.state.service
     try:
         sockets = bind_sockets(server_settings.host, server_settings.port)
