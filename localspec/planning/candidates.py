@@ -71,11 +71,6 @@ def allowed_candidates(catalog: Any, settings: PlanSettings) -> list[Candidate]:
         )
     else:
         candidates = candidates_from_catalog(catalog, settings)
-    if not candidates:
-        raise PlanError(
-            "no catalog pair is allowed by the settings (models.allowed = "
-            f"{list(settings.allowed)}); allow at least one pair"
-        )
     if settings.pair and all(cand.pair_id != settings.pair for cand in candidates):
         pair = getattr(catalog, "pairs", {}).get(settings.pair)
         if pair is not None and pair.compatible:
@@ -84,5 +79,11 @@ def allowed_candidates(catalog: Any, settings: PlanSettings) -> list[Candidate]:
                 f"pair {settings.pair!r} is a {does} pair where a {'+'.join(settings.needs)} "
                 "one is needed (an instruct pair for chat goes in models.chat_pair)"
             )
-        raise PlanError(f"pair {settings.pair!r} is not in the catalog or not allowed")
+        if candidates:
+            raise PlanError(f"pair {settings.pair!r} is not in the catalog or not allowed")
+    if not candidates:
+        raise PlanError(
+            "no catalog pair is allowed by the settings (models.allowed = "
+            f"{list(settings.allowed)}); allow at least one pair"
+        )
     return candidates
