@@ -1,4 +1,4 @@
-"""``localspec bench speculative|replay``: hand the rest of the command line to the benchmark."""
+"""``localspec bench speculative|replay|edit``: hand the rest of the command line to the benchmark."""
 
 from __future__ import annotations
 
@@ -11,15 +11,16 @@ EPILOG = """\
 examples:
   localspec bench speculative --help     speculative vs plain decoding, draft vs n-gram
   localspec bench replay --help          replay an editor session against the daemon
+  localspec bench edit --help            instruction edits (chat) vs llama-server
 Benchmarks print a table and write JSON; every argument after the name is theirs.
 """
-BENCHES = ("speculative", "replay")
+BENCHES = ("speculative", "replay", "edit")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
-        help="run a benchmark (speculative, replay)",
+        help="run a benchmark (speculative, replay, edit)",
         epilog=EPILOG,
         formatter_class=c.Formatter,
         add_help=True,
