@@ -1,4 +1,4 @@
-"""``localspec bench speculative|replay|edit``: hand the rest of the command line to the benchmark."""
+"""``localspec bench NAME ...``: hand the rest of the command line to the benchmark."""
 
 from __future__ import annotations
 
