@@ -283,8 +283,17 @@ def _interrupt(signum: int, _frame: object) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _interrupt)
+    if threading.current_thread() is not threading.main_thread():
+        return _main(args)
+    saved = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return _main(args)
+    finally:
+        signal.signal(signal.SIGTERM, saved)
+
+
+def _main(args: argparse.Namespace) -> int:
     try:
         if not args.target.is_file():
             raise FileNotFoundError(f"model file not found: {args.target}")
