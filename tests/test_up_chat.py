@@ -21,6 +21,7 @@ from tests.test_cli import (  # noqa: F401 (the env fixture)
     _system,
     env,
     localspec,
+    smol_entry,
 )
 
 ASK = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
@@ -29,47 +30,9 @@ ASK = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
 def _chat_catalog(directory: Path, fim_file: str, chat_file: str) -> None:
     """SmolLM2 twice: with FIM ids as the completion model, as shipped (its chat template)
     as the instruct model; an n-gram pair each."""
-    arch = """n_layer = 30
-n_embd = 576
-n_head = 9
-n_head_kv = 3
-head_dim = 64
-n_vocab = 49152
-n_ctx_train = 8192
-tied_embeddings = true"""
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "smol.toml").write_text(
-        f"""
-[models.smol]
-family = "smollm2"
-role = "target"
-params_b = 0.135
-tokenizer = {{ family = "smollm2" }}
-[models.smol.arch]
-{arch}
-[models.smol.quants.Q4_1]
-repo = "{SMOL_REPO}"
-files = [{{ filename = "{fim_file}" }}]
-
-[models.smol-chat]
-family = "smollm2"
-role = "target"
-params_b = 0.135
-capabilities = ["chat"]
-tokenizer = {{ family = "smollm2" }}
-[models.smol-chat.arch]
-{arch}
-[models.smol-chat.quants.Q4_1]
-repo = "{SMOL_REPO}"
-files = [{{ filename = "{chat_file}" }}]
-
-[pairs."smol+ngram"]
-target = "smol"
-
-[pairs."smol-chat+ngram"]
-target = "smol-chat"
-"""
-    )
+    entries = smol_entry("smol", fim_file) + smol_entry("smol-chat", chat_file, '["chat"]')
+    (directory / "smol.toml").write_text(entries)
 
 
 def test_up_serves_the_chat_pair_the_plan_chose(

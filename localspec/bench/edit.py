@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -31,6 +29,7 @@ from typing import Any
 import httpx
 
 from localspec.bench import anchor
+from localspec.bench.command import bench_parser, interruptible
 from localspec.bench.edittasks import EditTask, edit_tasks
 from localspec.bench.replay import machine
 from localspec.bench.speculative import stdlib_files
@@ -223,12 +222,7 @@ def verdict(rows: Sequence[Row]) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="localspec bench edit",
-        description=__doc__.split("\n\n")[1] if __doc__ else None,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = bench_parser("localspec bench edit", __doc__, EPILOG)
     p.add_argument("--target", type=Path, required=True, metavar="GGUF", help="chat model file")
     p.add_argument("--draft", type=Path, metavar="GGUF", help="draft model file")
     p.add_argument("--tasks", type=int, default=8, help="edits to run (default 8)")
@@ -277,20 +271,8 @@ def server_specs(args: argparse.Namespace) -> list[anchor.ServerSpec]:
     return specs
 
 
-def _interrupt(signum: int, _frame: object) -> None:
-    raise KeyboardInterrupt  # SIGTERM: stop the servers
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if threading.current_thread() is not threading.main_thread():
-        return _main(args)
-    saved = signal.getsignal(signal.SIGTERM)
-    signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        return _main(args)
-    finally:
-        signal.signal(signal.SIGTERM, saved)
+    return interruptible(_main, build_parser().parse_args(argv))
 
 
 def _main(args: argparse.Namespace) -> int:

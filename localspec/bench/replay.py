@@ -16,15 +16,14 @@ import asyncio
 import json
 import os
 import platform
-import signal
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from localspec.bench import anchor, editor, report
+from localspec.bench.command import bench_parser, interruptible
 from localspec.bench.driver import Outcome, Target, replay
 from localspec.bench.stats import fmt, percentile, ratio
 
@@ -54,12 +53,7 @@ def _range(text: str) -> tuple[float, float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="localspec bench replay",
-        description=__doc__.split("\n\n")[1] if __doc__ else None,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = bench_parser("localspec bench replay", __doc__, EPILOG)
     srv = p.add_argument_group("servers")
     srv.add_argument("--target", type=Path, metavar="GGUF", help="target model file")
     srv.add_argument("--draft", type=Path, metavar="GGUF", help="draft model file")
@@ -262,22 +256,8 @@ async def _run(
             await t.aclose()
 
 
-def _interrupt(signum: int, _frame: object) -> None:
-    raise KeyboardInterrupt  # SIGTERM (or SIGINT in a background job): stop the servers
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if threading.current_thread() is not threading.main_thread():
-        return _main(args)
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    for sig in saved:
-        signal.signal(sig, _interrupt)
-    try:
-        return _main(args)
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
+    return interruptible(_main, build_parser().parse_args(argv))
 
 
 def _main(args: argparse.Namespace) -> int:
