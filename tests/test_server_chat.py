@@ -520,3 +520,27 @@ def test_health_waits_for_both_pairs(qwen_target: Path) -> None:
         gate.set()
         server.should_exit = True
         thread.join(60)
+
+
+def test_a_chat_pair_that_fails_to_load_leaves_completion_serving(qwen_target: Path) -> None:
+    def broken() -> Any:
+        raise MemoryError("cannot allocate the KV cache")
+
+    app = create_app(
+        ServerSettings(port=0, n_parallel=1),
+        engine_settings(qwen_target, n_slots=1),
+        chat_engine_settings=engine_settings(scripted_chat_gguf(), n_slots=1),
+        chat_load=broken,
+    )
+    live = start(app)  # /health answers 200: the completion pair serves
+    try:
+        with live.client() as c:
+            r = c.post("/v1/chat/completions", json={"messages": ASK})
+            assert r.status_code == 501
+            message = r.json()["error"]["message"]
+            assert "failed to load" in message and "cannot allocate the KV cache" in message
+            infill = c.post("/infill", json={"input_prefix": "def f(", "input_suffix": "\n",
+                                             "n_predict": 2})  # fmt: skip
+            assert infill.status_code == 200
+    finally:
+        stop(live)

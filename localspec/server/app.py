@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import dataclasses
 import inspect
+import logging
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Iterator
 from pathlib import Path
@@ -42,6 +43,8 @@ from localspec.server.schemas import (
 )
 from localspec.server.service import Service
 from localspec.server.settings import ServerSettings
+
+log = logging.getLogger("localspec.server")
 
 
 async def service(request: Request) -> Service:
@@ -341,6 +344,18 @@ def _when_all_ready(on_ready: Callable[[], None] | None, n: int) -> Callable[[],
     return one_ready
 
 
+def _chat_failed(ready: Callable[[], None] | None) -> Callable[[BaseException], None]:
+    """A chat pair that fails to load leaves completion serving: chat answers a 501 with the
+    reason, and the daemon counts as ready once the completion pair is."""
+
+    def failed(exc: BaseException) -> None:
+        log.error("the chat model failed to load; chat is unavailable: %s", exc)
+        if ready is not None:
+            ready()
+
+    return failed
+
+
 def create_app(
     server_settings: ServerSettings,
     engine_settings: EngineSettings,
@@ -384,7 +399,7 @@ def create_app(
             chat_engine_settings,
             reading_chat_model(chat_load or default_loader(chat_engine_settings)),
             on_ready=ready,
-            on_failure=on_failure,
+            on_failure=_chat_failed(ready),
         )
         svc.chat_service.metrics = svc.metrics  # one registry: requests of both models
     workers = [svc.worker] + ([svc.chat_service.worker] if svc.chat_service else [])

@@ -42,6 +42,11 @@ def chat_side(svc: Service) -> tuple[Service, ChatModel]:
     """The service that answers chat and its chat model, or a 501 naming what to change."""
     if svc.chat_service is not None:
         side = svc.chat_service
+        if side.worker.state == "failed":
+            raise NotSupported(
+                f"Chat is not available: the chat model ({side.model_name}) failed to load: "
+                f"{side.worker.error}"
+            )
     elif svc.settings.chat_refusal:
         raise NotSupported(svc.settings.chat_refusal)
     else:

@@ -105,7 +105,10 @@ class Service:
     def not_ready(self) -> ApiError | None:
         state = self.worker.state
         if state == "ready":
-            return None if self.chat_service is None else self.chat_service.not_ready()
+            chat = self.chat_service
+            if chat is None or chat.worker.state == "failed":  # chat says so; FIM serves on
+                return None
+            return chat.not_ready()
         if state == "loading":
             return Unavailable("Loading model")
         if state == "failed":
