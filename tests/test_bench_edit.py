@@ -73,3 +73,20 @@ def test_a_short_real_run_against_localspec(smollm_q4: Path, tmp_path: Path, cap
     answers = doc["answers"]
     assert len(answers) == 4 and all(a["ttft_ms"] is not None for a in answers if a["n"])
     assert doc["verdict"][-1].startswith("PASS localspec/auto answers identical")
+
+
+def test_llama_server_modes_combine_and_match_localspecs_weight_buffers(tmp_path: Path) -> None:
+    from localspec.bench import anchor
+    from localspec.engine.llama import default_repack_weights
+
+    serve = anchor.ServeSettings(target=tmp_path / "t.gguf", draft=tmp_path / "d.gguf")
+    argv = anchor.llama_server_spec(Path("llama-server"), serve, "ngram-mod&draft", port=1).argv
+    assert argv[argv.index("--spec-type") + 1] == "ngram-mod,draft-simple"
+    assert argv[argv.index("-md") + 1] == str(serve.draft)
+    plain = anchor.llama_server_spec(Path("llama-server"), serve, "plain", port=1).argv
+    assert "--spec-type" not in plain and "-md" not in plain
+    # the same extra weight buffers as localspec's engine on this CPU
+    assert ("--no-repack" in plain) == (not default_repack_weights())
+    with pytest.raises(ValueError, match="needs a draft model"):
+        no_draft = anchor.ServeSettings(target=serve.target)
+        anchor.llama_server_spec(Path("llama-server"), no_draft, "ngram-mod&draft", port=1)
