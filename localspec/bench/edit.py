@@ -17,6 +17,7 @@ same server family's plain answer.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -233,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--localspec-modes",
         default="off,auto",
         help="comma-separated --spec-mode values for localspec servers (off is the plain "
-        "reference; default off,auto)",
+        "reference; MODE:nodraft serves without the draft model; default off,auto)",
     )
     p.add_argument(
         "--vs-llama-server",
@@ -260,9 +261,13 @@ def server_specs(args: argparse.Namespace) -> list[anchor.ServerSpec]:
         target=args.target, draft=args.draft, ctx=args.ctx, threads=args.threads
     )
     specs = []
-    for mode in (m.strip() for m in args.localspec_modes.split(",") if m.strip()):
-        spec = anchor.localspec_spec(serve, mode)
-        name = PLAIN if mode == "off" else spec.name
+    for entry in (m.strip() for m in args.localspec_modes.split(",") if m.strip()):
+        mode, _, variant = entry.partition(":")
+        if variant not in ("", "nodraft"):
+            raise ValueError(f"unknown localspec variant :{variant} (known: :nodraft)")
+        files = dataclasses.replace(serve, draft=None) if variant else serve
+        spec = anchor.localspec_spec(files, mode)
+        name = PLAIN if mode == "off" and not variant else f"localspec/{entry}"
         specs.append(anchor.ServerSpec(name, spec.argv, spec.port, spec.env))
     if args.vs_llama_server:
         binary = anchor.find_llama_server(args.llama_server_bin)
