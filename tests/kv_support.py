@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from localspec.bench.speculative import code_prompts
+from localspec.bench.corpus import code_prompts
 from localspec.engine import ModelSettings
 from localspec.engine.llama import Clock, Context, Model
 from localspec.engine.vocab import Vocab

@@ -86,7 +86,7 @@ def test_keystroke_bodies_match_llama_vscode(sources: list[editor.SourceFile]) -
             assert body["prompt"] == ("" if typed.strip() == "" else typed)
             if indent:
                 assert body["n_indent"] == indent
-            assert body["n_predict"] == 128 and body["n_cmpl"] == 1
+            assert body["n_predict"] == 128 and body["n_cmpl"] == 3  # llama-vscode asks for three
             assert body["top_k"] == 40 and body["top_p"] == 0.99 and body["seed"] == 42
             assert body["samplers"] == ["top_k", "top_p", "infill"]
             assert body["cache_prompt"] is True and body["stream"] is False
@@ -445,6 +445,7 @@ def test_a_cold_check_has_no_clock_and_the_length_a_limit_gave_the_answer() -> N
         "n_probs": 2,
         "t_max_predict_ms": 0,
         "n_predict": 37,
+        "n_cmpl": 1,  # only the first completion is compared: it has the body's seed
     }
     ended = cold_body(body, answer("eos", 12))  # the model ended it: the cold one may go on
     assert ended["n_predict"] == 128 and ended["t_max_predict_ms"] == 0
@@ -693,3 +694,39 @@ def test_localspec_takes_the_exact_kv_budget_only_when_given() -> None:
     assert "--ring-attention" not in argv
     argv = anchor.localspec_spec(replace(serve, ring_attention="blocks"), port=1).argv
     assert argv[argv.index("--ring-attention") + 1] == "blocks"
+
+
+def test_clients_have_their_own_schedule_slot_and_burst_numbers(
+    sources: list[editor.SourceFile],
+) -> None:
+    from localspec.bench.replay import CLIENT_STRIDE, client_schedule
+
+    traffic = editor.TrafficSettings(locations=2, max_keys=3, n_cmpl=2)
+    a, b = (client_schedule(traffic, sources, i, 2) for i in range(2))
+    assert {k.body["id_slot"] for burst in a.bursts for k in burst.keys} == {0}
+    assert {k.body["id_slot"] for burst in b.bursts for k in burst.keys} == {1}
+    assert all(k.body["n_cmpl"] == 2 for burst in a.bursts for k in burst.keys)
+    assert [x.index for x in b.bursts] == [CLIENT_STRIDE + x.index for x in a.bursts]
+    assert (a.bursts[0].filename, a.bursts[0].line_no) != (
+        b.bursts[0].filename,
+        b.bursts[0].line_no,
+    )
+
+
+def test_two_clients_beside_a_busy_process_against_localspec(
+    qwen_target: Path, code_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "clients.json"
+    argv = ["--target", str(qwen_target), "--code", str(code_dir), "--ctx", "2048",
+            "--threads", "1", "--locations", "1", "--max-keys", "2", "--greedy",
+            "--clients", "2", "--n-cmpl", "2", "--background", "1", "--cold", "none",
+            "--json", str(out), "--log-dir", str(tmp_path / "logs"), "--quiet"]  # fmt: skip
+    assert replay_main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert doc["clients"] == 2 and doc["background"] == 1
+    (summary,) = doc["summaries"]
+    assert summary["errors"] == 0 and summary["sent"] == 2 * 3
+    finals = [r for r in doc["requests"] if r["kind"] == "final"]
+    assert len(finals) == 2 and all(len(r["cmpl_predicted"]) == 2 for r in finals)
+    log = next((tmp_path / "logs").glob("localspec-*.log")).read_text()
+    assert "slot=0" in log and "slot=1" in log  # each client on its own slot

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from localspec.bench import ringquality
-from localspec.bench.speculative import stdlib_files
+from localspec.bench.corpus import stdlib_files
 
 
 def test_samples_take_the_ring_from_above_the_prefix_and_score_what_follows() -> None:

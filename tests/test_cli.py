@@ -495,10 +495,10 @@ localspec_draft_tokens_accepted_total{source="ngram"} 5
     }
     text = render_status(report)
     for expected in (
-        "pid 42, up 1h 2m 5s, 512.0 MiB resident",
+        "pid 42, up 1h 2m 5s, 536.87 MB resident",
         "pair         qwen2.5-coder-7b+0.5b",
         "draft        /m/qwen2.5-coder-0.5b-q8_0.gguf",
-        "memory       NVIDIA H200: 9.0 GiB",
+        "memory       NVIDIA H200: 9.66 GB",
         "10 served",
         "750 tokens reused, 250 evaluated (75% reused)",
         "65 of 100 drafted tokens (65%)",

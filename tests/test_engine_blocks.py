@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from localspec.engine.cache import SlotCaches, block_spans
+from localspec.engine.cache import PrefillPolicy, SlotCaches, block_spans
 from localspec.engine.llama import Model
 from localspec.engine.types import Cancel
 from tests import kv_support
@@ -58,7 +58,8 @@ def cold_logits(
 ) -> np.ndarray:
     ctx = new_ctx(model, n_seq=3)
     try:
-        SlotCaches(ctx, 1).prefill(0, prompt, blocks=blocks, sink=sink)
+        caches = SlotCaches(ctx, 1)
+        caches.prefill(caches.slots[0], prompt, PrefillPolicy(), blocks=blocks, sink=sink)
         return np.array(ctx.logits(-1))
     finally:
         ctx.close()
@@ -74,22 +75,24 @@ def test_a_rotated_ring_of_blocks_is_moved_and_stays_exact(
     c = chunks(toks, 6)
     tail = toks[500:560]
     first, blocks = layout(c[0:5], tail)
-    caches.prefill(0, first, blocks=blocks, min_chunk=64)
+    caches.prefill(caches.slots[0], first, PrefillPolicy(min_chunk=64), blocks=blocks)
     second, blocks2 = layout(c[1:6], tail)  # the oldest chunk leaves, a new one arrives
-    pre = caches.prefill(0, second, blocks=blocks2, min_chunk=64, exact_ms=0.0)
+    pre = caches.prefill(
+        caches.slots[0], second, PrefillPolicy(min_chunk=64, exact_ms=0.0), blocks=blocks2
+    )
     # four chunks moved, the new chunk and the tail evaluated (the tail attends to all)
-    assert pre.n_moved == 4 * CHUNK and pre.n_evaluated == CHUNK + len(tail)
-    assert caches.exact[0] == len(second) == pre.n_exact
-    assert caches.spans[0] == block_spans(blocks2)
+    assert pre.n_shifted == 4 * CHUNK and pre.n_evaluated == CHUNK + len(tail)
+    assert caches.slots[0].exact == len(second) == pre.n_exact
+    assert caches.slots[0].spans == block_spans(blocks2)
     warm = logits(caches)
     # only K's rotation rounds differently (an F16 K cache: ~1.6e-3 here)
     moved_error = np.max(np.abs(warm - cold_logits(model, second, blocks2)))
     assert moved_error < 2 * ATOL
     # the same rotation evaluated causally, with a KV shift: hundreds of times further off
     causal = SlotCaches(new_ctx(model, n_seq=3), 1)
-    causal.prefill(0, first, min_chunk=64)
-    shifted = causal.prefill(0, second, min_chunk=64, exact_ms=0.0)
-    assert shifted.n_moved > 0
+    causal.prefill(causal.slots[0], first, PrefillPolicy(min_chunk=64))
+    shifted = causal.prefill(causal.slots[0], second, PrefillPolicy(min_chunk=64, exact_ms=0.0))
+    assert shifted.n_shifted > 0
     cold_causal = cold_logits(model, second, ())
     assert np.max(np.abs(logits(causal) - cold_causal)) > 100 * moved_error
     # blocks are a different computation than causal attention over the ring
@@ -102,12 +105,14 @@ def test_blocks_in_place_keep_the_cache_and_the_tail_reuses_its_prefix(
 ) -> None:
     c = chunks(toks, 4)
     first, blocks = layout(c, toks[300:360])
-    caches.prefill(0, first, blocks=blocks)
-    assert caches.blocks_in_place(0, blocks) and not caches.blocks_in_place(0, blocks[:3])
+    caches.prefill(caches.slots[0], first, PrefillPolicy(), blocks=blocks)
+    assert caches.blocks_in_place(caches.slots[0], blocks) and not caches.blocks_in_place(
+        caches.slots[0], blocks[:3]
+    )
     longer, _ = layout(c, toks[300:365])  # a keystroke: the tail grows
-    pre = caches.prefill(0, longer, blocks=blocks, min_chunk=64)
-    assert pre.n_evaluated == 5 and pre.n_cached == len(first) and pre.n_moved == 0
-    assert caches.exact[0] == len(longer)
+    pre = caches.prefill(caches.slots[0], longer, PrefillPolicy(min_chunk=64), blocks=blocks)
+    assert pre.n_evaluated == 5 and pre.n_cached == len(first) and pre.n_shifted == 0
+    assert caches.slots[0].exact == len(longer)
 
 
 def test_a_cut_short_block_resumes_and_a_prompt_without_blocks_keeps_only_the_first(
@@ -116,13 +121,19 @@ def test_a_cut_short_block_resumes_and_a_prompt_without_blocks_keeps_only_the_fi
     c = chunks(toks, 3)
     prompt, blocks = layout(c, toks[300:340])
     cancel: Cancel = After(4)  # the first chunk and a third of the second
-    pre = caches.prefill(0, prompt, blocks=blocks, cancel=cancel, chunk=20)
-    assert pre.cancelled and pre.n_evaluated == 80 and len(caches.tokens[0]) == 80
-    pre = caches.prefill(0, prompt, blocks=blocks, chunk=20)  # the second chunk's rest, on
+    pre = caches.prefill(
+        caches.slots[0], prompt, PrefillPolicy(chunk=20), blocks=blocks, cancel=cancel
+    )
+    assert pre.cancelled and pre.n_evaluated == 80 and len(caches.slots[0].tokens) == 80
+    pre = caches.prefill(
+        caches.slots[0], prompt, PrefillPolicy(chunk=20), blocks=blocks
+    )  # the second chunk's rest, on
     assert pre.n_evaluated == len(prompt) - 80 and not pre.cancelled
     np.testing.assert_allclose(logits(caches), cold_logits(model, prompt, blocks), atol=ATOL)
-    pre = caches.prefill(0, prompt)  # causal now: only the first block is still right
-    assert pre.n_cached == CHUNK and caches.spans[0] == []
+    pre = caches.prefill(
+        caches.slots[0], prompt, PrefillPolicy()
+    )  # causal now: only the first block is still right
+    assert pre.n_cached == CHUNK and caches.slots[0].spans == []
     np.testing.assert_allclose(logits(caches), cold_logits(model, prompt, ()), atol=ATOL)
 
 
@@ -133,18 +144,25 @@ def test_a_cut_short_block_moves_with_the_ring_and_resumes(
     before the next request: the chunk's evaluated start moves with it, exactly."""
     c, tail = chunks(toks, 7), toks[500:540]
     first, blocks = layout([toks[:4], *c[1:5]], tail)  # a 4-token header, the sink
-    caches.prefill(0, first, blocks=blocks, sink=True, min_chunk=64)
+    caches.prefill(caches.slots[0], first, PrefillPolicy(min_chunk=64), blocks=blocks, sink=True)
     second, blocks2 = layout([toks[:4], *c[2:6]], tail)  # c1 leaves, c5 arrives
     cut = caches.prefill(
-        0, second, blocks=blocks2, sink=True, min_chunk=64, chunk=20, cancel=After(2)
+        caches.slots[0],
+        second,
+        PrefillPolicy(min_chunk=64, chunk=20),
+        blocks=blocks2,
+        sink=True,
+        cancel=After(2),
     )  # 40 tokens of c5
-    assert cut.cancelled and len(caches.tokens[0]) == 4 + 3 * CHUNK + 40
+    assert cut.cancelled and len(caches.slots[0].tokens) == 4 + 3 * CHUNK + 40
     third, blocks3 = layout([toks[:4], *c[3:7]], tail)  # c2 leaves, c6 arrives
-    pre = caches.prefill(0, third, blocks=blocks3, sink=True, min_chunk=64, chunk=20)
+    pre = caches.prefill(
+        caches.slots[0], third, PrefillPolicy(min_chunk=64, chunk=20), blocks=blocks3, sink=True
+    )
     # c3, c4 and c5's first 40 tokens moved; c5's last 20, c6 and the tail evaluated
-    assert pre.n_moved == 2 * CHUNK + 40
+    assert pre.n_shifted == 2 * CHUNK + 40
     assert pre.n_evaluated == 20 + CHUNK + len(tail)
-    assert caches.exact[0] == len(third)
+    assert caches.slots[0].exact == len(third)
     # c3 and c4 turned twice: K's rotation rounds twice (2.5e-3 here, as when c5 was whole)
     np.testing.assert_allclose(
         logits(caches), cold_logits(model, third, blocks3, sink=True), atol=3 * ATOL
@@ -159,7 +177,7 @@ def test_a_request_cut_short_before_its_new_block_decodes_nothing(
     tokens) and throw it away."""
     c, tail = chunks(toks, 5), toks[500:540]
     first, blocks = layout([toks[:4], *c[0:3]], tail)
-    caches.prefill(0, first, blocks=blocks, sink=True, min_chunk=64)
+    caches.prefill(caches.slots[0], first, PrefillPolicy(min_chunk=64), blocks=blocks, sink=True)
     second, blocks2 = layout([toks[:4], *c[1:4]], tail)
     decoded: list[int] = []
     real = caches.ctx.decode
@@ -169,8 +187,15 @@ def test_a_request_cut_short_before_its_new_block_decodes_nothing(
         real(tokens, *args, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(caches.ctx, "decode", decode)
-    pre = caches.prefill(0, second, blocks=blocks2, sink=True, min_chunk=64, cancel=After(0))
-    assert pre.cancelled and pre.n_moved == 2 * CHUNK and decoded == []
+    pre = caches.prefill(
+        caches.slots[0],
+        second,
+        PrefillPolicy(min_chunk=64),
+        blocks=blocks2,
+        sink=True,
+        cancel=After(0),
+    )
+    assert pre.cancelled and pre.n_shifted == 2 * CHUNK and decoded == []
 
 
 def test_without_kv_shifts_a_rotated_ring_is_evaluated_again(
@@ -178,10 +203,12 @@ def test_without_kv_shifts_a_rotated_ring_is_evaluated_again(
 ) -> None:
     c = chunks(toks, 4)
     first, blocks = layout(c[0:3], toks[300:340])
-    caches.prefill(0, first, blocks=blocks)
+    caches.prefill(caches.slots[0], first, PrefillPolicy(), blocks=blocks)
     second, blocks2 = layout(c[1:4], toks[300:340])
-    pre = caches.prefill(0, second, blocks=blocks2)  # min_chunk 0: --cache-reuse 0
-    assert pre.n_moved == 0 and pre.n_evaluated == len(second)
+    pre = caches.prefill(
+        caches.slots[0], second, PrefillPolicy(), blocks=blocks2
+    )  # min_chunk 0: --cache-reuse 0
+    assert pre.n_shifted == 0 and pre.n_evaluated == len(second)
 
 
 def test_blocks_that_see_a_sink_still_move_exactly(
@@ -191,11 +218,15 @@ def test_blocks_that_see_a_sink_still_move_exactly(
     right before it: a moved block is still what a cold evaluation computes."""
     header, c, tail = toks[:4], chunks(toks[4:], 5), toks[500:540]
     first, blocks = layout([header, *c[0:4]], tail)
-    caches.prefill(0, first, blocks=blocks, sink=True, min_chunk=64)
+    caches.prefill(caches.slots[0], first, PrefillPolicy(min_chunk=64), blocks=blocks, sink=True)
     second, blocks2 = layout([header, *c[1:5]], tail)
-    pre = caches.prefill(0, second, blocks=blocks2, sink=True, min_chunk=64)
-    assert pre.n_moved == 3 * CHUNK and pre.n_evaluated == CHUNK + len(tail)
-    assert caches.blocks_in_place(0, blocks2, True) and not caches.blocks_in_place(0, blocks2)
+    pre = caches.prefill(
+        caches.slots[0], second, PrefillPolicy(min_chunk=64), blocks=blocks2, sink=True
+    )
+    assert pre.n_shifted == 3 * CHUNK and pre.n_evaluated == CHUNK + len(tail)
+    assert caches.blocks_in_place(caches.slots[0], blocks2, True) and not caches.blocks_in_place(
+        caches.slots[0], blocks2
+    )
     warm = logits(caches)
 
     with_sink = cold_logits(model, second, blocks2, sink=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from localspec.bench.speculative import code_prompts
+from localspec.bench.corpus import code_prompts
 from localspec.engine import (
     Engine,
     EngineSettings,
@@ -23,7 +23,7 @@ from localspec.engine import (
     SamplingParams,
     SpecSettings,
 )
-from localspec.engine import engine as engine_mod
+from localspec.engine.completion import Completion
 from localspec.engine.llama import Clock, Context, Model
 from localspec.engine.types import GenerationResult
 
@@ -196,7 +196,7 @@ def test_rejected_draft_positions_leave_kv_consistent(
     k = 4
     bad_at = {"first": 0, "middle": 2, "last": k - 1}[reject_at]
 
-    def propose(self: engine_mod._Run, room: int) -> tuple[str, str, list[int]]:
+    def propose(self: Completion, room: int) -> tuple[str, str, list[int]]:
         n = len(self.out)
         draft = ref[n : n + k]
         if len(draft) < k:
@@ -205,7 +205,7 @@ def test_rejected_draft_positions_leave_kv_consistent(
         draft[bad_at] = (draft[bad_at] + 1) % 1000  # certainly not the target's choice
         return "draft", "draft", draft
 
-    monkeypatch.setattr(engine_mod._Run, "_propose", propose)
+    monkeypatch.setattr(Completion, "_propose", propose)
     res = engine.generate(
         GenerationRequest(slot=0, prompt=prompt, n_predict=20, sampling=GREEDY, cache_prompt=False)
     )

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from localspec.engine import llama as llama_mod
-from localspec.engine.cache import COMPACT_MIN_WORK, COMPACT_OFF, SlotCaches
+from localspec.engine.cache import COMPACT_MIN_WORK, COMPACT_OFF, PrefillPolicy, SlotCaches
 from localspec.engine.errors import DecodeError
 from localspec.engine.llama import Clock, Context, Model
 from tests import kv_support
@@ -97,10 +97,10 @@ def test_prefill_compacts_before_evaluating_around_moved_runs(
             caches = SlotCaches(
                 ctx, 1, compact_min_work=COMPACT_MIN_WORK if compact else COMPACT_OFF
             )
-            caches.prefill(0, first, min_chunk=256)
-            pre = caches.prefill(0, second, min_chunk=256, chunk=64)
-            assert pre.n_moved == 300 and pre.n_evaluated == len(second) - 300
-            assert caches.tokens[0] == second
+            caches.prefill(caches.slots[0], first, PrefillPolicy(min_chunk=256))
+            pre = caches.prefill(caches.slots[0], second, PrefillPolicy(min_chunk=256, chunk=64))
+            assert pre.n_shifted == 300 and pre.n_evaluated == len(second) - 300
+            assert caches.slots[0].tokens == second
             # holes (800 - 300) x 202 evaluated tokens: due, unless flash attention is on
             want = 1 if compact and not flash_attn else 0
             assert caches.n_compacted == want
@@ -117,9 +117,9 @@ def test_a_small_edit_does_not_compact(model: Model, toks: list[int]) -> None:
     ctx = new_ctx(model)
     try:
         caches = SlotCaches(ctx, 1)
-        caches.prefill(0, toks[:800], min_chunk=256)
+        caches.prefill(caches.slots[0], toks[:800], PrefillPolicy(min_chunk=256))
         # 3 tokens deleted in front of a 300-token run: 3 holes, a few tokens to evaluate
-        caches.prefill(0, toks[:397] + toks[400:800], min_chunk=256)
+        caches.prefill(caches.slots[0], toks[:397] + toks[400:800], PrefillPolicy(min_chunk=256))
         assert caches.n_compacted == 0
     finally:
         ctx.close()
@@ -132,15 +132,15 @@ def test_a_failed_restore_empties_every_slot_instead_of_leaving_it_wrong(
     ctx = new_ctx(model)
     try:
         caches = SlotCaches(ctx, 1)
-        caches.prefill(0, first, min_chunk=256)
+        caches.prefill(caches.slots[0], first, PrefillPolicy(min_chunk=256))
         monkeypatch.setattr(llama_mod.C, "llama_state_set_data", lambda *a: 0)
         with pytest.raises(DecodeError, match="compacting"):
-            caches.prefill(0, second, min_chunk=256)
-        assert caches.tokens == [[]]
+            caches.prefill(caches.slots[0], second, PrefillPolicy(min_chunk=256))
+        assert caches.slots[0].tokens == []
         assert ctx.seq_pos_max(0) == -1 and ctx.seq_pos_max(1) == -1
         monkeypatch.undo()
-        caches.prefill(0, second, min_chunk=256)
-        assert caches.tokens[0] == second
+        caches.prefill(caches.slots[0], second, PrefillPolicy(min_chunk=256))
+        assert caches.slots[0].tokens == second
         got = np.array(ctx.logits(-1))
         cold = new_ctx(model)
         try:
@@ -170,22 +170,22 @@ def test_compacting_for_one_slot_keeps_the_other_slots_kv(model: Model, toks: li
     try:
         caches = SlotCaches(ctx, 2)
         other = toks[100:400]
-        caches.prefill(1, other)
+        caches.prefill(caches.slots[1], other, PrefillPolicy())
         first, second = prompts(toks)
-        caches.prefill(0, first, min_chunk=256)
-        caches.prefill(0, second, min_chunk=256)
+        caches.prefill(caches.slots[0], first, PrefillPolicy(min_chunk=256))
+        caches.prefill(caches.slots[0], second, PrefillPolicy(min_chunk=256))
         assert caches.n_compacted == 1
         more = toks[950:990]
         got = [fill(ctx, more, len(second), 0), fill(ctx, more, len(other), 1)]
-        assert caches.tokens[1] == other
+        assert caches.slots[1].tokens == other
     finally:
         ctx.close()
     ref = Context(model, settings, n_seq=3, n_ctx_total=2 * N_CTX, clock=Clock())
     try:
         ref_caches = SlotCaches(ref, 2, compact_min_work=COMPACT_OFF)
-        ref_caches.prefill(1, other)
-        ref_caches.prefill(0, first, min_chunk=256)
-        ref_caches.prefill(0, second, min_chunk=256)
+        ref_caches.prefill(ref_caches.slots[1], other, PrefillPolicy())
+        ref_caches.prefill(ref_caches.slots[0], first, PrefillPolicy(min_chunk=256))
+        ref_caches.prefill(ref_caches.slots[0], second, PrefillPolicy(min_chunk=256))
         want = [fill(ref, more, len(second), 0), fill(ref, more, len(other), 1)]
     finally:
         ref.close()
@@ -207,12 +207,20 @@ def test_holes_a_ring_rotation_leaves_are_compacted_by_the_request_that_evaluate
         ctx = new_ctx(model, n_seq=3)
         try:
             caches = SlotCaches(ctx, 1, compact_min_work=min_work)
-            caches.prefill(0, first, blocks=blocks, min_chunk=64)
-            warm = caches.prefill(0, second, blocks=blocks, min_chunk=64, cancel=threading_set())
-            assert warm.cancelled and warm.n_moved == 4 * 60 and caches.n_compacted == 0
+            caches.prefill(caches.slots[0], first, PrefillPolicy(min_chunk=64), blocks=blocks)
+            warm = caches.prefill(
+                caches.slots[0],
+                second,
+                PrefillPolicy(min_chunk=64),
+                blocks=blocks,
+                cancel=threading_set(),
+            )
+            assert warm.cancelled and warm.n_shifted == 4 * 60 and caches.n_compacted == 0
             assert caches.holes == len(first) - 4 * 60  # the old first block and the tail
-            key = caches.prefill(0, second, blocks=blocks, min_chunk=64, chunk=40)
-            assert key.n_moved == 0 and key.n_evaluated == 60 + len(tail)
+            key = caches.prefill(
+                caches.slots[0], second, PrefillPolicy(min_chunk=64, chunk=40), blocks=blocks
+            )
+            assert key.n_shifted == 0 and key.n_evaluated == 60 + len(tail)
             # 160 holes x 160 tokens to evaluate: due at 10k (the ring's new block is the first)
             assert caches.n_compacted == (1 if min_work == 10_000 else 0)
             assert caches.holes == 0

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from localspec.bench.speculative import code_prompts
+from localspec.bench.corpus import code_prompts
 from localspec.engine import (
     Engine,
     EngineSettings,

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from localspec.bench.speculative import code_prompts
+from localspec.bench.corpus import code_prompts
 from localspec.engine import (
     Engine,
     EngineSettings,
@@ -26,8 +26,10 @@ from localspec.engine import (
     SpecSettings,
 )
 from localspec.engine.engine import draft_window_start
-from localspec.engine.llama import Clock, Context, Model, physical_cores
+from localspec.engine.llama import Clock, Context, Model
 from localspec.engine.pipeline import DraftPipeline
+from localspec.engine.threads import physical_cores
+from tests.cpu_support import OtherLoad
 from tests.test_engine_exact import Scorer, run_exactness
 
 GREEDY = SamplingParams(top_k=1, temperature=0.0)
@@ -87,9 +89,9 @@ def assert_draft_cache_exact(
         return
     probe = [*d, seq[len(d)] if len(d) < len(seq) else d[-1]]
     dcache = engine._dcache
-    dcache.append(slot, probe[-1:], logits="last")
+    dcache.append(dcache.slots[slot], probe[-1:], logits="last")
     warm = np.array(engine._dctx.logits(-1))
-    dcache.truncate(slot, len(d))
+    dcache.truncate(dcache.slots[slot], len(d))
     cold.seq_rm(0, -1, -1)
     np.testing.assert_allclose(warm, last_logits(cold, 0, probe), atol=0.05)
 
@@ -97,10 +99,17 @@ def assert_draft_cache_exact(
 def test_pipeline_is_on_by_default_only_with_a_free_core(
     qwen_target: Path, qwen_draft: Path
 ) -> None:
+    """One thread each on a machine with two free cores: pipelined; the same with one core
+    taken by another process, or with each context on all cores: not (unless asked)."""
     one = settings(qwen_target, qwen_draft, pipeline=None)
     cores = physical_cores()
+    load = OtherLoad()
     with Engine.load(one) as eng:
+        eng.governor = load.governor(cores)
+        load.run(seconds=1.0, other_cores=0.0)
         assert eng.pipeline_enabled() == (cores >= 2)
+        load.run(seconds=1.0, other_cores=cores - 1.0)  # one core left
+        assert not eng.pipeline_enabled()
     full = replace(one, target=ms(qwen_target, cores), draft=ms(qwen_draft, cores))
     with Engine.load(full) as eng:
         assert not eng.pipeline_enabled()

@@ -78,7 +78,8 @@ def test_files_present_make_zero_requests_and_no_rehash(
     def no_hashing(*args: object, **kw: object) -> str:
         raise AssertionError("a recorded file was hashed again")
 
-    monkeypatch.setattr(fetch, "sha256_file", no_hashing)
+    for module in (fetch.files, fetch.hub):  # where it is defined and where pull calls it
+        monkeypatch.setattr(module, "sha256_file", no_hashing)
     (again,) = pull([spec()], models_dir=models, endpoint=hub.url, progress=False)
     assert again == first
     assert hub.requests == []
@@ -388,6 +389,7 @@ def test_up_with_files_present_makes_zero_requests(
     monkeypatch.setenv("LOCALSPEC_MODELS_DIR", str(tmp_path / "models"))
     token_file = tmp_path / "token"
     token_file.write_text("hf_fromfile\n")
+    token_file.chmod(0o600)  # a secret file is refused when others can read it
     plan = SimpleNamespace(target=("tiny", "Q8_0"), draft=("tinydraft", "Q8_0"))
     settings = Settings(hub=HubSettings(endpoint=hub.url, token_file=token_file))
     target, draft = fetch.pull_plan(plan, settings=settings, catalog=catalog, progress=False)

@@ -20,7 +20,7 @@ import pytest
 from localspec.engine.types import EngineSettings, ModelSettings
 from localspec.server import ServerSettings, logs, serve
 from localspec.server.run import EXIT_BIND_FAILED, EXIT_LOAD_FAILED
-from tests.test_ops_support import Live, engine_settings, launch, running_daemon, start, stop
+from tests.ops_support import Live, engine_settings, launch, running_daemon, start, stop
 
 N_CTX = 2048
 CODE = "".join(f"def handler_{i}(event, context):\n    return event['k{i}']\n\n" for i in range(90))

@@ -14,7 +14,7 @@ from schemathesis import GenerationMode
 
 from localspec.engine.types import EngineSettings, ModelSettings
 from localspec.server import ServerSettings, create_app
-from tests.test_ops_support import Live, engine_settings, start, stop
+from tests.ops_support import Live, engine_settings, start, stop
 
 N_CTX = 128  # bounds the longest generation a drawn n_predict can ask for
 EXAMPLES = 12  # per route and mode

@@ -12,7 +12,6 @@ import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -22,7 +21,17 @@ from starlette.testclient import TestClient
 from localspec.server import ServerSettings, create_app, logs
 from localspec.server.prompts import truncate
 from localspec.server.schemas import MAX_EXTRA_CHUNKS
-from tests.test_ops_support import AUTH, KEY, Live, engine_settings, infill_body, start, stop
+from tests.fake_engine import StepEngine
+from tests.ops_support import (
+    AUTH,
+    KEY,
+    Live,
+    engine_settings,
+    infill_body,
+    start,
+    stop,
+    wait_until,
+)
 
 N_CTX = 512
 MAX_BODY = 256 * 1024
@@ -267,6 +276,8 @@ def test_metrics_cover_requests_latency_tokens_drafts_queue_slots_memory(
         'localspec_slot_cached_tokens{slot="0"}',
         'localspec_model_bytes{model="target"}',
         "localspec_requests_cancelled_total",
+        "localspec_engine_threads",
+        "localspec_cpu_other_busy_cores",
         "process_resident_memory_bytes",
     ]
     missing = [w for w in wanted if w not in text]
@@ -278,9 +289,8 @@ def test_metrics_cover_requests_latency_tokens_drafts_queue_slots_memory(
 
 
 def test_metrics_can_be_switched_off() -> None:
-    fake = SimpleNamespace(n_ctx=64, n_slots=1, model_path="m.gguf", draft_path=None)
     app = create_app(
-        ServerSettings(metrics=False), engine_settings(Path("m.gguf")), load=lambda: fake
+        ServerSettings(metrics=False), engine_settings(Path("m.gguf")), load=StepEngine
     )
     with TestClient(app) as client:
         for _ in range(100):
@@ -299,7 +309,13 @@ def test_one_log_line_per_request_with_cache_draft_and_timings(
     assert c.post("/infill", json=body).status_code == 200  # the same again: served from cache
     assert c.post("/completion", json={"prompt": "a", "samplers": ["nope"]}).status_code == 400
     assert c.get("/slots", headers={"Authorization": "Bearer wrong"}).status_code == 401
-    records = [r for r in caplog.records if r.name == logs.REQUESTS]
+
+    def logged() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if r.name == logs.REQUESTS]
+
+    # a request's line is written once its answer is out: the client can be first
+    wait_until(lambda: len(logged()) >= 4)
+    records = logged()
     assert len(records) == 4
     first, again, bad, denied = (r.fields for r in records)  # type: ignore[attr-defined]
     for key in ("route", "slot", "evaluated", "reused", "approx", "predicted", "drafted",

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from localspec.server.loadtest import LoadReport, run_load
-from tests.test_ops_support import running_daemon
+from localspec.bench.load import LoadReport, run_load
+from tests.ops_support import running_daemon
 
 N_CTX = 2048
 

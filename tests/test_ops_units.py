@@ -10,28 +10,24 @@ from typing import Any
 
 import pytest
 
-from localspec.engine.types import GenerationResult
+from localspec.engine.types import GenerationResult, PromptLayout
 from localspec.server import logs
 from localspec.server.errors import Unavailable
 from localspec.server.params import task_params
 from localspec.server.schemas import CompletionRequest
 from localspec.server.worker import MIN_CALL_QUEUE, Job, Worker
+from tests.fake_engine import StepEngine
 
 
-class BlockingEngine:
+class BlockingEngine(StepEngine):
     """Generates nothing until released: the worker thread stays busy meanwhile."""
 
-    n_ctx = 64
-    n_slots = 1
-
     def __init__(self) -> None:
+        super().__init__()
         self.release = threading.Event()
         self.started = threading.Event()
 
-    def slot_tokens(self, slot: int) -> list[int]:
-        return []
-
-    def generate(self, req: Any, **_: Any) -> GenerationResult:
+    def run(self, req: Any, **_: Any) -> GenerationResult:
         self.started.set()
         self.release.wait(30)
         return GenerationResult(tokens=[], text="", stop_type="limit")
@@ -41,13 +37,13 @@ def test_calls_and_jobs_waiting_behind_a_generation_are_bounded() -> None:
     engine = BlockingEngine()
     with _serving(engine, queue_limit=2) as worker:
         params = task_params(CompletionRequest(prompt="a"), n_ctx=64, n_cmpl_max=1)
-        running = Job(params, lambda _e: [1, 2])
+        running = Job(params, lambda _e: PromptLayout([1, 2]))
         worker.submit(running)
         assert engine.started.wait(10)
         for _ in range(2):
-            worker.submit(Job(params, lambda _e: [1, 2]))
+            worker.submit(Job(params, lambda _e: PromptLayout([1, 2])))
         with pytest.raises(Unavailable) as full:
-            worker.submit(Job(params, lambda _e: [1, 2]))
+            worker.submit(Job(params, lambda _e: PromptLayout([1, 2])))
         assert full.value.headers == {"Retry-After": "1"}
         calls = [worker.call(lambda _e: "ok") for _ in range(MIN_CALL_QUEUE)]
         with pytest.raises(Unavailable, match="tokenizer calls"):
@@ -86,7 +82,7 @@ class CancellableEngine(BlockingEngine):
 
     n_slots = 2
 
-    def generate(self, req: Any, *, cancel: threading.Event | None = None, **_: Any) -> Any:
+    def run(self, req: Any, *, cancel: threading.Event | None = None, **_: Any) -> Any:
         self.started.set()
         while not self.release.is_set():
             if cancel is not None and cancel.wait(0.01):
@@ -117,7 +113,7 @@ def _serving(engine: BlockingEngine, queue_limit: int) -> Iterator[Worker]:
 
 def _job(n_predict: int, slot: int) -> Job:
     body = CompletionRequest(prompt="a", n_predict=n_predict, id_slot=slot)
-    return Job(task_params(body, n_ctx=64, n_cmpl_max=1), lambda _e: [1, 2])
+    return Job(task_params(body, n_ctx=64, n_cmpl_max=1), lambda _e: PromptLayout([1, 2]))
 
 
 def test_a_completion_stops_a_running_warmup_on_its_slot_only() -> None:
@@ -154,7 +150,7 @@ class PrefillingEngine(BlockingEngine):
         super().__init__()
         self.rule: Any = None
 
-    def generate(self, req: Any, *, prefill_cancel: Any = None, **_: Any) -> Any:
+    def run(self, req: Any, *, prefill_cancel: Any = None, **_: Any) -> Any:
         self.rule = prefill_cancel
         self.started.set()
         self.release.wait(30)

@@ -50,9 +50,11 @@ from localspec.plan import (
     plan_settings_from,
     poisson_quantile,
     read_gguf_header,
+    render_plan,
     smaller,
     speculative_speedup,
 )
+from localspec.planning.types import StepCosts
 from localspec.settings import Settings
 
 KV_BYTES = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
@@ -295,7 +297,7 @@ def test_cuda_card_with_cpu_build_plans_for_the_cpu_and_says_how_to_rebuild(
     assert [r.device.split()[0] for r in plan.memory] == ["cpu"]
     assert plan.target_ngl == 0
     assert any('CMAKE_ARGS="-DGGML_CUDA=on"' in w for w in plan.warnings)
-    assert "-DGGML_CUDA=on" in plan.explain()
+    assert "-DGGML_CUDA=on" in render_plan(plan)
 
 
 def test_busy_gpu_takes_a_small_model_wholly(plans: dict[str, Plan]) -> None:
@@ -338,7 +340,7 @@ def test_cpu_plans_turn_flash_attention_off_and_count_the_score_matrix(
     for name in ("cpu-32gb", "cuda-card-cpu-build"):
         plan = make_plan(catalog, MACHINES[name])
         assert plan.type_k == "f16" and not plan.flash_attn, name
-        assert "flash attention off" in plan.explain()
+        assert "flash attention off" in render_plan(plan)
         assert plan.engine_settings("t.gguf", "d.gguf").target.flash_attn is False
         host = plan.memory[-1]
         target = _facts_for(catalog, *plan.target)
@@ -378,7 +380,7 @@ def test_spilling_when_nothing_fits_wholly() -> None:
     facts = with_gpu_free(load_hardware_profile("rtx4090-24gb"), 0, 4 * GiB)
     model = _fake("m", "Q8_0", 7.6, 270)
     plan = make_plan([Candidate("m+ngram", model, None)], facts)
-    assert not plan.fits_wholly and "layers on the GPU" in plan.explain()
+    assert not plan.fits_wholly and "layers on the GPU" in render_plan(plan)
     assert 0 < plan.target_ngl < plan.target_layers
     assert plan.type_k == "q8_0"  # KV quantized before layers spill
     gpu = plan.memory[0]
@@ -426,7 +428,7 @@ def test_seed_scenario_500_sessions_on_2xh100(catalog: Catalog) -> None:
     assert plan.n_slots == min(cap.slots_by_memory, cap.slots_by_latency)
     assert cap.busy_slots_p95 <= plan.n_slots
     assert poisson_quantile(cap.sessions_held * cap.duty_cycle, 0.95) <= plan.n_slots
-    text = plan.explain()
+    text = render_plan(plan)
     assert "concurrent sessions" in text and "at p95 (Poisson)" in text
     assert plan.tensor_split is not None
 
@@ -467,11 +469,11 @@ def test_json_engine_settings_and_table(plans: dict[str, Plan], tmp_path: Path) 
     assert settings.draft is not None and settings.draft.n_gpu_layers == plan.draft_ngl
     with pytest.raises(PlanError, match="draft"):
         plan.engine_settings(tmp_path / "t.gguf")
-    text = plan.explain()
+    text = render_plan(plan)
     for heading in ("pair:", "memory (GiB)", "weights", "KV", "compute", "draft", "margin",
                     "decode ceiling", "speculative"):  # fmt: skip
         assert heading in text
-    assert "rejected" in plans["rtx3060-12gb"].explain()
+    assert "rejected" in render_plan(plans["rtx3060-12gb"])
 
 
 # ----------------------------------------------------------------- against llama.cpp itself
@@ -709,3 +711,38 @@ def test_random_machines_get_a_plan_that_fits_or_a_clear_error(facts: HardwareFa
     for device, (used, budget) in recompute(catalog, plan, facts).items():
         assert used <= budget, device
     assert plan.n_ctx >= 4096
+
+
+def test_measured_step_times_replace_the_bandwidth_model(catalog: Catalog) -> None:
+    """A step cost measured on the machine decides the slots the latency bound allows, and the
+    plan says so; without one it says its figures are assumed."""
+    facts = load_hardware_profile("h100-80gb")
+    assumed = make_plan(catalog, facts, PlanSettings(concurrent_sessions=100))
+    cap = assumed.capacity
+    assert cap is not None and not cap.step_measured and "assumed" in cap.explanation
+    model = assumed.target[0]
+    # measured: 10 ms a step for one slot, 30 ms more per slot: 2 slots fit 50 ms, 3 do not
+    slow = StepCosts({1: 10.0, 2: 40.0, 4: 100.0}, 4096, "a test, 2026-12-01")
+    every_quant = {(model, q): slow for q in catalog.model(model).quants}
+    measured = make_plan(
+        catalog, facts, PlanSettings(concurrent_sessions=100, allowed=(assumed.pair_id,)),
+        step_costs=every_quant,
+    )  # fmt: skip
+    cap = measured.capacity
+    assert cap is not None and cap.step_measured and cap.slots_by_latency == 2
+    assert "measured: a test" in cap.explanation and cap.step_ms_at_full_batch == 40.0
+
+
+def test_step_costs_interpolate_and_keep_per_machine(tmp_path: Path) -> None:
+    from localspec import step_costs
+
+    costs = StepCosts({1: 10.0, 4: 16.0, 8: 30.0}, 1024, "here")
+    assert costs.step_ms(1) == 10.0 and costs.step_ms(2) == 12.0 and costs.step_ms(16) == 58.0
+    assert StepCosts({2: 10.0}, 1, "one").step_ms(4) == 20.0
+    path = tmp_path / "costs.json"
+    step_costs.save("m", "Q8_0", costs, machine="box A", path=path)
+    step_costs.save("m", "Q8_0", StepCosts({1: 99.0}, 1, "other"), machine="box B", path=path)
+    assert step_costs.load("box A", path) == {("m", "Q8_0"): costs}
+    assert step_costs.load("box C", path) == {}
+    path.write_text("not json")
+    assert step_costs.load("box A", path) == {}

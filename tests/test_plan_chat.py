@@ -18,6 +18,7 @@ from localspec.plan import (
     candidates_from_catalog,
     make_plan,
     plan_settings_from,
+    render_plan,
 )
 from localspec.planning.chat import remaining
 
@@ -136,7 +137,7 @@ def test_json_and_table_show_each_pairs_memory(catalog: Catalog) -> None:
     chat = data["chat"]
     assert chat["mode"] == "separate" and chat["plan"]["pair_id"] == plan.chat.plan.pair_id
     assert {"used", "budget"} <= set(chat["plan"]["memory"][-1])
-    table = plan.explain()
+    table = render_plan(plan)
     assert "chat:     separate:" in table
     assert table.count("memory (GiB)") == 2
     assert f"  pair:     {plan.chat.plan.pair_id}" in table

@@ -40,7 +40,7 @@ def test_repo_level_layout_in_llama_server_order() -> None:
         prompt_tokens=chars("y ="),
         n_batch=1024,
         n_ctx=4096,
-    )
+    ).tokens
     want = [
         REP, *chars("myproject\n"),
         SEP, *chars("/src/a.py\n"), *chars("def a():\n"),
@@ -57,7 +57,7 @@ def test_empty_extra_still_names_project_and_file() -> None:
     got = infill_prompt(
         tokenize=chars, fim=QWEN_LIKE, input_prefix="a", input_suffix="b", input_extra=[],
         prompt_tokens=[], n_batch=64, n_ctx=4096,
-    )  # fmt: skip
+    ).tokens  # fmt: skip
     assert got == [REP, *chars("myproject\n"), SEP, *chars("filename\n"), PRE, 97, SUF, 98, MID]
 
 
@@ -66,7 +66,7 @@ def test_without_repo_tokens_chunks_get_the_snippet_separator() -> None:
         tokenize=chars, fim=NO_REPO, input_prefix="p", input_suffix="s",
         input_extra=[Extra("one", "f.py"), Extra("two")], prompt_tokens=[], n_batch=64,
         n_ctx=4096,
-    )  # fmt: skip
+    ).tokens  # fmt: skip
     sep = chars(SNIPPET_SEPARATOR)
     assert got == [*sep, *chars("one"), *sep, *chars("two"), PRE, ord("p"), SUF, ord("s"), MID]
 
@@ -76,7 +76,7 @@ def test_prefix_keeps_its_end_within_three_quarters_of_the_batch() -> None:
     got = infill_prompt(
         tokenize=chars, fim=NO_REPO, input_prefix=prefix, input_suffix="", input_extra=[],
         prompt_tokens=[], n_batch=40, n_ctx=4096,
-    )  # fmt: skip
+    ).tokens  # fmt: skip
     assert got == [PRE, *chars(prefix[-30:]), SUF, MID]  # 3 * (40 // 4) = 30
 
 
@@ -85,7 +85,7 @@ def test_suffix_keeps_its_start_within_the_last_quarter_minus_prompt() -> None:
     got = infill_prompt(
         tokenize=chars, fim=NO_REPO, input_prefix="", input_suffix=suffix, input_extra=[],
         prompt_tokens=chars("xyz"), n_batch=40, n_ctx=4096,
-    )  # fmt: skip
+    ).tokens  # fmt: skip
     # 40 // 4 - (2 + 3 prompt tokens) = 5 suffix tokens, from the start
     assert got == [PRE, *chars("xyz"), SUF, *chars("01234"), MID]
 
@@ -94,7 +94,7 @@ def test_long_prompt_leaves_no_room_for_suffix() -> None:
     got = infill_prompt(
         tokenize=chars, fim=NO_REPO, input_prefix="", input_suffix="suffix", input_extra=[],
         prompt_tokens=list(range(20)), n_batch=40, n_ctx=4096,
-    )  # fmt: skip
+    ).tokens  # fmt: skip
     assert got == [PRE, *range(20), SUF, MID]
 
 
@@ -104,7 +104,7 @@ def test_extra_keeps_its_end_within_context_minus_batch_and_predict() -> None:
     got = infill_prompt(
         tokenize=chars, fim=QWEN_LIKE, input_prefix="P", input_suffix="S",
         input_extra=[Extra(chunk, "big.txt")], prompt_tokens=[], n_batch=n_batch, n_ctx=n_ctx,
-    )  # fmt: skip
+    ).tokens  # fmt: skip
     full_extra = extra_blocks(chars, QWEN_LIKE, [Extra(chunk, "big.txt")])[0]
     n_extra = n_ctx - n_batch + 2  # the server's n_predict is -1: 2 * -1 adds two tokens
     assert got == [*full_extra[-n_extra:], PRE, ord("P"), SUF, ord("S"), MID]
@@ -121,7 +121,7 @@ def test_no_extra_when_the_batch_fills_the_context() -> None:
     got = infill_prompt(
         tokenize=chars, fim=QWEN_LIKE, input_prefix="P", input_suffix="S",
         input_extra=[Extra("chunk")], prompt_tokens=[], n_batch=512, n_ctx=256,
-    )  # fmt: skip
+    ).tokens  # fmt: skip
     assert got == [PRE, ord("P"), SUF, ord("S"), MID]
 
 
@@ -129,7 +129,7 @@ def test_bos_goes_after_the_extra_context_and_before_fim_pre() -> None:
     got = infill_prompt(
         tokenize=chars, fim=QWEN_LIKE, input_prefix="P", input_suffix="S", input_extra=[],
         prompt_tokens=[], n_batch=64, n_ctx=4096, bos=BOS,
-    )  # fmt: skip
+    ).tokens  # fmt: skip
     assert got[got.index(BOS) - len(chars("filename\n")) - 1] == SEP
     assert got[got.index(BOS) + 1] == PRE
 
@@ -138,7 +138,7 @@ def test_spm_puts_the_suffix_block_first() -> None:
     got = infill_prompt(
         tokenize=chars, fim=NO_REPO, input_prefix="P", input_suffix="S", input_extra=[],
         prompt_tokens=chars("q"), n_batch=64, n_ctx=4096, bos=BOS, spm=True,
-    )  # fmt: skip
+    ).tokens  # fmt: skip
     assert got == [BOS, SUF, ord("S"), PRE, ord("P"), ord("q"), MID]
 
 
@@ -147,7 +147,7 @@ def test_mixed_prefix_pieces_keep_token_ids_and_tokenize_text() -> None:
     got = infill_prompt(
         tokenize=chars, fim=NO_REPO, input_prefix=["a", 5], input_suffix=[6, "b"],
         input_extra=[], prompt_tokens=[], n_batch=64, n_ctx=4096,
-    )  # fmt: skip
+    ).tokens  # fmt: skip
     assert got == [PRE, 97, 5, SUF, 6, 98, MID]
 
 
@@ -157,19 +157,19 @@ def test_room_is_llama_servers_n_predict_reserve() -> None:
         tokenize=chars, fim=QWEN_LIKE, input_extra=[Extra(chunk)], prompt_tokens=[],
         n_batch=100, n_ctx=200,
     )  # fmt: skip
-    short = infill_prompt(input_prefix="P", input_suffix="S", room=20, **args)  # type: ignore[arg-type]
+    short = infill_prompt(input_prefix="P", input_suffix="S", room=20, **args).tokens  # type: ignore[arg-type]
     # llama-server run with -n 10 reserves 2 * 10 tokens of context the same way
-    assert short == infill_prompt(input_prefix="P", input_suffix="S", n_predict=10, **args)  # type: ignore[arg-type]
+    assert short == infill_prompt(input_prefix="P", input_suffix="S", n_predict=10, **args).tokens  # type: ignore[arg-type]
     assert len(short) == 80 + 5  # extra budget n_ctx - n_batch - room
 
     full = "x" * 300
-    exact = infill_prompt(input_prefix=full, input_suffix=full, n_predict=10, **args)  # type: ignore[arg-type]
-    fitted = infill_prompt(input_prefix=full, input_suffix=full, room=20, **args)  # type: ignore[arg-type]
+    exact = infill_prompt(input_prefix=full, input_suffix=full, n_predict=10, **args).tokens  # type: ignore[arg-type]
+    fitted = infill_prompt(input_prefix=full, input_suffix=full, room=20, **args).tokens  # type: ignore[arg-type]
     assert fitted == exact and len(fitted) == 200 - 20 + 1  # still leaves n_predict free
 
     tight = dict(args, n_ctx=120)  # the budget leaves no extra; prefix + suffix alone overflow
-    fitted = infill_prompt(input_prefix=full, input_suffix=full, room=40, **tight)  # type: ignore[arg-type]
-    exact = infill_prompt(input_prefix=full, input_suffix=full, n_predict=20, **tight)  # type: ignore[arg-type]
+    fitted = infill_prompt(input_prefix=full, input_suffix=full, room=40, **tight).tokens  # type: ignore[arg-type]
+    exact = infill_prompt(input_prefix=full, input_suffix=full, n_predict=20, **tight).tokens  # type: ignore[arg-type]
     assert len(exact) == 101 and len(fitted) == 120 - 20
     assert fitted == [PRE, *exact[2:]]  # the prefix lost its oldest token
 
@@ -184,7 +184,7 @@ def test_the_extra_context_head_does_not_move_while_the_user_types() -> None:
             tokenize=chars, fim=QWEN_LIKE, input_prefix="p" * n_pre, input_suffix="s" * n_suf,
             input_extra=[Extra(chunk)], prompt_tokens=list(range(1000, 1000 + n_prompt)),
             n_batch=100, n_ctx=300, room=40,
-        )  # fmt: skip
+        ).tokens  # fmt: skip
         assert len(got) <= 300 - 40 + 3  # llama-server's -n 20 layout, never trimmed
         heads.add(tuple(got[: got.index(PRE)]))
     assert len(heads) == 1
@@ -194,7 +194,7 @@ def test_room_then_trims_the_start_of_the_prefix() -> None:
     got = infill_prompt(
         tokenize=chars, fim=NO_REPO, input_prefix="abcdefghij", input_suffix="", input_extra=[],
         prompt_tokens=[], n_batch=40, n_ctx=12, room=4,
-    )  # fmt: skip
+    ).tokens  # fmt: skip
     assert got == [PRE, *chars("defghij"), SUF, MID]  # 12 - 4/2 = 10 tokens: the prefix end
 
 
@@ -222,8 +222,8 @@ def test_layout_invariants(
         input_extra=extra, prompt_tokens=prompt, n_batch=n_batch, n_ctx=n_ctx,
         bos=BOS if bos else None, spm=spm,
     )  # fmt: skip
-    exact = infill_prompt(n_predict=(room + 1) // 2 if room else -1, **kw)  # type: ignore[arg-type]
-    got = infill_prompt(room=room, **kw)  # type: ignore[arg-type]
+    exact = infill_prompt(n_predict=(room + 1) // 2 if room else -1, **kw).tokens  # type: ignore[arg-type]
+    got = infill_prompt(room=room, **kw).tokens  # type: ignore[arg-type]
     assert got[-1] == MID and got.count(PRE) == got.count(SUF) == 1
     full_extra = extra_blocks(chars, QWEN_LIKE, extra)[0]
     head = got[: got.index(BOS if bos else (SUF if spm else PRE))]
@@ -249,7 +249,7 @@ def _typed(prompt: str, **kw: object) -> list[int]:
         input_extra=[Extra("x = 1\n", "a.py")], n_batch=64, n_ctx=4096, typed_in_middle=True,
     )  # fmt: skip
     args.update(kw)
-    return infill_prompt(prompt_tokens=chars(prompt), **args)  # type: ignore[arg-type]
+    return infill_prompt(prompt_tokens=chars(prompt), **args).tokens  # type: ignore[arg-type]
 
 
 def test_typed_in_middle_puts_the_cursor_line_after_fim_mid() -> None:
@@ -279,7 +279,7 @@ def test_typed_in_middle_keystrokes_only_append() -> None:
     server = infill_prompt(
         tokenize=chars, fim=NO_REPO, input_prefix="def f():\n", input_suffix=suffix,
         input_extra=[], prompt_tokens=chars(line[:6]), n_batch=64, n_ctx=4096,
-    )  # fmt: skip
+    ).tokens  # fmt: skip
     assert server[server.index(SUF) + 1 : server.index(MID)] == chars(suffix[: 16 - 2 - 6])
 
 
@@ -293,7 +293,8 @@ def test_ring_blocks_are_the_header_and_the_newest_whole_chunks_that_fit() -> No
     header, a, b = len("myproject\n") + 1, 1 + len("a.py\ndef a():\n"), 1 + len("b.py\nx = 1\n")
     assert whole.blocks == (header, a, b) and whole.sink  # the chunks see the header
     # the blocks end where the current file's separator begins
-    assert whole[header + a + b] == SEP and whole[header + a + b + 1 :][:9] == chars("filename\n")
+    assert whole.tokens[header + a + b] == SEP
+    assert whole.tokens[header + a + b + 1 :][:9] == chars("filename\n")
     assert infill_prompt(**kwargs, n_ctx=4096).blocks == ()  # type: ignore[arg-type]
     no_header = infill_prompt(**{**kwargs, "fim": NO_REPO}, n_ctx=4096, ring_blocks=True)  # type: ignore[arg-type]
     assert len(no_header.blocks) == 2 and not no_header.sink
@@ -302,7 +303,10 @@ def test_ring_blocks_are_the_header_and_the_newest_whole_chunks_that_fit() -> No
     assert infill_prompt(**kwargs, n_ctx=91, ring_blocks=True).blocks == (header,)  # type: ignore[arg-type]
     cut = infill_prompt(**kwargs, n_ctx=95, ring_blocks=True)  # type: ignore[arg-type]
     assert cut.blocks == (header, b)
-    assert cut[: header + b] == [*whole[:header], *whole[header + a : header + a + b]]
+    assert cut.tokens[: header + b] == [
+        *whole.tokens[:header],
+        *whole.tokens[header + a : header + a + b],
+    ]
     # a chunk too big to fit ends the ring there, though an older one would fit
     big = [Extra("def a():\n", "a.py"), Extra("z" * 40, "big.py"), Extra("x = 1\n", "b.py")]
     ends = infill_prompt(**{**kwargs, "input_extra": big}, n_ctx=112, ring_blocks=True)  # type: ignore[arg-type]
@@ -310,7 +314,8 @@ def test_ring_blocks_are_the_header_and_the_newest_whole_chunks_that_fit() -> No
     # causal: the extra context keeps its end, cut mid-chunk (llama-server's rule)
     causal = infill_prompt(**kwargs, n_ctx=95)  # type: ignore[arg-type]
     assert (
-        causal.blocks == () and causal[:33] == whole[header + a + b + 10 - 33 : header + a + b + 10]
+        causal.blocks == ()
+        and causal.tokens[:33] == whole.tokens[header + a + b + 10 - 33 : header + a + b + 10]
     )
     ring = infill_prompt(**kwargs, n_ctx=4096, ring_blocks=True, ring_only=True)  # type: ignore[arg-type]
-    assert list(ring) == list(whole[: len(ring)]) and ring.blocks == whole.blocks
+    assert ring.tokens == whole.tokens[: len(ring.tokens)] and ring.blocks == whole.blocks

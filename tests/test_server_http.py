@@ -26,6 +26,7 @@ from localspec.engine.types import EngineSettings, ModelSettings, SpecSettings
 from localspec.server import ServerSettings, create_app
 from localspec.server.run import bind_sockets
 from localspec.server.service import Service
+from tests.ops_support import wait_until
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -216,14 +217,6 @@ def abort_mid_generation(live: Live, path: str, body: dict[str, Any]) -> int:
         x.last_used for x in worker.slots))  # fmt: skip
     prompt_len = slot.last_prompt_n + slot.last_cache_n
     return len(slot.tokens) - prompt_len
-
-
-def wait_until(cond: Any, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.005)
 
 
 def test_streaming_client_that_leaves_frees_the_slot(qwen: Live) -> None:
@@ -449,7 +442,8 @@ def test_bad_requests_answer_400_in_llama_server_format(qc: httpx.Client) -> Non
 
 
 def test_full_queue_answers_503_with_retry_after(qwen: Live) -> None:
-    """queue_limit is 1: one running, one queued, the third is turned away."""
+    """queue_limit is 1: one running on each of the two slots, one queued, the fourth is
+    turned away."""
     long_body = {"prompt": "go", "n_predict": 3000, "top_k": 1, "id_slot": -1}
     worker = qwen.service.worker
     results: list[httpx.Response] = []
@@ -458,11 +452,11 @@ def test_full_queue_answers_503_with_retry_after(qwen: Live) -> None:
         with qwen.client(headers=AUTH) as c:
             results.append(c.post("/completion", json=long_body))
 
-    runner = threading.Thread(target=send)
-    runner.start()
-    wait_until(lambda: worker.busy)
-    queued = threading.Thread(target=send)
-    queued.start()
+    runners = [threading.Thread(target=send) for _ in range(3)]
+    for n, runner in enumerate(runners[:2], start=1):
+        runner.start()
+        wait_until(lambda n=n: len(worker._running) == n)  # both slots decode at once
+    runners[2].start()
     wait_until(lambda: worker.queued == 1)
     with qwen.client(headers=AUTH) as c:
         r = c.post("/completion", json={"prompt": "x", "n_predict": 1})
@@ -471,9 +465,9 @@ def test_full_queue_answers_503_with_retry_after(qwen: Live) -> None:
     worker.cancel_running()  # let the long ones end quickly
     wait_until(lambda: worker.busy and worker.queued == 0)
     worker.cancel_running()
-    runner.join()
-    queued.join()
-    assert [x.status_code for x in results] == [200, 200]
+    for runner in runners:
+        runner.join()
+    assert [x.status_code for x in results] == [200, 200, 200]
 
 
 def test_newer_request_for_a_slot_supersedes_the_queued_one(qwen: Live) -> None:
@@ -485,7 +479,7 @@ def test_newer_request_for_a_slot_supersedes_the_queued_one(qwen: Live) -> None:
             results[name] = c.post("/infill", json=body)
 
     base = {"input_prefix": "a", "input_suffix": "b", "id_slot": 0}
-    long_body = {**base, "n_predict": 3000, "top_k": 1, "id_slot": 1}
+    long_body = {**base, "n_predict": 3000, "top_k": 1}  # runs on slot 0: the others queue
     running = threading.Thread(target=send, args=("running", long_body))
     running.start()
     wait_until(lambda: worker.busy)

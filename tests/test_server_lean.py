@@ -29,6 +29,7 @@ from localspec.server.schemas import (
     parse_body,
 )
 from localspec.server.tokcache import TokenCache
+from tests.fake_engine import StepEngine
 
 
 class FakeVocab:
@@ -52,21 +53,19 @@ class FakeVocab:
         return b"".join(self.piece(t, special=special) for t in tokens).decode("utf-8", "replace")
 
 
-class FakeEngine:
+class FakeEngine(StepEngine):
     n_ctx = 4096
     n_batch = 512
-    n_slots = 1
-    model_path = "fake.gguf"
-    draft_path = None
 
     def __init__(self) -> None:
+        super().__init__()
         self.vocab = FakeVocab()
         self.tokens: list[int] = []
 
     def slot_tokens(self, slot: int) -> list[int]:
         return list(self.tokens)
 
-    def generate(self, req: Any, **_: Any) -> GenerationResult:
+    def run(self, req: Any, **_: Any) -> GenerationResult:
         self.tokens = [*req.prompt, 7, 8]
         return GenerationResult(
             tokens=[7, 8], text='é "x",', stop_type="limit", n_prompt=len(req.prompt),
@@ -152,9 +151,10 @@ def _same(model: type[BaseModel], raw: bytes) -> None:
 
 
 def test_parse_body_builds_what_json_loads_and_validation_built() -> None:
-    from localspec.server.overhead import editor_requests, stdlib_file
+    from localspec.bench.corpus import stdlib_path
+    from localspec.bench.overhead import editor_requests
 
-    for body in editor_requests(stdlib_file("argparse.py"), 3, 4):
+    for body in editor_requests(stdlib_path("argparse.py"), 3, 4):
         _same(InfillRequest, json.dumps(body).encode())
     odd = [
         (CompletionRequest, b'{"prompt": [1.0, "a", 2], "n_predict": "7", "seed": 1e2}'),
@@ -247,9 +247,10 @@ def test_generation_parameters_are_parsed_once_per_distinct_set(client: TestClie
 
 
 def test_dumps_writes_what_json_dumps_wrote() -> None:
-    from localspec.server.overhead import editor_requests, stdlib_file
+    from localspec.bench.corpus import stdlib_path
+    from localspec.bench.overhead import editor_requests
 
-    body = editor_requests(stdlib_file("argparse.py"), 1, 4)[0]
+    body = editor_requests(stdlib_path("argparse.py"), 1, 4)[0]
     text = "".join(c["text"] for c in body["input_extra"]) + body["input_prefix"] + "\x1f\u2028é😀"
     obj = {"content": 'a"b\\', "prompt": text, "tokens": [1, 2], "ok": True, "none": None,
            "timings": {"ms": 1.5, "rate": 1e16, "n": 2**40}, "s": ["NaN", "Infinity"]}  # fmt: skip

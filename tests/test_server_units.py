@@ -7,7 +7,14 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from localspec.engine.types import DraftStats, GenerationResult, SamplingParams, TokenProbs
+from localspec.engine.cache_plan import common_prefix
+from localspec.engine.types import (
+    DraftStats,
+    GenerationResult,
+    PromptLayout,
+    SamplingParams,
+    TokenProbs,
+)
 from localspec.server.auth import key_matches, presented_key
 from localspec.server.errors import InvalidRequest
 from localspec.server.params import RANDOM_SEED, sampler_chain, task_params
@@ -22,7 +29,7 @@ from localspec.server.results import (
 )
 from localspec.server.schemas import InfillRequest
 from localspec.server.settings import ServerSettings
-from localspec.server.slots import SlotInfo, choose_slot, common_prefix
+from localspec.server.slots import SlotInfo, choose_slot
 
 
 def test_compact_json_has_no_spaces_and_keeps_utf8() -> None:
@@ -122,7 +129,7 @@ def test_n_cmpl_seeds_are_distinct() -> None:
         n_cmpl_max=16,
     )
     assert len(set(random_params.seeds())) == 4
-    reqs = [random_params.request_for(i, [7, 8, 9, 10], 0, [1]) for i in range(4)]
+    reqs = [random_params.request_for(i, [7, 8, 9, 10], 0, PromptLayout([1])) for i in range(4)]
     assert [r.sampling.seed for r in reqs] == [7, 8, 9, 10]
 
 

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import httpx
 
+from localspec.engine.llama import default_repack_weights
+
 LLAMA_SERVER_ENV = "LLAMA_SERVER_BIN"
 
 # llama-server speculation per bench mode; anything else is passed as --spec-type verbatim.
@@ -42,6 +44,15 @@ class ServeSettings:
     draft_max: int = 16
     draft_p_min: float = 0.75
     n_predict: int = 128  # llama-server's default n_predict (the client's value)
+    # slots: localspec --slots N; llama-server -np N x n_cmpl, as many x ctx cells in all
+    # (it decodes a request's extra completions in other, idle slots: n_cmpl must not exceed
+    # its n_parallel)
+    slots: int = 1
+    n_cmpl: int = 1
+    # llama-server -kvu: one KV buffer every slot may fill (as localspec's). Its slots then
+    # see N x ctx as their context, which also widens /infill's extra-context budget: off for
+    # the editor replay, on for plain /completion throughput
+    kv_unified: bool = False
 
 
 @dataclass
@@ -76,12 +87,6 @@ def find_llama_server(explicit: str | None = None) -> Path:
     return path
 
 
-def _repack_weights() -> bool:
-    from localspec.engine.llama import default_repack_weights  # loads llama.cpp: only here
-
-    return default_repack_weights()
-
-
 def llama_server_spec(
     binary: Path, serve: ServeSettings, mode: str, port: int | None = None
 ) -> ServerSpec:
@@ -99,8 +104,8 @@ def llama_server_spec(
         "-m", str(serve.target),
         "--host", "127.0.0.1",
         "--port", str(port),
-        "-c", str(serve.ctx),
-        "-np", "1",
+        "-c", str(serve.ctx * serve.slots * serve.n_cmpl),
+        "-np", str(serve.slots * serve.n_cmpl),
         "-b", str(serve.batch),
         "-ub", str(serve.batch),
         "-t", str(serve.threads),
@@ -130,10 +135,12 @@ def llama_server_spec(
         argv += ["--spec-type", ",".join(types)]
     if variant:
         argv += ["--flash-attn", "off"]
-    if not _repack_weights():
-        # what localspec does on this CPU (engine.llama.default_repack_weights): llama.cpp's AMX
-        # weight buffers crash here on a quantized model's first batch (the Q4_1 draft)
-        argv.append("--no-repack")
+    if serve.kv_unified:
+        argv += ["-kvu"]
+    if not default_repack_weights():
+        # where llama.cpp runs AMX kernels, its AMX weight buffers crash on some CPUs (see
+        # engine.llama): llama-server loads as localspec does there
+        argv += ["--no-repack"]
     return ServerSpec(f"llama-server/{mode}{'+' + variant if variant else ''}", argv, port)
 
 
@@ -148,6 +155,7 @@ def localspec_spec(
         "--host", "127.0.0.1",
         "--port", str(port),
         "--ctx-size", str(serve.ctx),
+        "--slots", str(serve.slots),
         "--threads", str(serve.threads),
         "--cache-reuse", str(serve.cache_reuse),
         "--log-requests",  # one line per request in the kept log: what each keystroke did

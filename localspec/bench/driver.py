@@ -57,6 +57,8 @@ class Outcome:
     draft_n: int | None = None
     draft_n_accepted: int | None = None
     server_timing: dict[str, float] = field(default_factory=dict)
+    # n_cmpl > 1: each completion's generated tokens (the first is predicted_n)
+    cmpl_predicted: list[int] = field(default_factory=list)
     error: str = ""
     # n_probs' report (completion_probabilities), kept for the cold probes only
     probabilities: list[dict[str, Any]] | None = None
@@ -99,7 +101,12 @@ def _parse_server_timing(header: str | None) -> dict[str, float]:
 
 
 def _fill(outcome: Outcome, answer: Any) -> None:
-    if isinstance(answer, list):  # n_cmpl > 1: an array; the bench asks for one
+    if isinstance(answer, list):  # n_cmpl > 1: an array, the first completion stands for all
+        outcome.cmpl_predicted = [
+            int((a.get("timings") or {}).get("predicted_n") or 0)
+            for a in answer
+            if isinstance(a, dict)
+        ]
         answer = answer[0] if answer else {}
     if not isinstance(answer, dict):
         outcome.status, outcome.error = "error", f"unexpected answer: {str(answer)[:200]}"
@@ -316,7 +323,8 @@ def cold_body(body: dict[str, Any], answer: Outcome) -> dict[str, Any]:
     and an answer a limit cut (the deadline, ``n_predict`` or ``n_indent``, all ``limit``)
     pins its length: the cold evaluation predicts as many tokens. Identity then compares
     every token of the answer, whichever evaluation was the faster one."""
-    cold = {**body, "cache_prompt": False, "n_probs": 2, "t_max_predict_ms": 0}
+    # (the first completion only: it has the body's own seed, the others count up from it)
+    cold = {**body, "cache_prompt": False, "n_probs": 2, "t_max_predict_ms": 0, "n_cmpl": 1}
     if answer.stop_type == "limit" and answer.predicted_n:
         cold["n_predict"] = answer.predicted_n
     return cold

@@ -43,6 +43,7 @@ class TrafficSettings:
     seed: int = 42  # the sampler's seed in every body; also seeds the schedule
     greedy: bool = False  # top_k 1: answers independent of sampling
     id_slot: int = 0
+    n_cmpl: int = 3  # completions per keystroke (llama-vscode's max_parallel_completions)
     # typist
     locations: int = 20
     lines_per_file: int = 3  # cursor jumps inside one file before switching files
@@ -58,6 +59,8 @@ class TrafficSettings:
             raise ValueError(f"locations must be at least 1, got {self.locations}")
         if self.max_keys < 1:
             raise ValueError(f"max_keys must be at least 1, got {self.max_keys}")
+        if self.n_cmpl < 1:
+            raise ValueError(f"n_cmpl must be at least 1, got {self.n_cmpl}")
         if not 0 <= self.pause_prob <= 1:
             raise ValueError(f"pause_prob must be within 0..1, got {self.pause_prob}")
         for name in ("interval_s", "pause_s", "idle_s"):
@@ -221,7 +224,7 @@ def infill_body(
         "input_extra": extra,
         "prompt": "" if typed.strip() == "" else typed,
         "n_predict": settings.n_predict,
-        "n_cmpl": 1,
+        "n_cmpl": settings.n_cmpl,
         **_sampling(settings),
         "stream": False,
         "samplers": ["top_k", "top_p", "infill"],

@@ -26,9 +26,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from localspec.bench.speculative import stdlib_files
+from localspec.bench.corpus import stdlib_files
 from localspec.bench.stats import fmt
-from localspec.engine.cache import COMPACT_MIN_WORK, COMPACT_OFF, SlotCaches
+from localspec.engine.cache import COMPACT_MIN_WORK, COMPACT_OFF, PrefillPolicy, SlotCaches
 from localspec.engine.llama import Clock, Context, Model
 from localspec.engine.types import ModelSettings
 from localspec.engine.vocab import Vocab
@@ -68,15 +68,16 @@ def run_once(model: Model, settings: ModelSettings, sc: dict[str, Any], compact:
     ctx = Context(model, settings, n_seq=2, n_ctx_total=settings.n_ctx, clock=Clock())
     try:
         caches = SlotCaches(ctx, 1, compact_min_work=COMPACT_MIN_WORK if compact else COMPACT_OFF)
-        caches.prefill(0, sc["cached"], chunk=512)
+        slot = caches.slots[0]
+        caches.prefill(slot, sc["cached"], PrefillPolicy(chunk=512))
         times: list[float] = []
         for name in ("warm_up", "keystrokes", "final"):
             t0 = time.perf_counter()
-            caches.prefill(0, sc[name], min_chunk=sc["min_chunk"], chunk=128)
+            caches.prefill(slot, sc[name], PrefillPolicy(min_chunk=sc["min_chunk"], chunk=128))
             times.append((time.perf_counter() - t0) * 1000.0)
         t0 = time.perf_counter()
         for tok in sc["decode"]:
-            caches.append(0, [tok], logits="last")
+            caches.append(slot, [tok], logits="last")
         times.append((time.perf_counter() - t0) * 1000.0)
         return {"ms": times, "compactions": caches.n_compacted}
     finally:

@@ -16,14 +16,17 @@ import asyncio
 import json
 import os
 import platform
+import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from localspec.bench import anchor, editor, report
-from localspec.bench.command import bench_parser, interruptible
+from localspec.bench.background import busy_loops
 from localspec.bench.driver import Outcome, Target, replay
 from localspec.bench.stats import fmt, percentile, ratio
 
@@ -53,7 +56,12 @@ def _range(text: str) -> tuple[float, float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = bench_parser("localspec bench replay", __doc__, EPILOG)
+    p = argparse.ArgumentParser(
+        prog="localspec bench replay",
+        description=__doc__.split("\n\n")[1] if __doc__ else None,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     srv = p.add_argument_group("servers")
     srv.add_argument("--target", type=Path, metavar="GGUF", help="target model file")
     srv.add_argument("--draft", type=Path, metavar="GGUF", help="draft model file")
@@ -108,6 +116,27 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--pause-prob", type=float, default=0.08, help="reading pause per keystroke")
     tr.add_argument(
         "--t-max-predict-ms", type=int, default=500, help="the client's generation time budget"
+    )
+    tr.add_argument(
+        "--n-cmpl",
+        type=int,
+        default=3,
+        help="completions per keystroke (default 3, llama-vscode's; llama-server then runs "
+        "with that many slots per client)",
+    )
+    tr.add_argument(
+        "--clients",
+        type=int,
+        default=1,
+        help="editors replaying at once, each on a slot of its own with its own schedule "
+        "(servers then run one after the other)",
+    )
+    tr.add_argument(
+        "--background",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N busy processes beside the servers for the whole replay",
     )
     tr.add_argument(
         "--cold",
@@ -169,6 +198,8 @@ def server_specs(args: argparse.Namespace) -> list[anchor.ServerSpec]:
         cache_reuse=args.cache_reuse,
         cache_exact_ms=args.cache_exact_ms,
         ring_attention=args.ring_attention,
+        slots=args.clients,
+        n_cmpl=args.n_cmpl,
     )
     if args.url is None and not args.no_localspec:
         specs.append(anchor.localspec_spec(serve, args.spec_mode))
@@ -256,8 +287,59 @@ async def _run(
             await t.aclose()
 
 
+CLIENT_STRIDE = 100_000  # client i's bursts are numbered from i x this (one key per burst)
+
+
+def client_schedule(
+    traffic: editor.TrafficSettings, sources: Sequence[editor.SourceFile], i: int, n: int
+) -> editor.Schedule:
+    """Client ``i`` of ``n``: its own seed (its own places in the code) and slot."""
+    if n == 1:
+        return editor.build_schedule(traffic, sources)
+    mine = replace(traffic, seed=traffic.seed + i, id_slot=i)
+    schedule = editor.build_schedule(mine, sources)
+    schedule.bursts = [replace(b, index=b.index + i * CLIENT_STRIDE) for b in schedule.bursts]
+    return schedule
+
+
+async def _run_clients(
+    targets: list[Target], schedules: list[editor.Schedule], cold: str, quiet: bool
+) -> list[Outcome]:
+    """Every client's session at once on each server, one server after the other (clients
+    on different servers at the same time would share the cores)."""
+    outcomes: list[Outcome] = []
+    try:
+        for target in targets:
+            if not quiet:
+                print(f"  {len(schedules)} clients on {target.name}", file=sys.stderr, flush=True)
+            runs = [
+                replay([target], schedule, cold=cold)  # type: ignore[arg-type]
+                for schedule in schedules
+            ]
+            for got in await asyncio.gather(*runs):
+                outcomes.extend(got)
+    finally:
+        for t in targets:
+            await t.aclose()
+    return outcomes
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM (or SIGINT in a background job): stop the servers
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    return interruptible(_main, build_parser().parse_args(argv))
+    args = build_parser().parse_args(argv)
+    if threading.current_thread() is not threading.main_thread():
+        return _main(args)
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    for sig in saved:
+        signal.signal(sig, _interrupt)
+    try:
+        return _main(args)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -270,13 +352,19 @@ def _main(args: argparse.Namespace) -> int:
             interval_s=args.interval,
             pause_prob=args.pause_prob,
             t_max_predict_ms=args.t_max_predict_ms,
+            n_cmpl=args.n_cmpl,
         )
         traffic.check()
+        if args.clients < 1 or args.background < 0:
+            raise ValueError("--clients must be at least 1 and --background at least 0")
         code = args.code or editor.default_code_dir()
         print(f"reading sources under {code}", file=sys.stderr)
         skip = editor.SKIP_DIRS | (editor.STDLIB_SKIP_DIRS if args.code is None else frozenset())
         sources = editor.load_sources(code, pattern=args.pattern, skip_dirs=skip)
-        schedule = editor.build_schedule(traffic, sources)
+        schedules = [
+            client_schedule(traffic, sources, i, args.clients) for i in range(args.clients)
+        ]
+        schedule = schedules[0]
         specs = server_specs(args)
         if not specs and not args.url and not args.vs:
             raise ValueError("nothing to replay against: drop --no-localspec, or add --url/--vs")
@@ -314,9 +402,12 @@ def _main(args: argparse.Namespace) -> int:
         for i, url in enumerate(args.vs):
             targets.append(Target(f"vs{i + 1}:{url.rstrip('/').rsplit(':', 1)[-1]}", url))
         t0 = time.perf_counter()
-        outcomes = asyncio.run(
-            _run(targets, schedule, args.cold, args.cold_servers == "first", args.quiet)
-        )
+        with busy_loops(args.background):
+            if args.clients == 1:
+                run = _run(targets, schedule, args.cold, args.cold_servers == "first", args.quiet)
+            else:
+                run = _run_clients(targets, schedules, args.cold, args.quiet)
+            outcomes = asyncio.run(run)
         wall_s = time.perf_counter() - t0
     except (anchor.ServerError, FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -361,6 +452,8 @@ def _main(args: argparse.Namespace) -> int:
             "benchmark": "replay",
             "machine": machine(),
             "traffic": {k: v for k, v in vars(traffic).items()},
+            "clients": args.clients,
+            "background": args.background,
             "code": str(args.code or editor.default_code_dir()),
             "cold_on": {t.name: t.oracle.name if t.oracle else "self" for t in targets},
             "servers": [

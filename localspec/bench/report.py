@@ -41,6 +41,7 @@ class Summary:
     predicted_ms_mean: float | None = None  # ... and generation
     queue_ms_mean: float | None = None  # waiting behind other work (Server-Timing, localspec)
     predicted_n_mean: float | None = None
+    extra_cmpl_predicted_n_mean: float | None = None  # n_cmpl > 1: the other completions
     predicted_per_s: float | None = None
     draft_n: int = 0
     draft_accepted: int = 0
@@ -121,6 +122,8 @@ def summarize(outcomes: Sequence[Outcome], servers: Sequence[str]) -> list[Summa
         s.predicted_ms_mean = mean([o.predicted_ms for o in ok if o.predicted_ms is not None])
         s.queue_ms_mean = mean([o.server_timing["queue"] for o in ok if "queue" in o.server_timing])
         s.predicted_n_mean = mean([float(o.predicted_n) for o in ok if o.predicted_n is not None])
+        extra = [float(n) for o in ok for n in o.cmpl_predicted[1:]]
+        s.extra_cmpl_predicted_n_mean = mean(extra)  # n_cmpl > 1: the other completions
         pred_ms = _sum([o.predicted_ms for o in ok])
         s.predicted_per_s = _sum([o.predicted_n for o in ok]) / pred_ms * 1e3 if pred_ms else None
         s.draft_n = int(_sum([o.draft_n for o in ok]))

@@ -38,9 +38,9 @@ from typing import Any
 
 import numpy as np
 
-from localspec.bench.speculative import stdlib_files
+from localspec.bench.corpus import stdlib_files
 from localspec.bench.stats import fmt
-from localspec.engine.cache import SlotCaches
+from localspec.engine.cache import PrefillPolicy, SlotCaches
 from localspec.engine.llama import Clock, Context, Model
 from localspec.engine.types import ModelSettings
 from localspec.engine.vocab import Vocab
@@ -131,12 +131,14 @@ def nll(
 ) -> float:
     """Mean negative log-likelihood of ``cont`` after ``prompt``: from a cold slot, or from
     one that held ``before`` (a prompt and its blocks), reusing it as the server does."""
-    caches.clear(0)
+    slot = caches.slots[0]
+    caches.clear(slot)
     if before is not None:
-        caches.prefill(0, before[0], blocks=before[1], sink=sink)
-    caches.prefill(0, prompt, blocks=blocks, sink=sink, min_chunk=CACHE_REUSE if before else 0)
+        caches.prefill(slot, before[0], PrefillPolicy(), blocks=before[1], sink=sink)
+    reuse = PrefillPolicy(min_chunk=CACHE_REUSE if before else 0)
+    caches.prefill(slot, prompt, reuse, blocks=blocks, sink=sink)
     total = -_log_softmax_at(np.asarray(caches.ctx.logits(-1)), cont[0])
-    caches.append(0, cont[:-1], logits="all")
+    caches.append(slot, cont[:-1], logits="all")
     for i, token in enumerate(cont[1:]):
         total -= _log_softmax_at(np.asarray(caches.ctx.logits(i)), token)
     return total / len(cont)

@@ -8,11 +8,12 @@ import os
 import platform
 import statistics
 import sys
-import sysconfig
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from localspec.bench.background import busy_loops, levels
+from localspec.bench.corpus import code_prompts, stdlib_files
 from localspec.engine import (
     Engine,
     EngineSettings,
@@ -25,44 +26,6 @@ from localspec.engine import (
 from localspec.engine.llama import physical_cores
 
 # well-known, stable modules: plain Python code of the kind an editor completes
-MODULES = (
-    "json/encoder.py", "textwrap.py", "argparse.py", "csv.py", "dataclasses.py",
-    "difflib.py", "fractions.py", "heapq.py", "inspect.py", "ipaddress.py",
-    "logging/__init__.py", "pathlib.py", "pprint.py", "shutil.py", "statistics.py",
-    "string.py", "tempfile.py", "threading.py", "typing.py", "urllib/parse.py",
-    "zipfile.py", "tarfile.py", "configparser.py", "functools.py", "gettext.py",
-    "calendar.py", "base64.py", "bisect.py", "contextlib.py", "enum.py",
-    "queue.py", "selectors.py", "socket.py", "subprocess.py", "uuid.py", "weakref.py",
-)  # fmt: skip
-
-
-def stdlib_files() -> list[Path]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = [root / m for m in MODULES if (root / m).is_file()]
-    if not files:
-        files = sorted(root.glob("*.py"))
-    return files
-
-
-def code_prompts(n: int, *, lines: int = 40, skip: int = 60) -> list[str]:
-    """``n`` snippets of ``lines`` lines: one per module, from line ``skip`` on, past the
-    docstring and imports; wraps around to later snippets of the same files if needed."""
-    files = stdlib_files()
-    out: list[str] = []
-    round_ = 0
-    while len(out) < n and round_ < 50:
-        for path in files:
-            text = path.read_text(encoding="utf-8", errors="replace").splitlines()
-            start = skip + round_ * (lines + 37)
-            chunk = text[start : start + lines]
-            if len(chunk) == lines and any(s.strip() for s in chunk):
-                out.append("\n".join(chunk) + "\n")
-                if len(out) == n:
-                    break
-        round_ += 1
-    return out
-
-
 # --- the benchmark ---------------------------------------------------------------------------
 
 MODES: dict[str, dict[str, object]] = {
@@ -435,6 +398,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--draft-window", type=int, default=512)
     ap.add_argument(
+        "--background",
+        default="0",
+        help="busy processes beside the benchmark, e.g. 0,1,2: every mode at each level",
+    )
+    ap.add_argument(
         "--cache-quality",
         type=int,
         metavar="N",
@@ -457,20 +425,31 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         ap.error(f"unknown mode(s) {', '.join(unknown)}; known: {', '.join(MODES)}")
-    result = run(
-        target=args.target,
-        draft=args.draft,
-        n_prompts=args.prompts,
-        n_predict=args.n_predict,
-        repeats=args.repeats,
-        lines=args.lines,
-        threads=args.threads,
-        modes=modes,
-        draft_window=args.draft_window,
-    )
-    print(format_table(result))
+    try:
+        loads = levels(args.background)
+    except ValueError as exc:
+        ap.error(str(exc))
+    results = []
+    for load in loads:
+        with busy_loops(load):
+            result = run(
+                target=args.target,
+                draft=args.draft,
+                n_prompts=args.prompts,
+                n_predict=args.n_predict,
+                repeats=args.repeats,
+                lines=args.lines,
+                threads=args.threads,
+                modes=modes,
+                draft_window=args.draft_window,
+            )
+        result["background"] = load
+        results.append(result)
+        print(f"\n{load} busy background process(es):" if len(loads) > 1 else "")
+        print(format_table(result))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        doc = results[0] if len(results) == 1 else {"by_background": results}
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0
 

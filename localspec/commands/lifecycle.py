@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from localspec import daemon
 from localspec import settings as st
 from localspec.commands import common as c
+from localspec.units import human_bytes
 
 DOWN_EPILOG = """\
 examples:
@@ -218,13 +219,6 @@ def summarise(totals: dict[str, float]) -> dict[str, Any]:
     }
 
 
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
 
 def _human_time(seconds: float) -> str:
     minutes, sec = divmod(int(seconds), 60)
@@ -239,7 +233,7 @@ def render_status(report: dict[str, Any]) -> str:
     lines = [f"localspec at {report['url']}: {report['health']}"]
     if "pid" in report:
         extra = f", up {_human_time(report['uptime_s'])}" if "uptime_s" in report else ""
-        rss = f", {_human_bytes(report['rss_bytes'])} resident" if "rss_bytes" in report else ""
+        rss = f", {human_bytes(report['rss_bytes'])} resident" if "rss_bytes" in report else ""
         lines.append(f"  process      pid {report['pid']}{extra}{rss}")
     props = report.get("props") or {}
     settings = props.get("default_generation_settings") or {}
@@ -270,7 +264,7 @@ def render_status(report: dict[str, Any]) -> str:
         if isinstance(device, dict):
             name = device.get("name", "device")
             used = device.get("used_bytes") or device.get("used")
-            lines.append(f"  memory       {name}: {_human_bytes(used) if used else device}")
+            lines.append(f"  memory       {name}: {human_bytes(used) if used else device}")
     metrics = report.get("metrics")
     if metrics:
         lines.append(

@@ -9,6 +9,7 @@ from typing import Any
 from localspec import paths
 from localspec import settings as st
 from localspec.commands import common as c
+from localspec.units import human_bytes
 
 MODELS_EPILOG = """\
 examples:
@@ -107,32 +108,7 @@ def load_catalog() -> Any:
     return load(catalog_dirs())
 
 
-def hub_options(settings: st.Settings) -> dict[str, Any]:
-    """The hub settings as fetch's keyword arguments; proxy and CA bundle go through the
-    environment, which huggingface_hub's HTTP client reads."""
-    from localspec.fetch import apply_network_settings
 
-    hub = settings.hub
-    apply_network_settings(proxy=hub.proxy, ca_bundle=hub.ca_bundle)
-    token = None
-    if hub.token_file is not None:
-        token = st.read_secret_file(hub.token_file.expanduser(), "hub.token_file")
-    return {
-        "endpoint": hub.endpoint,
-        "offline": hub.offline,
-        "token": token,
-        "readonly_dirs": [Path(d).expanduser() for d in settings.models.dirs],
-    }
-
-
-def _human(n: float | None) -> str:
-    if n is None:
-        return "?"
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n:.2f} GB"
 
 
 def run_models(args: argparse.Namespace) -> int:
@@ -156,7 +132,7 @@ def run_models(args: argparse.Namespace) -> int:
     print(f"{'model':<{width}}  {'quant':<8}  {'size':>9}  state")
     for r in rows:
         state = "verified" if r.verified else "present" if r.present else "-"
-        size = _human(r.size_bytes) if r.size_exact else f"~{_human(r.size_bytes)}"
+        size = human_bytes(r.size_bytes) if r.size_exact else f"~{human_bytes(r.size_bytes)}"
         print(f"{r.model_id:<{width}}  {r.quant:<8}  {size:>9}  {state}")
     if catalog.pairs:
         print("\npairs:")
@@ -217,7 +193,7 @@ def run_pull(args: argparse.Namespace) -> int:
     try:
         settings = c.load_settings(args).settings
         specs = _pull_specs(args, settings, load_catalog())
-        options = hub_options(settings)
+        options = fetch.hub_options(settings)
     except st.SettingsError as exc:
         return c.settings_error(exc)
     except (CatalogError, ValueError) as exc:
@@ -234,18 +210,20 @@ def run_pull(args: argparse.Namespace) -> int:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from localspec import hardware, plan
+    from localspec import hardware, plan, step_costs
 
     try:
         settings = c.load_settings(args).settings
         catalog = load_catalog()
+        measured = {}
         if args.hardware:
             facts = hardware.load_hardware_profile(args.hardware)
         else:
             with c.Progress("probing hardware") as progress:
                 facts = hardware.probe()
                 progress.finish("done")
-        chosen = plan.make_plan(catalog, facts, settings)
+            measured = step_costs.load(facts.description)  # `localspec bench steps` here
+        chosen = plan.make_plan(catalog, facts, settings, step_costs=measured)
     except st.SettingsError as exc:
         return c.settings_error(exc)
     except ValueError as exc:  # CatalogError, HardwareError, PlanError are ValueErrors
@@ -260,7 +238,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def run_catalog_refresh(args: argparse.Namespace) -> int:
     from localspec.catalog import CatalogError
-    from localspec.fetch import refresh_catalog
+    from localspec.fetch import hub_options, refresh_catalog
 
     try:
         settings = c.load_settings(args).settings

@@ -270,7 +270,7 @@ def _local_models(args: argparse.Namespace, settings: st.Settings) -> Served:
 
 def _planned_models(settings: st.Settings) -> Served:
     """Probe → plan → pull: the catalog pair that fits this machine, downloaded and verified."""
-    from localspec import fetch, hardware, plan
+    from localspec import fetch, hardware, plan, step_costs
     from localspec.commands.models import load_catalog
 
     try:
@@ -278,7 +278,8 @@ def _planned_models(settings: st.Settings) -> Served:
             facts = hardware.probe()
             progress.finish("done")
         catalog = load_catalog()
-        chosen = plan.make_plan(catalog, facts, settings)
+        measured = step_costs.load(facts.description)
+        chosen = plan.make_plan(catalog, facts, settings, step_costs=measured)
     except ValueError as exc:  # CatalogError, HardwareError, PlanError
         raise UpError(str(exc)) from None
     print(plan.render_plan(chosen), file=sys.stderr)

@@ -8,12 +8,14 @@ from localspec.engine.errors import (
     PairMismatchError,
     PromptTooLongError,
 )
+from localspec.engine.scheduler import Task
 from localspec.engine.types import (
     Cancel,
     DraftStats,
     EngineSettings,
     GenerationRequest,
     GenerationResult,
+    IndexedTokenCallback,
     ModelSettings,
     SamplingParams,
     SpecSettings,
@@ -32,12 +34,14 @@ __all__ = [
     "FimTokens",
     "GenerationRequest",
     "GenerationResult",
+    "IndexedTokenCallback",
     "ModelLoadError",
     "ModelSettings",
     "PairMismatchError",
     "PromptTooLongError",
     "SamplingParams",
     "SpecSettings",
+    "Task",
     "TokenCallback",
     "TokenEvent",
 ]

@@ -1,10 +1,12 @@
-"""Per-slot KV caches on one llama context: apply a reuse plan, evaluate, roll back.
+"""Per-sequence KV caches on one llama context: apply a reuse plan, evaluate, roll back.
 
 Each slot is one sequence id and keeps the list of tokens whose KV it holds (position i
-holds token i). One extra sequence (``scratch``) parks the KV runs a plan moves: llama.cpp
-only accepts a batch that continues a sequence (positions max+1...), so the runs that come
-after an edited middle are parked, the middle is evaluated, and each run is re-attached when
-the evaluation reaches its position. With a unified KV buffer, parking re-tags cells (no copy).
+holds token i), in a :class:`SeqState`. One extra sequence (``scratch``) parks the KV runs a
+plan moves: llama.cpp only accepts a batch that continues a sequence (positions max+1...), so
+the runs that come after an edited middle are parked, the middle is evaluated, and each run
+is re-attached when the evaluation reaches its position. With a unified KV buffer, parking
+re-tags cells (no copy). Extra completions of a request (``n_cmpl``) decode in ``aux``
+sequences that share the prompt's cells with the slot (``share_prefix``: a re-tag too).
 
 Blocks (``prefill(blocks=...)``): the prompt's leading spans are each evaluated on its own
 (attending only to itself, in a second extra sequence ``iso``) and then joined to the slot;
@@ -12,17 +14,22 @@ everything after them attends to all. A block's KV then depends on its own token
 block that moves (an editor's ring losing its oldest chunk) is moved by a KV shift and still
 equals what a cold evaluation of the same layout computes, up to the rounding of K's
 rotation.
+
+A prefill is a generator of batch segments (``prefill_steps``): the scheduler evaluates each
+piece, alone or in one batch with other sequences' decoding steps, and resumes it; the KV
+operations between pieces run inside it. Only one prefill may be in progress per context (it
+owns ``scratch`` and ``iso`` while it runs).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass, field, replace
 
 from localspec.engine.cache_plan import ReusePlan, Run, plan_reuse, refresh_window
 from localspec.engine.errors import DecodeError
-from localspec.engine.llama import Context
+from localspec.engine.llama import Context, Segment
 from localspec.engine.types import Cancel
 
 # compact the KV buffer (Context.compact, ~30 ms for 3 800 cells of a 135M model on 2 cores)
@@ -34,14 +41,60 @@ COMPACT_OFF = 1 << 62  # a threshold no prefill reaches
 # prefill pieces shorter than this cost mostly fixed overhead: no sample for the token price
 PRICE_MIN_PIECE = 32
 
+# what a prefill generator yields (a piece to evaluate) and is sent back (the piece's decode
+# time in ms when it ran alone, None when it shared a batch: then it prices nothing)
+PrefillSteps = Generator[Segment, "float | None", "PrefillResult"]
+
+
+@dataclass(frozen=True)
+class PrefillPolicy:
+    """How a prefill may reuse the cache: one value, built once from the engine's settings."""
+
+    min_chunk: int = 0  # runs of at least this many tokens move by a KV shift; 0: prefix only
+    tail_min: int = 0  # ... or this many when they end the prompt or the cache (a suffix block)
+    max_drift: int = 1 << 30  # a moved suffix block is recomputed past this many changes
+    tail_refresh: int = 0  # tokens at a moved suffix block's start evaluated afresh
+    tail_roll: int = 0  # and a rolling window of this many further in, per prefill
+    chunk: int | None = None  # tokens per evaluated piece (None: n_batch)
+    exact_ms: float = 0.0  # an exact plan costing at most this many ms more is preferred
+
 
 @dataclass
 class PrefillResult:
     n_cached: int  # prompt tokens whose KV was kept (prefix + moved runs)
     n_evaluated: int  # prompt tokens decoded now
-    n_moved: int  # of n_cached, tokens moved by a KV shift (approximate reuse)
+    n_shifted: int  # of n_cached, tokens moved by a KV shift (approximate reuse)
     cancelled: bool = False
     n_exact: int = 0  # leading tokens of the slot's KV equal to a cold evaluation's
+
+
+@dataclass
+class TailDrift:
+    """How stale a moved suffix block is (see ``SlotCaches._tail_rule``)."""
+
+    drift: int = 0  # tokens changed in front of the block since its stalest token was computed
+    start: int = -1  # where the block begins (-1: none)
+    changes: list[int] = field(default_factory=list)  # per prefill, rolling
+    roll_at: int = 0  # offset of the next rolling refresh window
+
+
+@dataclass
+class SeqState:
+    """What one sequence's KV holds and how it was built."""
+
+    seq: int  # the llama.cpp sequence id
+    tokens: list[int] = field(default_factory=list)  # position i holds tokens[i]
+    # leading tokens whose KV a cold evaluation would compute bit for bit: everything from the
+    # first moved run on attended to KV computed after other text
+    exact: int = 0
+    # the block spans the KV was built with ([] when causal throughout); ``tokens`` says how
+    # much of them is present
+    spans: list[tuple[int, int]] = field(default_factory=list)
+    sink: bool = False  # whether those blocks saw the first one
+    tail: TailDrift = field(default_factory=TailDrift)
+
+    def reset_drift(self) -> None:
+        self.tail = TailDrift()
 
 
 @dataclass
@@ -49,18 +102,18 @@ class _Placed:
     """What placing the blocks did: tokens evaluated, tokens moved, cut short."""
 
     evaluated: int = 0
-    moved: int = 0
+    shifted: int = 0
     cancelled: bool = False
 
     def added_to(self, res: PrefillResult) -> PrefillResult:
         """``res`` (the reuse plan's, which counts the blocks as cached) with this work in."""
-        if not (self.evaluated or self.moved):
+        if not (self.evaluated or self.shifted):
             return res
         return replace(
             res,
             n_cached=res.n_cached - self.evaluated,
             n_evaluated=res.n_evaluated + self.evaluated,
-            n_moved=res.n_moved + self.moved,
+            n_shifted=res.n_shifted + self.shifted,
         )
 
 
@@ -74,119 +127,114 @@ def block_spans(blocks: Sequence[int]) -> list[tuple[int, int]]:
     return spans
 
 
+def drive(ctx: Context, steps: PrefillSteps) -> PrefillResult:
+    """Run a prefill to its end, each piece alone in its own batch."""
+    try:
+        seg = next(steps)
+        while True:
+            t0 = time.perf_counter()
+            ctx.decode_many([seg])
+            seg = steps.send((time.perf_counter() - t0) * 1000.0)
+    except StopIteration as done:
+        return done.value
+
+
 class SlotCaches:
+    """The sequences of one context: ``n_slots`` slots, the scratch and iso sequences, and
+    ``n_aux`` sequences for extra completions."""
+
     def __init__(
-        self, ctx: Context, n_slots: int, *, compact_min_work: int = COMPACT_MIN_WORK
+        self,
+        ctx: Context,
+        n_slots: int,
+        *,
+        n_aux: int = 0,
+        compact_min_work: int = COMPACT_MIN_WORK,
     ) -> None:
         self.ctx = ctx
         self.compact_min_work = compact_min_work  # COMPACT_OFF: never compact
         self.n_slots = n_slots
+        self.slots = [SeqState(i) for i in range(n_slots)]
         self.scratch = n_slots
-        self.tokens: list[list[int]] = [[] for _ in range(n_slots)]
-        # tokens changed in front of each slot's tail block since its stalest token was computed
-        self.drift: list[int] = [0] * n_slots
-        self.tail_start: list[int] = [-1] * n_slots  # where that block begins (-1: none)
-        self.changes: list[list[int]] = [[] for _ in range(n_slots)]  # per keystroke, rolling
-        self.roll_at: list[int] = [0] * n_slots  # offset of the next rolling refresh window
+        self.iso = n_slots + 1 if ctx.n_seq > n_slots + 1 else None  # evaluates one block
+        first_aux = n_slots + 2
+        self.aux = [SeqState(first_aux + j) for j in range(min(n_aux, ctx.n_seq - first_aux))]
         self.n_compacted = 0  # KV buffer compactions done by prefills
         # cells freed below cells that stay (moved runs and blocks keep their old cells), less
         # the new tokens since, which llama.cpp puts into the lowest free cells: an estimate of
         # the holes every evaluated token pays for until a compaction
         self.holes = 0
-        # leading tokens of each slot whose KV a cold evaluation would compute bit for bit:
-        # everything from the first moved run on attended to KV computed after other text
-        self.exact: list[int] = [0] * n_slots
         self.ms_per_token = -1.0  # measured prefill price (EMA over pieces); -1: unmeasured
-        # the block spans each slot's KV was built with ([] when built causally throughout);
-        # its tokens say how much of them is present
-        self.spans: list[list[tuple[int, int]]] = [[] for _ in range(n_slots)]
-        self.sinks: list[bool] = [False] * n_slots  # whether those blocks saw the first one
-        self.iso = n_slots + 1 if ctx.n_seq > n_slots + 1 else None  # evaluates one block
 
-    def plan(
-        self,
-        slot: int,
-        prompt: Sequence[int],
-        *,
-        min_chunk: int,
-        tail_min: int,
-        tail_refresh: int = 0,
-    ) -> ReusePlan:
+    def plan(self, st: SeqState, prompt: Sequence[int], policy: PrefillPolicy) -> ReusePlan:
         return plan_reuse(
-            self.tokens[slot],
+            st.tokens,
             prompt,
-            min_chunk=min_chunk,
-            tail_min=tail_min,
-            tail_refresh=tail_refresh,
+            min_chunk=policy.min_chunk,
+            tail_min=policy.tail_min,
+            tail_refresh=policy.tail_refresh,
             can_shift=self.ctx.can_shift,
         )
 
     def prefill(
         self,
-        slot: int,
+        st: SeqState,
         prompt: Sequence[int],
+        policy: PrefillPolicy,
         *,
         blocks: Sequence[int] = (),
         sink: bool = False,
-        min_chunk: int = 0,
-        tail_min: int = 0,
-        max_drift: int = 1 << 30,
-        tail_refresh: int = 0,
-        tail_roll: int = 0,
         cancel: Cancel | None = None,
-        chunk: int | None = None,
-        exact_ms: float = 0.0,
     ) -> PrefillResult:
-        """Make the slot hold ``prompt`` (logits of its last token ready); reuse what it can.
+        """``prefill_steps`` run to the end, each piece in a batch of its own."""
+        return drive(self.ctx, self.prefill_steps(st, prompt, policy, blocks, sink, cancel))
+
+    def prefill_steps(
+        self,
+        st: SeqState,
+        prompt: Sequence[int],
+        policy: PrefillPolicy,
+        blocks: Sequence[int] = (),
+        sink: bool = False,
+        cancel: Cancel | None = None,
+    ) -> PrefillSteps:
+        """Make ``st`` hold ``prompt`` (logits of its last token ready); reuse what it can.
 
         ``blocks``: lengths of the prompt's leading blocks, each evaluated on its own (module
         docstring); a cached block with the same tokens is moved into place, wherever it was
-        (when ``min_chunk`` allows KV shifts at all: any block, whatever its length).
+        (when the policy allows KV shifts at all: any block, whatever its length).
         Everything after them is planned as without blocks. ``sink``: every block after the
         first also attends to the first (a repository header, an attention sink), as if it
         stood right before it, so the block still moves exactly.
 
-        ``exact_ms``: when keeping the KV exact (prefix reuse of the exact part only, no KV
-        shift) costs at most this many milliseconds more than the reuse plan, at the measured
-        price per token, the exact plan is taken, and it also repays an earlier shift's
-        approximation still held in the prefix."""
-        placed = self._blocks_first(
-            slot, prompt, blocks, sink=sink, move=min_chunk > 0, cancel=cancel, chunk=chunk
+        ``policy.exact_ms``: when keeping the KV exact (prefix reuse of the exact part only,
+        no KV shift) costs at most this many milliseconds more than the reuse plan, at the
+        measured price per token, the exact plan is taken, and it also repays an earlier
+        shift's approximation still held in the prefix."""
+        placed = yield from self._blocks_first(
+            st, prompt, blocks, sink=sink, move=policy.min_chunk > 0, cancel=cancel, policy=policy
         )
         if placed.cancelled:
-            n = len(self.tokens[slot])
-            return PrefillResult(
-                n - placed.evaluated, placed.evaluated, placed.moved, True, self.exact[slot]
-            )
-        ctx, seq = self.ctx, slot
-        plan = self.plan(
-            slot, prompt, min_chunk=min_chunk, tail_min=tail_min, tail_refresh=tail_refresh
-        )
-        plan = self._tail_rule(
-            slot,
-            prompt,
-            plan,
-            min_chunk=min_chunk,
-            max_drift=max_drift,
-            tail_refresh=tail_refresh,
-            tail_roll=tail_roll,
-        )
-        cached = self.tokens[slot]
-        exact = self.exact[slot]
-        if exact_ms > 0 and (plan.runs or plan.n_prefix > exact):
+            n, done = len(st.tokens), placed.evaluated
+            return PrefillResult(n - done, done, placed.shifted, True, st.exact)
+        ctx, seq = self.ctx, st.seq
+        plan = self._tail_rule(st, prompt, self.plan(st, prompt, policy), policy)
+        cached = st.tokens
+        exact = st.exact
+        if policy.exact_ms > 0 and (plan.runs or plan.n_prefix > exact):
             # the exact plan: prefix reuse of the exact part only (plan.n_prefix is the common
             # prefix, already short of the last token), everything after it evaluated
             keep = min(plan.n_prefix, exact)
-            if self.affordable(len(prompt) - keep - plan.n_evaluated, exact_ms):
+            if self.affordable(len(prompt) - keep - plan.n_evaluated, policy.exact_ms):
                 plan = ReusePlan(keep, (), len(prompt), ((keep, len(prompt)),))
-                self._reset_drift(slot)
-        n_moved = sum(r.n for r in plan.runs)
-        self._park(seq, plan.runs, plan.n_prefix, len(cached) + len(prompt) + 1)
+                st.reset_drift()
+        n_shifted = sum(r.n for r in plan.runs)
+        self._park(st, plan.runs, plan.n_prefix, len(cached) + len(prompt) + 1)
         todo = plan.n_evaluated
         toks = list(prompt[: plan.n_prefix])
-        self.tokens[slot] = toks
-        self.exact[slot] = min(exact, plan.n_prefix)
-        step = max(1, min(chunk or ctx.n_batch, ctx.n_batch))
+        st.tokens = toks
+        st.exact = min(exact, plan.n_prefix)
+        step = self._step(policy)
         runs = {r.dst: r for r in plan.runs}
         pos = plan.n_prefix
         n_prompt = len(prompt)
@@ -207,9 +255,8 @@ class SlotCaches:
             # them (then stop) when that is less work than recomputing them next time
             end = min(n_prompt, pos + step, nxt)
             self._compact_if_due(todo)
-            t0 = time.perf_counter()
-            ctx.decode(prompt[pos:end], pos, seq, logits="last" if end == n_prompt else "none")
-            self._evaluated(end - pos, (time.perf_counter() - t0) * 1000.0)
+            ms = yield Segment(prompt[pos:end], pos, seq, "last" if end == n_prompt else "none")
+            self._evaluated(end - pos, ms)
             todo -= end - pos
             toks.extend(prompt[pos:end])
             pos = end
@@ -218,98 +265,94 @@ class SlotCaches:
         # the KV stays exact up to the first moved run (when it was exact up to the prefix)
         first_moved = min((r.dst for r in plan.runs if r.dst < len(toks)), default=len(toks))
         if exact >= plan.n_prefix:
-            self.exact[slot] = first_moved
+            st.exact = first_moved
         if cancelled:
             # count the runs that were attached before the cancel as cached
             attached = sum(r.n for r in plan.runs if r.dst + r.n <= len(toks))
             n_eval = len(toks) - plan.n_prefix - attached
             return placed.added_to(
-                PrefillResult(
-                    plan.n_prefix + attached, n_eval, attached, True, n_exact=self.exact[slot]
-                )
+                PrefillResult(plan.n_prefix + attached, n_eval, attached, True, n_exact=st.exact)
             )
         return placed.added_to(
-            PrefillResult(plan.n_reused, plan.n_evaluated, n_moved, n_exact=self.exact[slot])
+            PrefillResult(plan.n_reused, plan.n_evaluated, n_shifted, n_exact=st.exact)
         )
 
+    def _step(self, policy: PrefillPolicy) -> int:
+        n_batch = self.ctx.n_batch
+        return max(1, min(policy.chunk or n_batch, n_batch))
+
     def _tail_rule(
-        self,
-        slot: int,
-        prompt: Sequence[int],
-        plan: ReusePlan,
-        *,
-        min_chunk: int,
-        max_drift: int,
-        tail_refresh: int,
-        tail_roll: int,
+        self, st: SeqState, prompt: Sequence[int], plan: ReusePlan, policy: PrefillPolicy
     ) -> ReusePlan:
         """The plan with a short moved run that ends the prompt or the cache (a suffix block)
         kept under bounded drift: refreshed by a rolling window, or recomputed past the cap."""
         tail = plan.runs[-1] if plan.runs else None
-        cached = self.tokens[slot]
+        cached = st.tokens
+        drift = st.tail
         if (
             tail is not None
-            and tail.n < min_chunk
+            and tail.n < policy.min_chunk
             and (tail.dst + tail.n == len(prompt) - 1 or tail.src + tail.n == len(cached))
         ):
             # a short run ending the prompt or the cache, moved under the tail rule: bounded drift
             # tokens inserted and deleted in front of the block since its KV was computed
             # (the refreshed tokens at the block's start are recomputed, not changes)
-            moved_before = sum(r.n for r in plan.runs[:-1]) + tail_refresh
+            moved_before = sum(r.n for r in plan.runs[:-1]) + policy.tail_refresh
             inserted = tail.dst - plan.n_prefix - moved_before
             deleted = tail.src - plan.n_prefix - moved_before
             changed = max(0, inserted) + max(0, deleted)
-            if tail_roll > 0:
+            roll = policy.tail_roll
+            if roll > 0:
                 # with a rolling refresh the stalest token was recomputed one cycle ago
-                per_cycle = -(-tail.n // tail_roll)  # keystrokes to refresh the whole block
-                recent = self.changes[slot][len(self.changes[slot]) - (per_cycle - 1) :]
-                drift = sum(recent) + changed if per_cycle > 1 else changed
+                per_cycle = -(-tail.n // roll)  # prefills to refresh the whole block
+                recent = drift.changes[len(drift.changes) - (per_cycle - 1) :]
+                total = sum(recent) + changed if per_cycle > 1 else changed
             else:
-                drift = self.drift[slot] + changed
-            if drift > max_drift:
-                plan = self.plan(slot, prompt, min_chunk=min_chunk, tail_min=len(prompt) + 1)
-                self._reset_drift(slot)
+                total = drift.drift + changed
+            if total > policy.max_drift:
+                plan = self.plan(st, prompt, replace(policy, tail_min=len(prompt) + 1))
+                st.reset_drift()
             else:
-                self.drift[slot] = drift
-                self.tail_start[slot] = tail.dst
-                if tail_roll > 0 and tail.dst + tail.n == len(prompt) - 1:  # a whole block
-                    self.changes[slot] = [*self.changes[slot][-63:], changed]
-                    offset = self.roll_at[slot] if self.roll_at[slot] < tail.n else 0
-                    plan = refresh_window(plan, offset, tail_roll)
-                    self.roll_at[slot] = offset + tail_roll
-        elif not 0 <= self.tail_start[slot] < plan.n_prefix:
+                drift.drift = total
+                drift.start = tail.dst
+                if roll > 0 and tail.dst + tail.n == len(prompt) - 1:  # a whole block
+                    drift.changes = [*drift.changes[-63:], changed]
+                    offset = drift.roll_at if drift.roll_at < tail.n else 0
+                    plan = refresh_window(plan, offset, roll)
+                    drift.roll_at = offset + roll
+        elif not 0 <= drift.start < plan.n_prefix:
             # any moved tail block was dropped or recomputed: nothing stale remains
-            self._reset_drift(slot)
+            st.reset_drift()
         return plan
 
-    def blocks_in_place(self, slot: int, blocks: Sequence[int], sink: bool = False) -> bool:
-        """Whether the slot's KV was built with exactly these blocks, all present."""
+    def blocks_in_place(self, st: SeqState, blocks: Sequence[int], sink: bool = False) -> bool:
+        """Whether the sequence's KV was built with exactly these blocks, all present."""
         spans = block_spans(blocks)
-        if self.spans[slot] != spans or (spans and self.sinks[slot] != sink):
+        if st.spans != spans or (spans and st.sink != sink):
             return False
-        return not spans or len(self.tokens[slot]) >= spans[-1][1]
+        return not spans or len(st.tokens) >= spans[-1][1]
 
     def _place_blocks(
         self,
-        slot: int,
+        st: SeqState,
         prompt: Sequence[int],
         blocks: Sequence[int],
         *,
-        sink: bool = False,
+        sink: bool,
         move: bool,
         cancel: Cancel | None,
-        chunk: int | None,
-    ) -> _Placed:
-        """Leave the slot holding ``prompt``'s blocks, exact, and nothing after them, unless
+        policy: PrefillPolicy,
+    ) -> Generator[Segment, float | None, _Placed]:
+        """Leave ``st`` holding ``prompt``'s blocks, exact, and nothing after them, unless
         they are in place already (then the cache is untouched)."""
         spans = block_spans(blocks)
         end = spans[-1][1]
-        ctx, seq, iso = self.ctx, slot, self.iso
+        ctx, seq, iso = self.ctx, st.seq, self.iso
         assert iso is not None
-        cached, old = self.tokens[slot], self.spans[slot]
-        if self.sinks[slot] != sink:  # blocks built with another rule do not match
+        cached, old = st.tokens, st.spans
+        if st.sink != sink:  # blocks built with another rule do not match
             old = []
-        self.sinks[slot] = sink
+        st.sink = sink
         if old == spans and len(cached) >= end and cached[:end] == list(prompt[:end]):
             return _Placed()
         head = list(prompt[: spans[0][1]]) if sink else []  # the sink: the first block
@@ -348,11 +391,11 @@ class SlotCaches:
                 # its evaluated start moves along and the block resumes where it stopped
                 moves[s] = Run(part_at, s, min(len(part), e - s))
                 part = ()
-        self._park(seq, list(moves.values()), start, len(cached) + len(prompt) + 1)
+        self._park(st, list(moves.values()), start, len(cached) + len(prompt) + 1)
         toks = list(prompt[:start])
-        self.tokens[slot], self.spans[slot] = toks, spans
-        self._reset_drift(slot)
-        step = max(1, min(chunk or ctx.n_batch, ctx.n_batch))
+        st.tokens, st.spans = toks, spans
+        st.reset_drift()
+        step = self._step(policy)
         placed = _Placed()
         pos = start
         for s, e in spans[k:]:
@@ -361,7 +404,7 @@ class SlotCaches:
                 pos = s + run.n
                 self._unpark(seq, s, pos)
                 toks.extend(prompt[s:pos])
-                placed.moved += run.n
+                placed.shifted += run.n
                 if pos == e:
                     continue
             ctx.seq_rm(iso, -1, -1)
@@ -372,16 +415,15 @@ class SlotCaches:
                     break
                 if not ready:  # (after the check: a request cut short already decodes nothing)
                     if head and s > 0:  # a copy of the sink right before the block, for it only
-                        ctx.decode(head, s - len(head), iso, logits="none")
+                        yield Segment(head, s - len(head), iso, "none")
                     if pos > s:  # the block's evaluated start goes along: the rest attends to it
                         ctx.seq_cp(seq, iso, s, pos)
                     ready = True
                 nxt = min(e, pos + step)
                 # what follows the blocks attends to this one: it is evaluated after it too
                 self._compact_if_due(len(prompt) - pos)
-                t0 = time.perf_counter()
-                ctx.decode(prompt[pos:nxt], pos, iso, logits="none")
-                self._evaluated(nxt - pos, (time.perf_counter() - t0) * 1000.0)
+                ms = yield Segment(prompt[pos:nxt], pos, iso, "none")
+                self._evaluated(nxt - pos, ms)
                 ctx.seq_cp(iso, seq, pos, nxt)
                 toks.extend(prompt[pos:nxt])
                 placed.evaluated += nxt - pos
@@ -391,19 +433,19 @@ class SlotCaches:
                 break
         if moves:
             ctx.seq_rm(self.scratch, -1, -1)
-        self.exact[slot] = len(toks)  # every block present is as a cold evaluation makes it
+        st.exact = len(toks)  # every block present is as a cold evaluation makes it
         return placed
 
-    def _park(self, seq: int, runs: Sequence[Run], cut: int, beyond: int) -> None:
-        """Park ``runs`` of ``seq`` on the scratch sequence, already at their new positions,
-        and drop ``seq``'s KV from ``cut`` on. ``beyond``: past every position in play."""
-        ctx, scratch = self.ctx, self.scratch
+    def _park(self, st: SeqState, runs: Sequence[Run], cut: int, beyond: int) -> None:
+        """Park ``runs`` of ``st`` on the scratch sequence, already at their new positions,
+        and drop ``st``'s KV from ``cut`` on. ``beyond``: past every position in play."""
+        ctx, scratch, seq = self.ctx, self.scratch, st.seq
         if runs:
             ctx.seq_rm(scratch, -1, -1)
             for r in runs:
                 ctx.seq_cp(seq, scratch, r.src, r.src + r.n)
             # the runs stay in their old cells, amid those the dropped content leaves
-            self.holes += max(0, len(self.tokens[seq]) - cut - sum(r.n for r in runs))
+            self.holes += max(0, len(st.tokens) - cut - sum(r.n for r in runs))
         ctx.seq_rm(seq, cut, -1)
         if runs:
             # two-step shift so a run's destination never overlaps a run not yet moved
@@ -416,38 +458,40 @@ class SlotCaches:
         self.ctx.seq_cp(self.scratch, seq, p0, p1)
         self.ctx.seq_rm(self.scratch, p0, p1)
 
-    def _unblock(self, slot: int) -> None:
+    def _unblock(self, st: SeqState) -> None:
         """Before a prompt without blocks: keep only the first block (at position 0 it is
         what a causal evaluation computes too)."""
-        first = self.spans[slot][0][1]
-        self.spans[slot] = []
-        self.truncate(slot, min(len(self.tokens[slot]), first))
-        self.exact[slot] = min(self.exact[slot], len(self.tokens[slot]))
+        first = st.spans[0][1]
+        st.spans = []
+        self.truncate(st, min(len(st.tokens), first))
+        st.exact = min(st.exact, len(st.tokens))
 
     def _blocks_first(
         self,
-        slot: int,
+        st: SeqState,
         prompt: Sequence[int],
         blocks: Sequence[int],
         *,
         sink: bool,
         move: bool,
         cancel: Cancel | None,
-        chunk: int | None,
-    ) -> _Placed:
+        policy: PrefillPolicy,
+    ) -> Generator[Segment, float | None, _Placed]:
         """Put the prompt's blocks in place (none: undo an earlier request's blocks)."""
         blocks = list(blocks)
         while blocks and sum(blocks) >= len(prompt):  # the last token is evaluated with logits
             blocks.pop()
         if not blocks:
-            if self.spans[slot]:
-                self._unblock(slot)
+            if st.spans:
+                self._unblock(st)
             return _Placed()
         if self.iso is None:
             raise ValueError("blocks need a context with a sequence for them (n_seq)")
         move = move and self.ctx.can_shift  # min_chunk 0: no KV shift at all, as asked
-        return self._place_blocks(
-            slot, prompt, blocks, sink=sink, move=move, cancel=cancel, chunk=chunk
+        return (
+            yield from self._place_blocks(
+                st, prompt, blocks, sink=sink, move=move, cancel=cancel, policy=policy
+            )
         )
 
     def affordable(self, n_tokens: int, budget_ms: float) -> bool:
@@ -465,10 +509,11 @@ class SlotCaches:
         if due and not self.ctx.flash_attn:
             self._compact()
 
-    def _evaluated(self, n_tokens: int, ms: float) -> None:
+    def _evaluated(self, n_tokens: int, ms: float | None) -> None:
         """After a prefill piece: its tokens went into the lowest free cells first."""
         self.holes = max(0, self.holes - n_tokens)
-        self._observe_price(n_tokens, ms)
+        if ms is not None:
+            self._observe_price(n_tokens, ms)
 
     def _observe_price(self, n_tokens: int, ms: float) -> None:
         if n_tokens < PRICE_MIN_PIECE:
@@ -483,42 +528,57 @@ class SlotCaches:
             if done:
                 self.holes = 0
         except DecodeError:
-            for slot in range(self.n_slots):  # the restore failed: the KV buffer is empty
-                self.tokens[slot] = []
-                self.exact[slot] = 0
-                self._reset_drift(slot)
+            for st in (*self.slots, *self.aux):  # the restore failed: the KV buffer is empty
+                st.tokens = []
+                st.exact = 0
+                st.spans = []
+                st.reset_drift()
             raise
         self.n_compacted += done
         return done
 
-    def _reset_drift(self, slot: int) -> None:
-        self.drift[slot], self.tail_start[slot], self.roll_at[slot] = 0, -1, 0
-        self.changes[slot] = []
-
-    def append(self, slot: int, tokens: Sequence[int], *, logits: str | Sequence[int]) -> int:
-        """Decode ``tokens`` after the slot's content; returns their first position."""
-        toks = self.tokens[slot]
+    def appended(self, st: SeqState, tokens: Sequence[int]) -> int:
+        """Record ``tokens`` decoded after the sequence's content (the caller put them in a
+        batch); returns their first position."""
+        toks = st.tokens
         pos = len(toks)
-        self.ctx.decode(tokens, pos, slot, logits=logits)
         self.holes = max(0, self.holes - len(tokens))
         toks.extend(tokens)
-        if self.exact[slot] == pos:
-            self.exact[slot] = len(toks)
+        if st.exact == pos:
+            st.exact = len(toks)
         return pos
 
-    def truncate(self, slot: int, n_keep: int) -> None:
-        """Drop KV from position ``n_keep`` on (rejected draft tokens, a cancelled tail)."""
-        if n_keep < len(self.tokens[slot]):
-            self.ctx.seq_rm(slot, n_keep, -1)
-            del self.tokens[slot][n_keep:]
-            self.exact[slot] = min(self.exact[slot], n_keep)
+    def append(self, st: SeqState, tokens: Sequence[int], *, logits: str | Sequence[int]) -> int:
+        """Decode ``tokens`` after the sequence's content; returns their first position."""
+        self.ctx.decode(tokens, len(st.tokens), st.seq, logits=logits)
+        return self.appended(st, tokens)
 
-    def clear(self, slot: int) -> None:
-        self.ctx.seq_rm(slot, -1, -1)
-        self.tokens[slot] = []
-        self.spans[slot] = []
-        self.exact[slot] = 0
-        self._reset_drift(slot)
+    def truncate(self, st: SeqState, n_keep: int) -> None:
+        """Drop KV from position ``n_keep`` on (rejected draft tokens, a cancelled tail)."""
+        if n_keep < len(st.tokens):
+            self.ctx.seq_rm(st.seq, n_keep, -1)
+            del st.tokens[n_keep:]
+            st.exact = min(st.exact, n_keep)
+
+    def clear(self, st: SeqState) -> None:
+        self.ctx.seq_rm(st.seq, -1, -1)
+        st.tokens = []
+        st.spans = []
+        st.exact = 0
+        st.reset_drift()
+
+    def share_prefix(self, src: SeqState, dst: SeqState, n: int) -> None:
+        """Make ``dst`` hold ``src``'s first ``n`` tokens: their cells are re-tagged to both
+        (an extra completion starts from the prompt's KV without evaluating it again)."""
+        self.clear(dst)
+        self.ctx.seq_cp(src.seq, dst.seq, 0, n)
+        dst.tokens = list(src.tokens[:n])
+        dst.exact = min(src.exact, n)
+
+    def release(self, st: SeqState, shared: int) -> None:
+        """Free an extra completion's sequence; the cells only it held become holes."""
+        self.holes += max(0, len(st.tokens) - shared)
+        self.clear(st)
 
 
 def _worth_finishing(runs: dict[int, Run], pos: int, n_prompt: int) -> bool:

@@ -55,9 +55,15 @@ class ReusePlan:
         return self.n_prompt - self.n_reused
 
 
+_STEP = 256
+
+
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix; compares slices in C, then narrows down."""
     n = min(len(a), len(b))
     i = 0
+    while i + _STEP <= n and a[i : i + _STEP] == b[i : i + _STEP]:
+        i += _STEP
     while i < n and a[i] == b[i]:
         i += 1
     return i

@@ -12,12 +12,14 @@ import os
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import llama_cpp.llama_cpp as C
 import numpy as np
 
 from localspec.engine.errors import DecodeError, ModelLoadError
+from localspec.engine.threads import ThreadGovernor, physical_cores
 from localspec.engine.types import ModelSettings, default_flash_attn
 
 _KV_TYPES = {
@@ -69,15 +71,6 @@ class Clock:
 # the largest llama.cpp state ``Context.compact`` copies through host memory (a 135M model's
 # 4096 cells are ~94 MiB; a 7B model's 8192 are ~460 MiB)
 COMPACT_MAX_BYTES = 512 * 2**20
-
-
-def physical_cores() -> int:
-    try:
-        import psutil
-
-        return max(1, psutil.cpu_count(logical=False) or os.cpu_count() or 1)
-    except Exception:  # psutil missing or unable to tell: fall back to logical cores
-        return max(1, os.cpu_count() or 1)
 
 
 def _available_memory() -> int:
@@ -180,7 +173,14 @@ class Context:
     """
 
     def __init__(
-        self, model: Model, settings: ModelSettings, *, n_seq: int, n_ctx_total: int, clock: Clock
+        self,
+        model: Model,
+        settings: ModelSettings,
+        *,
+        n_seq: int,
+        n_ctx_total: int,
+        clock: Clock,
+        governor: ThreadGovernor | None = None,
     ) -> None:
         params = C.llama_context_default_params()
         params.n_ctx = n_ctx_total
@@ -191,8 +191,12 @@ class Context:
         threads = settings.n_threads or physical_cores()
         params.n_threads = threads
         params.n_threads_batch = settings.n_threads_batch or threads
+        # the most threads each kind of evaluation may use (single tokens, batches); with a
+        # governor each decode runs on at most the cores other processes leave free
         self.n_threads = threads
         self.n_threads_batch = params.n_threads_batch
+        self.governor = governor
+        self.threads_now = (self.n_threads, self.n_threads_batch)  # as last applied
         params.no_perf = True
         flash_attn = settings.flash_attn
         if flash_attn is None:
@@ -224,15 +228,7 @@ class Context:
         self.n_vocab = int(C.llama_vocab_n_tokens(model.vocab_handle))
         self.mem = C.llama_get_memory(handle)
         self.can_shift = bool(C.llama_memory_can_shift(self.mem))
-        self._cap = self.n_batch
-        self._batch = C.llama_batch_init(self._cap, 0, 1)
-        self._tok = np.ctypeslib.as_array(self._batch.token, shape=(self._cap,))
-        self._pos = np.ctypeslib.as_array(self._batch.pos, shape=(self._cap,))
-        self._nseq = np.ctypeslib.as_array(self._batch.n_seq_id, shape=(self._cap,))
-        self._out = np.ctypeslib.as_array(self._batch.logits, shape=(self._cap,))
-        self._nseq[:] = 1
-        self._seq_filled = -1
-        self._n_filled = 0
+        self._batch = _Batch(self.n_batch)
         # a KV shift (seq_add) is applied to K at the next decode; until then a state save
         # would store unrotated K under the new positions
         self.shift_pending = False
@@ -243,47 +239,49 @@ class Context:
     ) -> None:
         """Decode ``tokens`` at positions pos0.. in ``seq``; logits "last", "all", "none" or
         the listed batch indices. The caller keeps ``len(tokens) <= n_batch``."""
-        n = len(tokens)
-        if n == 0:
-            return
-        if n > self._cap:
-            raise DecodeError(f"batch of {n} tokens exceeds n_batch={self._cap}")
+        self.decode_many([Segment(tokens, pos0, seq, logits)])
+
+    def decode_many(self, segments: Sequence[Segment]) -> list[int]:
+        """Decode several sequences' tokens in one llama.cpp batch (one pass over the weights
+        for all of them); returns each segment's first batch index, the base for reading its
+        logits (``logits(base + i)``). The caller keeps the total within ``n_batch``."""
         b = self._batch
-        self._tok[:n] = tokens
-        self._pos[:n] = np.arange(pos0, pos0 + n, dtype=np.int32)
-        if seq != self._seq_filled or n > self._n_filled:
-            start = 0 if seq != self._seq_filled else self._n_filled
-            sid = b.seq_id
-            for i in range(start, n):
-                sid[i][0] = seq
-            self._seq_filled = seq
-            self._n_filled = n
-        out = self._out
-        if isinstance(logits, str):
-            out[:n] = 1 if logits == "all" else 0
-            if logits == "last":
-                out[n - 1] = 1
-        else:
-            out[:n] = 0
-            out[list(logits)] = 1
-        b.n_tokens = n
+        bases: list[int] = []
+        n = 0
+        for seg in segments:
+            bases.append(n)
+            n = b.put(n, seg)
+        if n == 0:
+            return bases
+        b.struct.n_tokens = n
+        if self.governor is not None:
+            self._follow_load(self.governor.threads())
         t0 = time.perf_counter()
-        rc = C.llama_decode(self.handle, b)
+        rc = C.llama_decode(self.handle, b.struct)
         self.clock.inside_ms += (time.perf_counter() - t0) * 1000.0
-        if rc == 0:
-            self.shift_pending = False
-        else:
+        if rc != 0:
+            where = ", ".join(f"{len(g.tokens)} at {g.pos0} of sequence {g.seq}" for g in segments)
             raise DecodeError(
-                f"llama_decode failed (code {rc}) for {n} tokens at position {pos0} of "
-                f"sequence {seq}" + (": no free KV cells" if rc == 1 else "")
+                f"llama_decode failed (code {rc}) for {n} tokens ({where})"
+                + (": no free KV cells" if rc == 1 else "")
             )
+        self.shift_pending = False
+        return bases
 
     def set_threads(self, n_threads: int, n_threads_batch: int | None = None) -> None:
-        """Change the thread counts of a live context (the benchmark compares thread counts
+        """Change the thread caps of a live context (the benchmark compares thread counts
         on one loaded engine)."""
         self.n_threads = n_threads
         self.n_threads_batch = n_threads_batch or n_threads
-        C.llama_set_n_threads(self.handle, self.n_threads, self.n_threads_batch)
+        self._apply((self.n_threads, self.n_threads_batch))
+
+    def _follow_load(self, free: int) -> None:
+        self._apply((min(self.n_threads, free), min(self.n_threads_batch, free)))
+
+    def _apply(self, threads: tuple[int, int]) -> None:
+        if threads != self.threads_now:
+            C.llama_set_n_threads(self.handle, *threads)
+            self.threads_now = threads
 
     def logits(self, i: int) -> np.ndarray:
         """The logits row of batch index ``i`` of the last decode (a view, valid until the
@@ -312,9 +310,6 @@ class Context:
 
     def seq_pos_max(self, seq: int) -> int:
         return int(C.llama_memory_seq_pos_max(self.mem, seq))
-
-    def seq_pos_min(self, seq: int) -> int:
-        return int(C.llama_memory_seq_pos_min(self.mem, seq))
 
     def compact(self, max_bytes: int = COMPACT_MAX_BYTES) -> bool:
         """Move every used KV cell to the front of the buffer, by a state save and restore.
@@ -352,10 +347,64 @@ class Context:
 
     def close(self) -> None:
         if self.handle:
-            C.llama_batch_free(self._batch)
             C.llama_free(self.handle)
             self.handle = None
 
 
-def tokens_array(tokens: Sequence[int]) -> ctypes.Array:
-    return (C.llama_token * len(tokens))(*tokens)
+@dataclass(frozen=True)
+class Segment:
+    """One sequence's tokens in a batch: at positions pos0.., logits "last", "all", "none" or
+    the listed indices within the segment."""
+
+    tokens: Sequence[int]
+    pos0: int
+    seq: int
+    logits: str | Sequence[int] = "last"
+
+
+class _Batch:
+    """A llama_batch whose arrays numpy owns, one sequence id per token: a batch is filled with
+    slice writes (the per-token ``seq_id`` pointers point into one int32 array, set once)."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.tok = np.zeros(cap, dtype=np.int32)
+        self.pos = np.zeros(cap, dtype=np.int32)
+        self.n_seq = np.ones(cap, dtype=np.int32)
+        self.seq = np.zeros(cap, dtype=np.int32)
+        self.out = np.zeros(cap, dtype=np.int8)
+        seq_ptr = ctypes.POINTER(C.llama_seq_id)
+        base = self.seq.ctypes.data
+        step = self.seq.itemsize
+        self._seq_ptrs = (seq_ptr * cap)(
+            *(ctypes.cast(base + i * step, seq_ptr) for i in range(cap))
+        )
+        self.struct = C.llama_batch(
+            n_tokens=0,
+            token=self.tok.ctypes.data_as(ctypes.POINTER(C.llama_token)),
+            embd=None,
+            pos=self.pos.ctypes.data_as(ctypes.POINTER(C.llama_pos)),
+            n_seq_id=self.n_seq.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
+            seq_id=self._seq_ptrs,
+            logits=self.out.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
+        )
+
+    def put(self, at: int, seg: Segment) -> int:
+        """Write ``seg`` from batch index ``at``; returns the index after it."""
+        n = len(seg.tokens)
+        end = at + n
+        if end > self.cap:
+            raise DecodeError(f"batch of {end} tokens exceeds n_batch={self.cap}")
+        self.tok[at:end] = seg.tokens
+        self.pos[at:end] = np.arange(seg.pos0, seg.pos0 + n, dtype=np.int32)
+        self.seq[at:end] = seg.seq
+        out = self.out
+        logits = seg.logits
+        if isinstance(logits, str):
+            out[at:end] = 1 if logits == "all" else 0
+            if logits == "last" and n:
+                out[end - 1] = 1
+        else:
+            out[at:end] = 0
+            out[[at + i for i in logits]] = 1
+        return end

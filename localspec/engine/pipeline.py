@@ -21,21 +21,20 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
 
 import numpy as np
 
-from localspec.engine.cache import PrefillResult, SlotCaches
+from localspec.engine.cache import PrefillPolicy, PrefillResult, SeqState, SlotCaches
 from localspec.engine.errors import DecodeError
 
 
 class DraftPipeline:
-    """One request's draft thread on one slot."""
+    """One request's draft thread on one slot's draft sequence."""
 
     def __init__(
         self,
         dcache: SlotCaches,
-        slot: int,
+        st: SeqState,
         base: list[int],
         *,
         p_min: float,
@@ -43,18 +42,18 @@ class DraftPipeline:
         ahead: int,
         n_ctx: int,
         n_target_vocab: int,
-        prefill: dict[str, Any],
+        prefill: PrefillPolicy,
         previous: DraftPipeline | None = None,
     ) -> None:
         self.dcache = dcache
-        self.slot = slot
+        self.st = st
         self.base = list(base)
         self.p_min = p_min
         self.p_chain = min(p_chain, p_min)
         self.ahead = max(1, ahead)
         self.n_ctx = n_ctx
         self.n_target_vocab = n_target_vocab
-        self._prefill_kw = prefill
+        self._prefill = prefill
         self._previous = previous
         self._cv = threading.Condition()
         self._stop_ev = threading.Event()
@@ -148,15 +147,15 @@ class DraftPipeline:
         self._thread.join()
         self._finished = True
         if isinstance(self.error, DecodeError):
-            self.dcache.clear(self.slot)  # llama.cpp may keep part of a failed batch
+            self.dcache.clear(self.st)  # llama.cpp may keep part of a failed batch
             return
-        have = self.dcache.tokens[self.slot]
+        have = self.st.tokens
         seq = self._confirmed
         limit = min(len(have), len(seq) - 1)
         n = 0
         while n < limit and have[n] == seq[n]:
             n += 1
-        self.dcache.truncate(self.slot, n)
+        self.dcache.truncate(self.st, n)
 
     # --- the draft thread ---------------------------------------------------------------
     def _main(self) -> None:
@@ -165,15 +164,14 @@ class DraftPipeline:
                 self._previous.finish()
                 self._previous = None
             t0 = time.perf_counter()
-            kw = self._prefill_kw
-            pre = self.dcache.prefill(self.slot, self.base, cancel=self._stop_ev, **kw)
+            pre = self.dcache.prefill(self.st, self.base, self._prefill, cancel=self._stop_ev)
             self.prefill_ms = (time.perf_counter() - t0) * 1000.0
             self.prefill_result = pre
             if pre.cancelled:
                 return
             guess = self._guess_from_logits()
             with self._cv:
-                self._w = list(self.dcache.tokens[self.slot])
+                self._w = list(self.st.tokens)
                 self._wp = [1.0] * len(self._w)
                 self._guess = guess
             self._loop()
@@ -186,7 +184,7 @@ class DraftPipeline:
                 self._cv.notify_all()
 
     def _loop(self) -> None:
-        dcache, slot = self.dcache, self.slot
+        dcache, st = self.dcache, self.st
         n_batch = dcache.ctx.n_batch
         n_vocab = dcache.ctx.n_vocab
         while True:
@@ -202,7 +200,7 @@ class DraftPipeline:
                     self._cv.notify_all()
                     self._cv.wait()
             if cut is not None:
-                dcache.truncate(slot, cut)
+                dcache.truncate(st, cut)
                 with self._cv:
                     del self._w[cut:]
                     del self._wp[cut:]
@@ -214,7 +212,7 @@ class DraftPipeline:
             todo = todo[:n_batch]
             t0 = time.perf_counter()
             own = self._guess if len(todo) == 1 and self._guess is not None else None
-            dcache.append(slot, todo, logits="last")
+            dcache.append(st, todo, logits="last")
             guess = self._guess_from_logits()
             self.decode_ms += (time.perf_counter() - t0) * 1000.0
             self.n_decoded += len(todo)

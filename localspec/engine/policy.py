@@ -247,6 +247,45 @@ class SpecPolicy:
         self.step += 1
 
 
+def share_step(
+    offers: list[list[float]], cost: VerifyCost, *, min_gain: float = 1.05
+) -> list[int]:
+    """Draft lengths for the sequences of one step, from the measured cost of a step of that
+    many tokens.
+
+    ``offers[i]`` is sequence i's drafted tokens' survival probabilities (S(1) >= S(2) ...:
+    the chance the target accepts the first j of them). A step of T tokens costs
+    ``cost.cost(T)`` and yields, in expectation, one token per sequence plus the sum of the
+    kept survivals; the kept tokens are the likeliest ones across all sequences (each
+    sequence's in order), as many as maximise the yield per ms. On a CPU, where a step's
+    time grows with its tokens, that keeps the few sure ones; on a GPU, nearly all. A single
+    sequence gets the length the single-sequence rule would pick (the same curve)."""
+    n = len(offers)
+    if n == 0:
+        return []
+    items = sorted(
+        ((s, i, j) for i, survival in enumerate(offers) for j, s in enumerate(survival)),
+        key=lambda x: (-x[0], x[2]),
+    )
+    t_plain = cost.cost(n)
+    if t_plain <= 0:
+        return [0] * n
+    plain = n / t_plain
+    best, take = plain, 0
+    produced = float(n)
+    for k, (s, _, _) in enumerate(items, start=1):
+        produced += s
+        rate = produced / cost.cost(n + k)
+        if rate > best:
+            best, take = rate, k
+    if best < plain * min_gain:
+        return [0] * n
+    lengths = [0] * n
+    for _, i, _ in items[:take]:
+        lengths[i] += 1
+    return lengths
+
+
 def ngram_source(match_len: int) -> str:
     """The n-gram drafter's estimates are kept apart by match length: a long match (code
     being copied) is far more reliable than a two-token one."""

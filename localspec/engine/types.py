@@ -101,6 +101,15 @@ class EngineSettings:
     # prompt tokens per llama_decode while prefilling: a cancel (the editor aborted this
     # keystroke) is noticed between pieces, and what was evaluated stays cached for the next
     prefill_chunk: int = 128
+    # each decode runs on at most the cores other processes leave free (engine/threads.py);
+    # False: always the configured thread counts
+    follow_load: bool = True
+    # sequences for a request's extra completions (n_cmpl > 1), all decoding at once; None:
+    # two per slot (llama-vscode asks for three completions)
+    n_aux: int | None = None
+    # KV cells each of them holds beyond the shared prompt: an extra completion generates at
+    # most this many tokens
+    aux_room: int = 256
 
 
 @dataclass(frozen=True)
@@ -117,6 +126,17 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0 or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class PromptLayout:
+    """A prompt as the engine is to evaluate it: its tokens, the lengths of its leading blocks
+    (each evaluated on its own: an editor's ring chunks, docs/engine.md "Ring blocks"; none:
+    causal throughout), and whether every block after the first also sees the first."""
+
+    tokens: list[int]
+    blocks: tuple[int, ...] = ()
+    sink: bool = False
 
 
 @dataclass(frozen=True)
@@ -194,6 +214,7 @@ class GenerationResult:
     t_outside_ms: float = 0.0  # wall time not spent inside llama.cpp calls
     cancelled: bool = False
     pipelined: bool = False  # the draft model ran on its own thread
+    threads: tuple[int, int] = (0, 0)  # the target's threads at the end: single tokens, batches
     probs: list[TokenProbs] = field(default_factory=list)  # per token, when n_probs > 0
     draft_n_decoded: int = 0  # draft tokens the draft model decoded (pipelined: incl. wasted)
     # one entry per speculative step: (source, drafted, accepted); for stats and tests
@@ -209,3 +230,5 @@ class GenerationResult:
 
 
 TokenCallback = Callable[[TokenEvent], None]
+# (completion index, event): the stream of a request with several completions
+IndexedTokenCallback = Callable[[int, TokenEvent], None]

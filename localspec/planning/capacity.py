@@ -27,8 +27,11 @@ def size_slots(
     when not even one slot fits or meets the latency bound."""
     s = c.settings
     kv_tokens = layout.n_ctx // 2  # a slot's context is half full on average
+    measured = s.step_costs.get((cand.target.model_id, cand.target.quant))
 
     def step_s(batch: int, lay: Layout) -> float:
+        if measured is not None:
+            return measured.step_ms(batch) / 1000
         return target_seconds(
             cand.target,
             lay,
@@ -73,8 +76,13 @@ def size_slots(
             f"slots: {n_slots} = min({by_memory} by memory at {layout.n_ctx} tokens/slot "
             f"{layout.type_kv} KV, {by_latency} by the {s.max_token_ms:g} ms/token bound)",
             f"one decode step with all {n_slots} slots busy: {step * 1000:.1f} ms "
-            f"(weights + KV of {kv_tokens} tokens/slot at {BANDWIDTH_EFFICIENCY:.0%} of "
-            "bandwidth, GPUs in sequence)",
+            + (
+                f"(measured: {measured.source}, {measured.kv_tokens} tokens of context each)"
+                if measured is not None
+                else f"(assumed: weights + KV of {kv_tokens} tokens/slot at "
+                f"{BANDWIDTH_EFFICIENCY:.0%} of bandwidth, GPUs in sequence; "
+                "`localspec bench steps` measures it)"
+            ),
             f"a request holds a slot {busy:.2f} s = {prompt * 1000:.0f} ms prompt "
             f"({s.new_prompt_tokens_per_request} new tokens) + {s.tokens_per_request} tokens "
             f"x {step * 1000:.1f} ms",
@@ -94,5 +102,6 @@ def size_slots(
         duty_cycle=duty,
         busy_slots_p95=p95,
         explanation=explanation,
+        step_measured=measured is not None,
     )
     return layout, rows, capacity

@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from localspec.hardware import GiB
-
-if TYPE_CHECKING:
-    from localspec.planning.result import Plan
+from localspec.planning.result import Plan
 
 MAX_REJECTIONS_SHOWN = 8
 

@@ -10,7 +10,6 @@ from typing import Any
 from localspec.engine.types import EngineSettings, ModelSettings, SpecSettings
 from localspec.planning.chat import ChatPlan
 from localspec.planning.memory import padded_ctx
-from localspec.planning.render import render_plan
 from localspec.planning.types import DeviceMemory, PlanError
 
 
@@ -33,6 +32,7 @@ class Capacity:
     duty_cycle: float  # share of time one session has a request in flight
     busy_slots_p95: int
     explanation: str
+    step_measured: bool = False  # step times measured on this machine (else the bandwidth model)
 
 
 @dataclass(frozen=True)
@@ -131,9 +131,6 @@ class Plan:
         data["concurrent_sessions"] = self.concurrent_sessions
         data["chat"] = None if self.chat is None else self.chat.to_json()
         return data
-
-    def explain(self) -> str:
-        return render_plan(self)
 
 
 def smaller(plan: Plan) -> Plan | None:

@@ -4,7 +4,7 @@ with the smallest target. Pure: data in, Plan out."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -30,7 +30,7 @@ from localspec.planning.speed import (
     speculative_speedup,
     target_seconds,
 )
-from localspec.planning.types import Candidate, DeviceMemory, Layout, PlanError
+from localspec.planning.types import Candidate, DeviceMemory, Layout, PlanError, StepCosts
 
 PERSONAL_CONTEXT = 16384
 DATACENTER_CONTEXT = 8192
@@ -238,17 +238,26 @@ def _threads(c: SearchContext, fit: _Fit) -> tuple[int, int]:
     return (decode if cpu_work else min(cores, 4)), cores
 
 
-def make_plan(catalog: Any, facts: HardwareFacts, settings: Any = None) -> Plan:
+def make_plan(
+    catalog: Any,
+    facts: HardwareFacts,
+    settings: Any = None,
+    *,
+    step_costs: Mapping[tuple[str, str], StepCosts] | None = None,
+) -> Plan:
     """Choose and justify the serving configuration for ``facts`` (pure: nothing here touches
     the GPU, the network or the disk).
 
     ``catalog`` is a localspec.catalog.Catalog, or already a list of ``Candidate``;
-    ``settings`` a PlanSettings or localspec's Settings (see ``plan_settings_from``).
+    ``settings`` a PlanSettings or localspec's Settings (see ``plan_settings_from``);
+    ``step_costs``: step times measured on the machine ``facts`` describes, by (model, quant).
     """
     if settings is None:
         settings = PlanSettings()
     elif not isinstance(settings, PlanSettings):
         settings = plan_settings_from(settings)
+    if step_costs:
+        settings = replace(settings, step_costs=dict(step_costs))
     candidates = allowed_candidates(catalog, settings)
     datacenter = facts.kind == "datacenter"
     context = settings.context or (DATACENTER_CONTEXT if datacenter else PERSONAL_CONTEXT)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from localspec.engine.types import SpecSettings
-from localspec.planning.types import ModelFacts, PlanError
+from localspec.planning.types import ModelFacts, PlanError, StepCosts
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,8 @@ class PlanSettings:
     cache_exact_ms: float = 100.0  # handed to the engine (EngineSettings.exact_ms)
     measured: Mapping[tuple[str, str], ModelFacts] = field(default_factory=dict)
     """(model id, quant) -> facts read from a GGUF on disk; replaces the catalog estimate."""
+    step_costs: Mapping[tuple[str, str], StepCosts] = field(default_factory=dict)
+    """(model id, quant) -> step times measured on this machine; replace the bandwidth model."""
     needs: tuple[str, ...] = ("fim",)  # what the target must do (catalog capabilities)
     # the chat side (planning/chat.py): "auto" decides it, "off" serves none; None: this is
     # the search for the chat pair itself

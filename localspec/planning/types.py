@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -127,3 +129,30 @@ class DeviceMemory:
         data = asdict(self)
         data.update(used=self.used, budget=self.budget)
         return data
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """One model's decode step time by the tokens in it (one per busy slot), measured on a
+    machine by ``localspec bench steps``; the capacity arithmetic uses it instead of the
+    bandwidth model when it was measured for the candidate the plan weighs."""
+
+    ms_by_tokens: Mapping[int, float]
+    kv_tokens: int  # each sequence's context while it was measured
+    source: str  # what measured it, where and when (shown in the plan)
+
+    def step_ms(self, n_tokens: int) -> float:
+        """Interpolated between the measured sizes; beyond them, along the last two."""
+        points = sorted(self.ms_by_tokens.items())
+        if not points:
+            raise ValueError("no measured step sizes")
+        first, t_first = points[0]
+        if n_tokens <= first:
+            return t_first
+        if len(points) == 1:  # one size measured: grow in proportion (an upper bound)
+            return t_first * n_tokens / first
+        for (a, ta), (b, tb) in itertools.pairwise(points):
+            if n_tokens <= b:
+                return ta + (tb - ta) * (n_tokens - a) / (b - a)
+        (a, ta), (b, tb) = points[-2], points[-1]
+        return tb + (tb - ta) / (b - a) * (n_tokens - b)

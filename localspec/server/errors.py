@@ -84,11 +84,3 @@ class ContextExceeded(ApiError):
             f"({n_ctx} tokens), try increasing it",
             extra={"n_prompt_tokens": n_prompt_tokens, "n_ctx": n_ctx},
         )
-
-
-class Cancelled(Exception):
-    """The client left, or a newer request for the same slot took the queued one's place."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason

@@ -40,6 +40,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from localspec.engine.types import PromptLayout
+
 Tokenize = Callable[[str], list[int]]  # text -> ids, no BOS, special-token parsing off
 
 # "\n\n--- snippet ---\n\n": separates extra chunks when the vocab has no FIM_SEP token.
@@ -147,18 +149,6 @@ def whole_blocks(
     return head, [*([header] if header else []), *(n for _, n in kept)]
 
 
-class InfillTokens(list[int]):
-    """An /infill prompt that knows its ring blocks (``blocks``: lengths of its leading
-    spans, each to be evaluated on its own; empty: causal throughout)."""
-
-    def __init__(
-        self, tokens: Sequence[int], blocks: Sequence[int] = (), sink: bool = False
-    ) -> None:
-        super().__init__(tokens)
-        self.blocks = tuple(blocks)
-        self.sink = sink  # the first block is the repository header, which every chunk sees
-
-
 @dataclass(frozen=True)
 class Budgets:
     prefix: int
@@ -205,8 +195,8 @@ def infill_prompt(
     typed_in_middle: bool = False,
     ring_only: bool = False,
     ring_blocks: bool = False,
-) -> InfillTokens:
-    """The token sequence llama-server evaluates for an /infill request.
+) -> PromptLayout:
+    """The token sequence llama-server evaluates for an /infill request, with its ring blocks.
 
     ``bos`` is the BOS id when the vocabulary adds one (``llama_vocab_get_add_bos``), else None.
     ``n_predict`` is the server's default (-1), not the request's, as in llama-server; a
@@ -246,6 +236,6 @@ def infill_prompt(
     # the chunks see the repository header as if it stood right before each (an attention sink)
     sink = bool(blocks) and fim.rep is not None and head[:1] == [fim.rep]
     if ring_only:
-        return InfillTokens(head, blocks, sink)
+        return PromptLayout(head, tuple(blocks), sink)
     tokens = [*head, *([bos] if bos is not None else []), *first, *second, fim.mid, *middle]
-    return InfillTokens(tokens, blocks, sink)
+    return PromptLayout(tokens, tuple(blocks), sink)

@@ -42,6 +42,7 @@ class RequestLog:
     predicted: int | None = None
     drafted: int | None = None
     accepted: int | None = None
+    threads: str | None = None  # the target's threads at the end: "single tokens/batches"
     queue_ms: float | None = None
     prompt_ms: float | None = None
     gen_ms: float | None = None

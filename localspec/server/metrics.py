@@ -38,6 +38,9 @@ class Probes:
     prompt_evaluated: Callable[[], int] = lambda: 0  # by the engine, cut-short requests too
     slots: Callable[[], Sequence[SlotInfo]] = lambda: ()
     model_files: Callable[[], dict[str, str]] = dict  # role ("target", "draft") -> GGUF path
+    # (cores the engine's evaluations may use now, cores other processes keep busy); None
+    # when the engine does not follow the load
+    cpu: Callable[[], tuple[int, float] | None] = lambda: None
 
 
 class _StateCollector(Collector):
@@ -96,6 +99,18 @@ class _StateCollector(Collector):
         for role, size in self._model_bytes().items():
             memory.add_metric([role], size)
         yield memory
+        cpu = p.cpu()
+        if cpu is not None:
+            yield GaugeMetricFamily(
+                "localspec_engine_threads",
+                "Threads llama.cpp evaluations may use now: the cores other processes leave free",
+                value=cpu[0],
+            )
+            yield GaugeMetricFamily(
+                "localspec_cpu_other_busy_cores",
+                "Cores other processes kept busy over the last load sample",
+                value=cpu[1],
+            )
         ratio = GaugeMetricFamily(
             "localspec_draft_acceptance_ratio",
             "Accepted / drafted tokens since start, by draft source",

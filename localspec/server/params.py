@@ -11,7 +11,7 @@ import random
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from localspec.engine.types import GenerationRequest, SamplingParams
+from localspec.engine.types import GenerationRequest, PromptLayout, SamplingParams
 from localspec.server.errors import InvalidRequest
 from localspec.server.schemas import GenerationFields
 
@@ -122,21 +122,18 @@ class TaskParams:
         return [(seed + i) % RANDOM_SEED for i in range(self.n_cmpl)]
 
     def request_for(
-        self, index: int, seeds: list[int], slot: int, prompt: list[int]
+        self, index: int, seeds: list[int], slot: int, prompt: PromptLayout
     ) -> GenerationRequest:
         sampling = self.request.sampling
         if self.n_cmpl > 1:
             sampling = replace(sampling, seed=seeds[index])
-        # an /infill prompt carries its ring blocks (server/fim.py InfillTokens)
-        blocks = tuple(getattr(prompt, "blocks", ()))
-        sink = bool(getattr(prompt, "sink", False))
         return replace(
             self.request,
             slot=slot,
-            prompt=prompt,
+            prompt=prompt.tokens,
             sampling=sampling,
-            blocks=blocks,
-            block_sink=sink,
+            blocks=prompt.blocks,
+            block_sink=prompt.sink,
         )
 
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from localspec.engine.types import PromptLayout
 from localspec.server.errors import InvalidRequest, NotSupported
 from localspec.server.fim import ExtraText, FimIds, infill_prompt, tokenize_mixed
 from localspec.server.tokcache import TokenCache
 
-Prepare = Callable[[Any], list[int]]  # engine -> prompt tokens
+Prepare = Callable[[Any], PromptLayout]  # engine -> the prompt, as the engine evaluates it
 
 
 _last_fim: tuple[Any, FimIds] | None = None  # (vocab, its ids): asked twice per request
@@ -67,7 +68,7 @@ def infill(
 
     user_ids = _user_ids(input_prefix, input_suffix)
 
-    def prepare(engine: Any) -> list[int]:
+    def prepare(engine: Any) -> PromptLayout:
         vocab = engine.vocab
         fim = fim_ids(vocab)
         check_ids(user_ids, vocab.n_vocab)
@@ -75,7 +76,7 @@ def infill(
         def plain(text: str) -> list[int]:
             return cache.tokenize(vocab, text, special=False)
 
-        tokens = infill_prompt(
+        return infill_prompt(
             tokenize=plain,
             fim=fim,
             input_prefix=input_prefix,
@@ -91,7 +92,6 @@ def infill(
             ring_only=ring_only,
             ring_blocks=ring_blocks,
         )
-        return tokens
 
     return prepare
 
@@ -119,7 +119,7 @@ def completion(prompt: str | Sequence[int | str], cache: TokenCache | None = Non
     """llama-server's /completion: special tokens parsed, BOS added before leading text."""
     cache = cache or TokenCache()
 
-    def prepare(engine: Any) -> list[int]:
+    def prepare(engine: Any) -> PromptLayout:
         vocab = engine.vocab
 
         def special(text: str) -> list[int]:
@@ -131,6 +131,6 @@ def completion(prompt: str | Sequence[int | str], cache: TokenCache | None = Non
         if bos is not None and starts_with_text:
             tokens.insert(0, bos)
         check_ids(tokens, vocab.n_vocab)
-        return tokens
+        return PromptLayout(tokens)
 
     return prepare

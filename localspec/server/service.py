@@ -38,7 +38,12 @@ def _probes(worker: Worker) -> Probes:
             files["draft"] = str(engine.draft_path)
         return files
 
+    def cpu() -> tuple[int, float] | None:
+        governor = getattr(worker.engine, "governor", None)
+        return None if governor is None else (governor.free, governor.other_busy)
+
     return Probes(
+        cpu=cpu,
         queued=lambda: worker.queued,
         busy=lambda: worker.busy,
         cancelled=lambda: worker.n_cancelled,
@@ -162,7 +167,8 @@ class Service:
         params = task_params(
             body,
             n_ctx=self.engine.n_ctx,
-            n_cmpl_max=self.settings.n_cmpl_max,
+            # as llama-server's n_parallel: the completions decode at the same time
+            n_cmpl_max=min(self.settings.n_cmpl_max, self.engine.max_completions),
             default_sampling=SamplingParams(),
         )
         spec = self.engine_settings.spec
@@ -195,6 +201,7 @@ class Service:
                 predicted=sum(len(r.tokens) for r in runs),
                 drafted=sum(r.draft_n for r in runs),
                 accepted=sum(r.draft_n_accepted for r in runs),
+                threads="/".join(map(str, runs[-1].threads)) if runs else None,
                 queue_ms=result.t_queue_ms,
                 prompt_ms=sum(r.prompt_ms for r in runs),
                 gen_ms=sum(r.predicted_ms for r in runs),

@@ -5,18 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-_STEP = 256
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix; compares slices in C, then narrows down."""
-    n = min(len(a), len(b))
-    i = 0
-    while i + _STEP <= n and a[i : i + _STEP] == b[i : i + _STEP]:
-        i += _STEP
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+from localspec.engine.cache_plan import common_prefix
 
 
 @dataclass

@@ -1,9 +1,11 @@
-"""The one thread that owns the engine: loads it, then runs queued jobs one at a time.
+"""The one thread that owns the engine: loads it, then starts jobs and runs the engine's steps.
 
-HTTP handlers never touch llama.cpp; they submit a :class:`Job` and await its future. The
-queue is bounded (past ``queue_limit`` a submit raises 503 with Retry-After), a job whose
-client left is dropped before it runs, a newer job pinned to a slot supersedes older queued
-jobs for that slot, and a running job's cancel event stops the engine within one step.
+HTTP handlers never touch llama.cpp; they submit a :class:`Job` and await its future. Jobs on
+different slots run at the same time (the engine puts all their sequences in one batch per
+step); a job waits in the queue while its slot is busy. The queue is bounded (past
+``queue_limit`` a submit raises 503 with Retry-After), a job whose client left is dropped
+before it starts, a newer job pinned to a slot supersedes older queued jobs for that slot, and
+a running job's cancel event stops its sequences within one step.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
-from localspec.engine.types import Cancel, GenerationRequest, GenerationResult, TokenEvent
+from localspec.engine.scheduler import Task
+from localspec.engine.types import GenerationResult, PromptLayout, TokenEvent
 from localspec.server.errors import ContextExceeded, Unavailable
 from localspec.server.logs import REQUESTS
 from localspec.server.params import TaskParams
@@ -33,31 +36,13 @@ _requests_log = logging.getLogger(REQUESTS)
 MIN_CALL_QUEUE = 16  # tokenize/detokenize calls that may wait (at least; else queue_limit)
 
 
-class EngineLike(Protocol):
-    """The part of localspec.engine.Engine the worker uses."""
-
-    n_ctx: int
-    n_slots: int
-
-    def slot_tokens(self, slot: int) -> list[int]: ...  # a fresh list, the caller keeps it
-
-    def generate(
-        self,
-        req: GenerationRequest,
-        *,
-        cancel: Cancel | None = None,
-        on_token: Callable[[TokenEvent], None] | None = None,
-        prefill_cancel: Cancel | None = None,
-    ) -> GenerationResult: ...
-
-
 TokenSink = Callable[[int, TokenEvent], None]  # (completion index, event), on the worker thread
 
 
 @dataclass(eq=False)
 class Job:
     params: TaskParams
-    prepare: Callable[[Any], list[int]]  # builds the prompt tokens, on the worker thread
+    prepare: Callable[[Any], PromptLayout]  # builds the prompt, on the worker thread
     detokenize: Callable[[list[int]], str] | None = None  # set when the answer shows the prompt
     on_token: TokenSink | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
@@ -67,6 +52,10 @@ class Job:
     n_prompt: int = 0
     truncate: bool = False  # a prompt longer than the context is cut (llama-server's rule)
     stopped_by: str = ""  # why the worker cancelled it while running (else: the client left)
+    # while it runs: what it is filling in, and when the engine took it
+    out: JobResult | None = None
+    prompt: list[int] = field(default_factory=list)
+    t_start: float = 0.0
 
     @property
     def cache_only(self) -> bool:
@@ -77,6 +66,7 @@ class Job:
 class JobResult:
     completions: list[Completion]
     n_prompt: int = 0
+    truncated: bool = False  # the prompt was cut to fit the context
     cancelled: str | None = None  # why it stopped early: "client left", "superseded", ...
     t_queue_ms: float = 0.0
     t_prep_ms: float = 0.0
@@ -104,7 +94,7 @@ class Worker:
         self._cond = threading.Condition()
         self._queue: deque[Job] = deque()
         self._calls: deque[_Call] = deque()
-        self._running: Job | None = None
+        self._running: dict[int, Job] = {}  # by slot
         self._thread = threading.Thread(target=self._main, name="localspec-engine", daemon=True)
         self.state: State = "loading"
         self.error: BaseException | None = None
@@ -131,16 +121,16 @@ class Worker:
             for call in self._calls:
                 call.future.set_exception(Unavailable("Server is stopping"))
             self._calls.clear()
-            if self._running is not None:
-                self._running.cancel.set()
+            for job in self._running.values():
+                job.cancel.set()
             self._cond.notify_all()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
     def cancel_running(self) -> None:
         with self._cond:
-            if self._running is not None:
-                self._running.cancel.set()
+            for job in self._running.values():
+                job.cancel.set()
 
     @property
     def queued(self) -> int:
@@ -148,7 +138,7 @@ class Worker:
 
     @property
     def busy(self) -> bool:
-        return self._running is not None
+        return bool(self._running)
 
     # ------------------------------------------------------------------ submit
 
@@ -159,7 +149,8 @@ class Worker:
                 loading = self.state == "loading"
                 raise Unavailable("Loading model" if loading else "Server is stopping")
             self._supersede(job)
-            if len(self._queue) >= self._queue_limit and (self._running or self._queue):
+            full = len(self._queue) >= self._queue_limit
+            if full and (self._running or self._queue):
                 raise Unavailable(
                     f"Server busy: {len(self._queue)} requests are queued; retry shortly",
                     headers={"Retry-After": "1"},
@@ -199,13 +190,17 @@ class Worker:
                 self.n_cancelled += 1
 
     def others_wait(self) -> bool:
-        """A live job or a tokenizer call is queued (or the worker is stopping)."""
+        """A live job or a tokenizer call is queued, a started job waits for the prompt lane
+        (or the worker is stopping)."""
         with self._cond:
-            return (
+            if (
                 self.state == "stopping"
                 or bool(self._calls)
                 or any(not q.cancel.is_set() for q in self._queue)
-            )
+            ):
+                return True
+        engine = self.engine
+        return engine is not None and engine.waiting_for_prompt()
 
     def _supersede(self, job: Job) -> None:
         """A newer job pinned to a slot replaces older queued ones for that slot.
@@ -220,13 +215,8 @@ class Worker:
         slot = pinned_slot(job.params.id_slot, n_slots)
         if slot is None:
             return
-        running = self._running
-        if (
-            not job.cache_only
-            and running is not None
-            and running.cache_only
-            and pinned_slot(running.params.id_slot, n_slots) == slot
-        ):
+        running = self._running.get(slot)
+        if not job.cache_only and running is not None and running.cache_only:
             running.stopped_by = "superseded by a completion for the same slot"
             running.cancel.set()
         stale = [
@@ -265,133 +255,191 @@ class Worker:
                 self.state = "ready"
         if not stopping and self._on_ready is not None:
             self._on_ready()
-        while (job := self._take()) is not None:
-            if isinstance(job, _Call):
-                job.run(engine)
-                continue
-            try:
-                result = self._run(job)
-            except BaseException as exc:  # one request's failure, not the daemon's
-                if not isinstance(exc, (Unavailable, ContextExceeded)):
-                    log.exception("request failed")
-                if not job.future.done():
-                    job.future.set_exception(exc)
-            else:
-                self.n_prompt_evaluated += sum(c.result.n_evaluated for c in result.completions)
-                _finish(job, result)
-                if result.cancelled:
-                    self.n_cancelled += 1
-                    _log_cut_short(job, result)
-            finally:
-                with self._cond:
-                    self._running = None
-                    self.n_done += 1
-        self._close(engine)
+        try:
+            while self._turn(engine):
+                pass
+        finally:
+            self._close(engine)
 
-    def _take(self) -> Job | _Call | None:
+    def _turn(self, engine: Any) -> bool:
+        """Run queued calls, start the jobs whose slots are free, then one engine step;
+        waits while there is nothing to do. False once the worker is stopping."""
         with self._cond:
             while True:
                 if self.state == "stopping":
-                    return None
-                if self._calls:
-                    return self._calls.popleft()
-                while self._queue:
-                    job = self._queue.popleft()
-                    if job.cancel.is_set():
-                        _finish(job, JobResult([], cancelled="client left"))
-                        self.n_cancelled += 1
-                        continue
-                    self._running = job
-                    return job
+                    return False
+                calls = list(self._calls)
+                self._calls.clear()
+                starts = self._startable()
+                if calls or starts or engine.busy:
+                    break
                 self._cond.wait()
+        for call in calls:
+            call.run(engine)
+        for job in starts:
+            self._start(engine, job)
+        if engine.busy:
+            try:
+                engine.step()
+            except Exception as exc:  # a bug: the requests fail, the daemon goes on
+                log.exception("an engine step failed; failing the requests it held")
+                engine.abort(exc)
+        return True
+
+    def _startable(self) -> list[Job]:
+        """Under the lock: queued jobs that can start now (their slot is free), in order; a
+        job whose client left is dropped."""
+        starts: list[Job] = []
+        n_slots = max(1, len(self.slots))
+        free = [s.id for s in self.slots if s.id not in self._running]
+        for job in list(self._queue):
+            if job.cancel.is_set():
+                self._queue.remove(job)
+                _finish(job, JobResult([], cancelled="client left"))
+                self.n_cancelled += 1
+                continue
+            pinned = pinned_slot(job.params.id_slot, n_slots)
+            if pinned is None and free:
+                job.slot = -1  # any free slot: the one whose cache fits best, at start
+            elif pinned is not None and pinned in free:
+                job.slot = pinned
+            else:
+                continue
+            self._queue.remove(job)
+            if job.slot >= 0:
+                free.remove(job.slot)
+            else:
+                free.pop()  # reserves one: the choice among the free ones comes at start
+            starts.append(job)
+        return starts
 
     def _close(self, engine: Any) -> None:
+        for job in list(self._running.values()):
+            job.cancel.set()
         close = getattr(engine, "close", None)
         try:
             if callable(close):
                 close()
         finally:
             with self._cond:
+                for job in list(self._running.values()):
+                    _finish(job, JobResult([], cancelled="server shutting down"))
+                self._running.clear()
                 self.engine = None
                 self.state = "stopped"
 
-    def _run(self, job: Job) -> JobResult:
-        engine = self.engine
-        t_start = time.perf_counter()
-        out = JobResult([], t_queue_ms=(t_start - job.t_submit) * 1e3)
-        params = job.params
-        prompt = job.prepare(engine)
-        n_ctx = engine.n_ctx
-        truncated = len(prompt) >= n_ctx
-        if truncated:
-            if not job.truncate:
-                raise ContextExceeded(len(prompt), n_ctx)
-            n_before = len(prompt)
-            prompt = truncate(prompt, n_ctx, params.n_keep)
-            log.info("prompt of %d tokens truncated to %d (n_ctx %d)", n_before, len(prompt), n_ctx)
-        out.n_prompt = len(prompt)
-        out.t_prep_ms = (time.perf_counter() - t_start) * 1e3
-        slot_id = choose_slot(prompt, self.slots, params.id_slot)
-        job.slot, job.n_prompt = slot_id, len(prompt)
-        slot = self.slots[slot_id]
-        slot.is_processing = True
-        seeds = params.seeds()
+    def _start(self, engine: Any, job: Job) -> None:
+        """Build the job's prompt and hand its completions to the engine."""
+        job.t_start = time.perf_counter()
+        out = job.out = JobResult([], t_queue_ms=(job.t_start - job.t_submit) * 1e3)
         try:
-            for index in range(params.n_cmpl):
-                if job.cancel.is_set():
-                    out.cancelled = job.stopped_by or "client left"
-                    break
-                if not prompt:  # llama-server answers an empty prompt with an empty completion
-                    result = GenerationResult(tokens=[], text="", stop_type="none")
-                else:
-                    req = params.request_for(index, seeds, slot_id, prompt)
-                    room = n_ctx - len(prompt)
-                    if req.n_predict > room:  # the context ends first: say so up front
-                        req = replace(req, n_predict=room)
-                    on_token = _bind(job.on_token, index)
-                    t0 = time.perf_counter()
-                    try:
-                        result = engine.generate(
-                            req,
-                            cancel=job.cancel,
-                            on_token=on_token,
-                            prefill_cancel=_UntilOthersWait(job, self),
-                        )
-                    except BaseException:
-                        self._reset_slot(slot)  # its cache may be half-written: start it afresh
-                        raise
-                    finally:
-                        out.t_engine_ms += (time.perf_counter() - t0) * 1e3
-                slot.tokens = engine.slot_tokens(slot_id)  # a copy already: ~6k ids, not twice
+            params = job.params
+            layout = job.prepare(engine)
+            prompt = layout.tokens
+            n_ctx = engine.n_ctx
+            out.truncated = len(prompt) >= n_ctx
+            if out.truncated:
+                if not job.truncate:
+                    raise ContextExceeded(len(prompt), n_ctx)
+                n_before = len(prompt)
+                prompt = truncate(prompt, n_ctx, params.n_keep)
+                layout = PromptLayout(prompt)  # (a cut prompt's blocks are not what they were)
+                log.info(
+                    "prompt of %d tokens truncated to %d (n_ctx %d)", n_before, len(prompt), n_ctx
+                )
+            job.prompt = prompt
+            out.n_prompt = len(prompt)
+            out.t_prep_ms = (time.perf_counter() - job.t_start) * 1e3
+            with self._cond:
+                idle = [s for s in self.slots if s.id not in self._running]
+            slot_id = job.slot if job.slot >= 0 else choose_slot(prompt, idle, -1)
+            job.slot, job.n_prompt = slot_id, len(prompt)
+            slot = self.slots[slot_id]
+            with self._cond:
+                self._running[slot_id] = job
+            slot.is_processing = True
+            if not prompt:  # llama-server answers an empty prompt with an empty completion
+                empty = GenerationResult(tokens=[], text="", stop_type="none")
+                self._done(job, [empty], None)
+                return
+            seeds = params.seeds()
+            # a warm-up fills the cache once; more copies would do nothing
+            n = 1 if params.request.n_predict == 0 else params.n_cmpl
+            room = n_ctx - len(prompt)
+            reqs = []
+            for index in range(n):
+                req = params.request_for(index, seeds, slot_id, layout)
+                if req.n_predict > room:  # the context ends first: say so up front
+                    req = replace(req, n_predict=room)
+                reqs.append(req)
+            engine.submit(
+                Task(
+                    reqs,
+                    cancel=job.cancel,
+                    prefill_cancel=_UntilOthersWait(job, self),
+                    on_token=job.on_token,
+                    on_done=lambda task: self._done(job, task.results, task.error),
+                )
+            )
+        except BaseException as exc:  # one request's failure, not the daemon's
+            self._failed(job, exc)
+
+    def _done(self, job: Job, results: list[GenerationResult], error: BaseException | None) -> None:
+        """The engine finished a job (on the worker thread)."""
+        if error is not None:
+            self._failed(job, error)
+            return
+        engine, out = self.engine, job.out
+        assert out is not None
+        slot = self.slots[job.slot]
+        out.t_engine_ms = (time.perf_counter() - job.t_start) * 1e3 - out.t_prep_ms
+        slot.tokens = engine.slot_tokens(job.slot) if results and job.prompt else []
+        n_ctx = engine.n_ctx
+        for index, result in enumerate(results):
+            if index == 0:
                 slot.last_prompt_n, slot.last_cache_n = result.n_evaluated, result.n_cached
-                hit_end = (
-                    result.stop_type == "limit" and len(prompt) + len(result.tokens) >= n_ctx - 1
+            hit_end = (
+                result.stop_type == "limit" and len(job.prompt) + len(result.tokens) >= n_ctx - 1
+            )
+            out.completions.append(
+                Completion(
+                    result, index, job.slot, len(slot.tokens), truncated=out.truncated or hit_end
                 )
-                out.completions.append(
-                    Completion(
-                        result,
-                        index,
-                        slot_id,
-                        len(slot.tokens),
-                        truncated=truncated or hit_end,
-                    )
-                )
-                if result.cancelled:
-                    out.cancelled = job.stopped_by or "client left"
-                    break
-                if params.request.n_predict == 0:
-                    break  # a warm-up fills the cache once; more copies would do nothing
-        finally:
-            slot.is_processing = False
-            slot.last_used = time.monotonic()
-            slot.n_requests += 1
+            )
+        if any(r.cancelled for r in results):
+            out.cancelled = job.stopped_by or "client left"
         t_post = time.perf_counter()
         if job.detokenize is not None and out.completions:
-            text = job.detokenize(prompt)
+            text = job.detokenize(job.prompt)
             for done in out.completions:
                 done.prompt_text = text
         out.t_post_ms = (time.perf_counter() - t_post) * 1e3
-        return out
+        self.n_prompt_evaluated += sum(c.result.n_evaluated for c in out.completions)
+        self._release(job)
+        _finish(job, out)
+        if out.cancelled:
+            self.n_cancelled += 1
+            _log_cut_short(job, out)
+
+    def _failed(self, job: Job, exc: BaseException) -> None:
+        if not isinstance(exc, (Unavailable, ContextExceeded, ValueError)):
+            log.error("request failed", exc_info=exc)
+        if job.slot >= 0 and self._running.get(job.slot) is job:
+            self._reset_slot(self.slots[job.slot])
+        self._release(job)
+        if not job.future.done():
+            job.future.set_exception(exc)
+
+    def _release(self, job: Job) -> None:
+        with self._cond:
+            if job.slot >= 0 and self._running.get(job.slot) is job:
+                del self._running[job.slot]
+                slot = self.slots[job.slot]
+                slot.is_processing = False
+                slot.last_used = time.monotonic()
+                slot.n_requests += 1
+            self.n_done += 1
+            self._cond.notify_all()
 
     def _reset_slot(self, slot: SlotInfo) -> None:
         slot.tokens = []
@@ -413,12 +461,6 @@ class _Call:
             self.future.set_result(self.fn(engine))
         except BaseException as exc:
             self.future.set_exception(exc)
-
-
-def _bind(sink: TokenSink | None, index: int) -> Callable[[TokenEvent], None] | None:
-    if sink is None:
-        return None
-    return lambda event: sink(index, event)
 
 
 def _finish(job: Job, result: JobResult) -> None:

@@ -6,7 +6,7 @@ dropped a few milliseconds in, as llama-vscode does on every keystroke). Before 
 every request is run alone once; under load every completed answer must equal it token for
 token. The daemon's RSS is read from its own ``/metrics`` before and after.
 
-    python -m localspec.server.loadtest --url http://127.0.0.1:8012 --clients 32 --seconds 60
+    localspec bench load --url http://127.0.0.1:8012 --clients 32 --seconds 60
 
 prints a table and, with ``--json FILE``, writes the figures.
 """
@@ -14,13 +14,10 @@ prints a table and, with ``--json FILE``, writes the figures.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import random
 import re
-import statistics
 import sys
-import textwrap
 import threading
 import time
 from collections import Counter
@@ -30,27 +27,18 @@ from typing import Any
 
 import httpx
 
+from localspec.bench import corpus
+from localspec.bench.stats import percentile
+
 ACTIONS = ("complete", "warmup", "abort")
-
-
-def _source_lines() -> list[str]:
-    return inspect.getsource(textwrap).splitlines(keepends=True)
-
-
-def _ring(n: int = 8, lines: int = 6) -> list[dict[str, Any]]:
-    import json.decoder as other
-
-    source = inspect.getsource(other).splitlines(keepends=True)
-    return [
-        {"text": "".join(source[i * lines : (i + 1) * lines]), "time": 1724000000 + i,
-         "filename": f"/proj/mod{i}.py"}
-        for i in range(n)
-    ]  # fmt: skip
 
 
 def infill_bodies(n_docs: int, n_predict: int) -> list[dict[str, Any]]:
     """Greedy /infill requests at ``n_docs`` places of textwrap.py, with a ring buffer."""
-    source, ring = _source_lines(), _ring()
+    source = corpus.source_lines("textwrap.py")
+    ring = corpus.ring_chunks(
+        8, 6, names=("json/decoder.py",), stride=6, filename="/proj/mod{i}.py"
+    )
     bodies = []
     for doc in range(n_docs):
         cut = 40 + 23 * doc
@@ -142,7 +130,7 @@ def run_load(
             alone_ms.append((time.perf_counter() - t0) * 1e3)
             r.raise_for_status()
             alone.append(r.json()["tokens"])
-        report.latency_ms_alone_p50 = statistics.median(alone_ms)
+        report.latency_ms_alone_p50 = percentile(alone_ms, 50) or 0.0
 
         lock = threading.Lock()
         latencies: list[float] = []
@@ -241,9 +229,8 @@ def run_load(
     report.errors = counts["errors"]
     report.mismatches = counts["mismatches"]
     if latencies:
-        ordered = sorted(latencies)
-        report.latency_ms_p50 = statistics.median(ordered)
-        report.latency_ms_p95 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.95))]
+        report.latency_ms_p50 = percentile(latencies, 50) or 0.0
+        report.latency_ms_p95 = percentile(latencies, 95) or 0.0
     return report
 
 

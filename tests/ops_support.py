@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -185,3 +185,13 @@ def infill_body(doc: int, *, n_predict: int = 8, **over: Any) -> dict[str, Any]:
     }
     body.update(over)
     return body
+
+
+def wait_until(cond: Callable[[], object], timeout: float = 60.0) -> None:
+    """Poll ``cond`` until it holds (what a test waits for happens on another thread)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.005)
+

@@ -1,14 +1,10 @@
-"""Verified, resumable, offline-first model downloads through huggingface_hub.
+"""Resumable, verified downloads through huggingface_hub, offline first.
 
 Where files land: ``<models_dir>/<owner>/<repo>/<revision or "main">/<filename>``
 (``localspec.paths.models_dir()``, overridable). Not the HF cache: its symlinked blobs make
 copying a models directory to an air-gapped machine awkward, and huggingface_hub 2.x
 deletes a local-dir file before re-downloading it, which would lose the last good copy.
 
-- A file is used only after its size and sha256 match (the catalog's pinned sha256, else the
-  hub's LFS sha256). The verdict is recorded beside the file (``<file>.verified.json``, or in
-  ``<models_dir>/.verified/`` for a read-only directory) with the file's size and mtime, so
-  a later start trusts it without re-hashing and without any network request.
 - Downloads go to ``<file>.partial`` next to the destination (one filesystem, atomic
   rename), resumed with an HTTP Range request on the next run when the hub's ETag is
   unchanged; a bad download is discarded and the previous good file stays in place.
@@ -19,278 +15,36 @@ deletes a local-dir file before re-downloading it, which would lose the last goo
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
 import shutil
 import sys
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from localspec.catalog import Catalog, QuantEntry
-from localspec.catalog_refresh import Change, refresh_catalog
-
-__all__ = [
-    "Change",
-    "FetchError",
-    "FileSpec",
-    "OfflineError",
-    "QuantStatus",
-    "VerifyError",
-    "apply_network_settings",
-    "find_local",
-    "model_status",
-    "pull",
-    "pull_plan",
-    "refresh_catalog",  # lives in catalog_refresh; re-exported for the CLI
-    "resolve_local",
-    "specs_for",
-]
-
-DEFAULT_REVISION = "main"
-_RECORD_SUFFIX = ".verified.json"
-_PARTIAL_SUFFIX = ".partial"
-_HASH_BLOCK = 8 << 20
-_DISK_FULL = {errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC)}
-
-
-class FetchError(RuntimeError):
-    """A model file could not be obtained; the message says what to do next."""
-
-
-class OfflineError(FetchError):
-    """The network is off and a needed file is not on disk."""
-
-
-class VerifyError(FetchError):
-    """A file's size or sha256 is not what the catalog or the hub says it must be."""
-
-
-@dataclass(frozen=True)
-class FileSpec:
-    """One file to obtain: from a hub repo, or an existing local path."""
-
-    filename: str
-    repo: str | None = None
-    revision: str | None = None
-    size: int | None = None
-    sha256: str | None = None
-    path: str | None = None
-
-    @classmethod
-    def parse(cls, ref: str) -> FileSpec:
-        """``owner/repo[@revision]/path/file.gguf`` (``hf://`` optional), for `localspec pull`."""
-        text = ref.removeprefix("hf://").strip("/")
-        parts = text.split("/")
-        if len(parts) < 3 or not all(parts) or not parts[-1].endswith(".gguf"):
-            raise ValueError(
-                f"{ref!r} is not owner/repo[@revision]/file.gguf "
-                "(e.g. ggml-org/Qwen2.5-Coder-0.5B-Q8_0-GGUF/qwen2.5-coder-0.5b-q8_0.gguf)"
-            )
-        name, _, revision = parts[1].partition("@")
-        return cls(
-            filename="/".join(parts[2:]), repo=f"{parts[0]}/{name}", revision=revision or None
-        )
-
-    @property
-    def label(self) -> str:
-        if self.repo is None:
-            return self.path or self.filename
-        return f"{self.repo}/{self.filename}"
-
-
-def specs_for(quant: QuantEntry) -> list[FileSpec]:
-    """The files of one catalog quant (every shard of a split GGUF)."""
-    return [
-        FileSpec(
-            filename=f.filename,
-            repo=quant.repo,
-            revision=quant.revision,
-            size=f.size,
-            sha256=f.sha256,
-            path=f.path,
-        )
-        for f in quant.files
-    ]
-
-
-def _as_specs(files: Iterable[QuantEntry | FileSpec]) -> list[FileSpec]:
-    out: list[FileSpec] = []
-    for item in files:
-        out.extend(specs_for(item) if isinstance(item, QuantEntry) else [item])
-    return out
-
-
-def layout_path(spec: FileSpec, root: Path) -> Path:
-    """Where ``spec`` lives under a models directory: owner/repo/revision/filename."""
-    if spec.repo is None:
-        raise ValueError(f"{spec.label} is a local file, not a hub file")
-    relative = Path(spec.filename)
-    if relative.is_absolute() or ".." in relative.parts:
-        raise FetchError(f"unsafe file name {spec.filename!r} in repo {spec.repo}")
-    return root.joinpath(*spec.repo.split("/"), spec.revision or DEFAULT_REVISION, relative)
-
-
-# -- verification records -------------------------------------------------------------------
-
-
-def _record_paths(path: Path, models_dir: Path) -> list[Path]:
-    """Sidecar first; the user store serves files in directories we cannot write."""
-    key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:32]
-    return [path.with_name(path.name + _RECORD_SUFFIX), models_dir / ".verified" / f"{key}.json"]
-
-
-def _read_record(path: Path, models_dir: Path) -> dict[str, Any] | None:
-    try:
-        stat = path.stat()
-    except OSError:
-        return None
-    for candidate in _record_paths(path, models_dir):
-        try:
-            record = json.loads(candidate.read_text())
-        except (OSError, ValueError):
-            continue
-        if record.get("size") == stat.st_size and record.get("mtime_ns") == stat.st_mtime_ns:
-            return record
-    return None
-
-
-def _write_record(path: Path, models_dir: Path, sha256: str, **extra: Any) -> None:
-    stat = path.stat()
-    record = {
-        "sha256": sha256,
-        "size": stat.st_size,
-        "mtime_ns": stat.st_mtime_ns,
-        "verified_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        **extra,
-    }
-    for candidate in _record_paths(path, models_dir):
-        try:
-            candidate.parent.mkdir(parents=True, exist_ok=True)
-            tmp = candidate.with_name(candidate.name + ".tmp")
-            tmp.write_text(json.dumps(record, indent=1))
-            os.replace(tmp, candidate)
-            return
-        except OSError:
-            continue
-
-
-def sha256_file(path: Path, *, progress: bool = False, label: str = "") -> str:
-    """Stream a file through sha256 (with a bar for big files: 8 GB takes a while)."""
-    digest = hashlib.sha256()
-    bar = _bar(f"verify {label or path.name}", path.stat().st_size, progress)
-    with path.open("rb") as f:
-        while block := f.read(_HASH_BLOCK):
-            digest.update(block)
-            bar.update(len(block))
-    bar.close()
-    return digest.hexdigest()
-
-
-def _bar(desc: str, total: int, enabled: bool) -> Any:
-    from huggingface_hub.utils import tqdm
-
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=not enabled)
-
-
-# -- finding files on disk ------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LocalFile:
-    path: Path
-    verified: bool  # a record (or a fresh hash) matches the expected sha256
-    sha256: str | None
-
-
-def _candidates(
-    spec: FileSpec, models_dir: Path, readonly_dirs: Sequence[Path]
-) -> list[tuple[Path, bool]]:
-    """(path, needs_proof) in search order. A copy pulled before the catalog pinned a
-    revision sits under ``main/``: it counts only if its record proves it is that file."""
-    if spec.repo is None:
-        return [(Path(spec.path or spec.filename).expanduser(), False)]
-    unpinned = FileSpec(spec.filename, spec.repo) if spec.revision else None
-    out: list[tuple[Path, bool]] = []
-    for root in [*map(Path, readonly_dirs), Path(models_dir)]:
-        out.append((layout_path(spec, root), False))
-        if unpinned is not None:
-            out.append((layout_path(unpinned, root), True))
-        if root != Path(models_dir):
-            out.append((root / Path(spec.filename).name, False))  # IT may drop files flat
-    return out
-
-
-def find_local(
-    spec: FileSpec, *, models_dir: Path, readonly_dirs: Sequence[Path] = ()
-) -> LocalFile | None:
-    """The first copy on disk (read-only dirs first) with its recorded verdict; no hashing."""
-    for candidate, needs_proof in _candidates(spec, models_dir, readonly_dirs):
-        if not candidate.is_file():
-            continue
-        if spec.size is not None and candidate.stat().st_size != spec.size:
-            continue  # another version of the file (or a different file of that name)
-        record = _read_record(candidate, models_dir)
-        sha = record.get("sha256") if record else None
-        if needs_proof and not (
-            record
-            and (sha == spec.sha256 if spec.sha256 else record.get("commit") == spec.revision)
-        ):
-            continue
-        verified = sha is not None and (spec.sha256 is None or sha == spec.sha256)
-        return LocalFile(candidate, verified, sha)
-    return None
-
-
-def resolve_local(
-    spec: FileSpec | QuantEntry,
-    *,
-    models_dir: Path | None = None,
-    readonly_dirs: Sequence[Path] = (),
-    progress: bool = False,
-) -> Path | None:
-    """A verified local copy of a file (the first file of a quant), or None. Never networks.
-
-    An unrecorded copy with a pinned sha256 is hashed once and recorded; without a pinned
-    sha256 it counts only once a pull has checked it against the hub.
-    """
-    specs = _as_specs([spec])
-    models_dir = _models_dir(models_dir)
-    paths = []
-    for one in specs:
-        found = find_local(one, models_dir=models_dir, readonly_dirs=readonly_dirs)
-        if found is None:
-            return None
-        if not found.verified and (
-            one.sha256 is None or not _verify_existing(found.path, one, models_dir, progress)
-        ):
-            return None
-        paths.append(found.path)
-    return paths[0]
-
-
-def _verify_existing(path: Path, spec: FileSpec, models_dir: Path, progress: bool) -> bool:
-    actual = sha256_file(path, progress=progress)
-    if actual != spec.sha256:
-        return False
-    _write_record(path, models_dir, actual, repo=spec.repo, filename=spec.filename)
-    return True
-
-
-def _models_dir(models_dir: Path | None) -> Path:
-    if models_dir is not None:
-        return Path(models_dir)
-    from localspec.paths import models_dir as default_models_dir
-
-    return default_models_dir()
-
-
-# -- pulling --------------------------------------------------------------------------------
+from localspec.catalog import QuantEntry
+from localspec.fetch.errors import FetchError, OfflineError, VerifyError
+from localspec.fetch.files import (
+    _DISK_FULL,
+    _HASH_BLOCK,
+    _PARTIAL_SUFFIX,
+    DEFAULT_REVISION,
+    FileSpec,
+    LocalFile,
+    _as_specs,
+    _models_dir,
+    _read_record,
+    _verify_existing,
+    _write_record,
+    find_local,
+    layout_path,
+    sha256_file,
+)
+from localspec.units import human_bytes
 
 
 def offline_requested(offline: bool = False) -> bool:
@@ -353,7 +107,7 @@ def pull(
         client = _Hub(endpoint=endpoint, token=token)
         total = sum(spec.size or 0 for _, spec, _ in todo)
         have = len(specs) - len(todo)
-        size_note = f", {_human(total)}" if total else ""
+        size_note = f", {human_bytes(total)}" if total else ""
         say(f"localspec: {have} of {len(specs)} files present; fetching {len(todo)}{size_note}")
         started = time.monotonic()
         fetched = 0
@@ -372,8 +126,8 @@ def pull(
             fetched += nbytes
         elapsed = max(time.monotonic() - started, 1e-6)
         say(
-            f"localspec: fetched {_human(fetched)} in {elapsed:.1f} s "
-            f"({_human(fetched / elapsed)}/s); all {len(specs)} files verified"
+            f"localspec: fetched {human_bytes(fetched)} in {elapsed:.1f} s "
+            f"({human_bytes(fetched / elapsed)}/s); all {len(specs)} files verified"
         )
     return [results[i] for i in range(len(specs))]
 
@@ -414,13 +168,6 @@ def _offline_message(
         "network with a reachable mirror in hub.endpoint / HF_ENDPOINT."
     )
 
-
-def _human(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n} B"  # pragma: no cover
 
 
 class _Hub:
@@ -536,7 +283,8 @@ def _fetch_one(
         hub_sha = meta.etag  # X-Linked-Etag of an LFS file is its sha256
     expected_sha = spec.sha256 or hub_sha
     expected_size = spec.size or hub_size or meta.size
-    say(f"{prefix}{spec.label} ({_human(expected_size) if expected_size else 'size unknown'})")
+    size = human_bytes(expected_size) if expected_size else "size unknown"
+    say(f"{prefix}{spec.label} ({size})")
     if spec.sha256 and hub_sha and spec.sha256 != hub_sha:
         raise VerifyError(
             f"{spec.label}: the hub's file (commit {meta.commit_hash[:12]}) has sha256 {hub_sha}, "
@@ -624,14 +372,15 @@ def _download_verified(
     partial_meta = final.with_name(final.name + _PARTIAL_SUFFIX + ".json")
     resume = _resumable(partial, partial_meta, meta.etag, expected_size)
     if resume:
-        say(f"  resuming at {_human(resume)} of {_human(expected_size or 0)}")
+        say(f"  resuming at {human_bytes(resume)} of {human_bytes(expected_size or 0)}")
     partial_meta.write_text(json.dumps({"etag": meta.etag, "commit": meta.commit_hash}))
     if expected_size:
         free = shutil.disk_usage(final.parent).free
         if free < expected_size - resume:
             raise FetchError(
-                f"not enough disk space for {spec.label}: needs {_human(expected_size - resume)}, "
-                f"{_human(free)} free in {final.parent}"
+                f"not enough disk space for {spec.label}: "
+                f"needs {human_bytes(expected_size - resume)}, "
+                f"{human_bytes(free)} free in {final.parent}"
             )
     got, actual_sha = _download(spec, meta, partial, resume, expected_size, hub, progress)
     actual_size = partial.stat().st_size
@@ -711,7 +460,7 @@ def _download(
     except FetchError as exc:
         have = partial.stat().st_size if partial.exists() else 0
         raise FetchError(
-            f"{exc}\nThe download stopped at {_human(have)}; run the same command again "
+            f"{exc}\nThe download stopped at {human_bytes(have)}; run the same command again "
             "to resume it."
         ) from exc.__cause__
     except OSError as exc:
@@ -786,110 +535,3 @@ def _silent_tqdm() -> Any:
             super().__init__(*args, **kwargs)
 
     return Silent
-
-
-# -- glue for `localspec up` -----------------------------------------------------------------
-
-
-def apply_network_settings(*, proxy: str | None = None, ca_bundle: Path | None = None) -> None:
-    """Route huggingface_hub through a proxy / trust a CA bundle (profile keys).
-
-    Its HTTP client reads HTTPS_PROXY and SSL_CERT_FILE when created, so set them and drop
-    the client it may already hold.
-    """
-    if proxy:
-        os.environ["HTTPS_PROXY"] = os.environ["HTTP_PROXY"] = proxy
-    if ca_bundle:
-        os.environ["SSL_CERT_FILE"] = str(Path(ca_bundle).expanduser())
-    if proxy or ca_bundle:
-        from huggingface_hub import close_session
-
-        close_session()
-
-
-def pull_plan(
-    plan: Any,
-    *,
-    settings: Any,
-    catalog: Catalog | None = None,
-    progress: bool = True,
-) -> tuple[Path, Path | None]:
-    """The plan's target and draft files, present and verified (downloading what is missing).
-
-    ``plan.target``/``plan.draft`` are (model id, quant); ``settings`` is localspec's
-    Settings (hub.* and models.dirs are read).
-    """
-    from localspec.catalog import load_catalog
-
-    catalog = catalog if catalog is not None else load_catalog()
-    hub, models = settings.hub, settings.models
-    apply_network_settings(proxy=hub.proxy, ca_bundle=hub.ca_bundle)
-    token = None
-    if hub.token_file is not None:
-        token = Path(hub.token_file).expanduser().read_text(encoding="utf-8").strip() or None
-    quants = [catalog.model(plan.target[0]).quants[plan.target[1]]]
-    if plan.draft is not None:
-        quants.append(catalog.model(plan.draft[0]).quants[plan.draft[1]])
-    paths = pull(
-        quants,
-        readonly_dirs=[Path(d).expanduser() for d in models.dirs],
-        offline=hub.offline,
-        endpoint=hub.endpoint,
-        token=token,
-        progress=progress,
-    )
-    # pull returns every shard; llama.cpp is given the first file of each quant
-    target = paths[0]
-    draft = paths[len(quants[0].files)] if plan.draft is not None else None
-    return target, draft
-
-
-# -- what is on disk, for `localspec models` ------------------------------------------------
-
-
-@dataclass(frozen=True)
-class QuantStatus:
-    model_id: str
-    quant: str
-    repo: str | None
-    n_files: int
-    size_bytes: int | None
-    size_exact: bool  # every file's size is pinned in the catalog
-    present: bool  # every file is on disk
-    verified: bool  # every file has a matching verification record
-    path: Path | None  # the file llama.cpp loads, when present
-
-
-def model_status(
-    catalog: Catalog, *, models_dir: Path | None = None, readonly_dirs: Sequence[Path] = ()
-) -> list[QuantStatus]:
-    """Every catalog quant with its size and presence; reads records only (no hash, no net)."""
-    models_dir = _models_dir(models_dir)
-    rows = []
-    for model in catalog.models.values():
-        for quant_name in model.quant_ladder():
-            quant = model.quants[quant_name]
-            found = []
-            for spec in specs_for(quant):
-                if spec.repo is None:
-                    local = Path(spec.path or spec.filename).expanduser()
-                    found.append(LocalFile(local, False, None) if local.is_file() else None)
-                else:
-                    found.append(
-                        find_local(spec, models_dir=models_dir, readonly_dirs=readonly_dirs)
-                    )
-            present = all(f is not None for f in found)
-            rows.append(
-                QuantStatus(
-                    model_id=model.id,
-                    quant=quant_name,
-                    repo=quant.repo,
-                    n_files=len(quant.files),
-                    size_bytes=quant.total_size,
-                    size_exact=all(f.size is not None for f in quant.files),
-                    present=present,
-                    verified=present and all(f is not None and f.verified for f in found),
-                    path=found[0].path if present and found[0] is not None else None,
-                )
-            )
-    return rows

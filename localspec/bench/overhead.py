@@ -12,7 +12,7 @@ configuration, p50/p95 of
 Configurations run in one process, interleaved request by request, so machine noise hits
 both alike: the full llama-server answer (llama-vscode) and ``response_fields`` (llama.vim).
 
-    python -m localspec.server.overhead --model MODEL.gguf [--requests 100] [--json out.json]
+    localspec bench overhead --model MODEL.gguf [--requests 100] [--json out.json]
 """
 
 from __future__ import annotations
@@ -20,9 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import socket
-import statistics
 import sys
-import sysconfig
 import threading
 import time
 from pathlib import Path
@@ -30,6 +28,8 @@ from typing import Any
 
 import uvicorn
 
+from localspec.bench import corpus
+from localspec.bench.stats import percentile
 from localspec.engine.types import EngineSettings, ModelSettings, SpecSettings
 from localspec.server.app import create_app
 from localspec.server.run import bind_sockets, uvicorn_config
@@ -43,28 +43,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-def stdlib_file(name: str) -> Path:
-    return Path(sysconfig.get_paths()["stdlib"]) / name
-
-
-def ring_chunks(n: int = 16, lines: int = 32) -> list[dict[str, Any]]:
-    """Chunks of other files, as llama-vscode's ring buffer holds them."""
-    chunks = []
-    for name in ("json/decoder.py", "argparse.py", "textwrap.py", "shlex.py"):
-        text = stdlib_file(name).read_text().splitlines(keepends=True)
-        for start in range(0, len(text) - lines, lines * 5):
-            chunks.append({"text": "".join(text[start : start + lines]), "filename": name,
-                           "time": 1724000000})  # fmt: skip
-            if len(chunks) == n:
-                return chunks
-    return chunks
-
-
 def editor_requests(source: Path, n: int, n_predict: int) -> list[dict[str, Any]]:
     """Someone retyping the file from line 300 on: one request per keystroke (after the
     line's indentation), the prefix/suffix windows moving at each new line."""
     lines = source.read_text().splitlines(keepends=True)
-    extra = ring_chunks()
+    extra = corpus.ring_chunks()
     out: list[dict[str, Any]] = []
     row = 300
     while len(out) < n and row < len(lines) - 1:
@@ -140,11 +123,6 @@ def server_timing(header: str) -> dict[str, float]:
     return {name: float(value) for name, value in parts}
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     model = ModelSettings(path=args.model, n_ctx=args.ctx, n_batch=1024, n_ubatch=1024,
                           n_threads=args.threads, n_threads_batch=args.threads)  # fmt: skip
@@ -218,8 +196,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     summary = {
         name: {
             "n": len(s["wall"]),
-            **{f"{k}_p50_ms": statistics.median(v) for k, v in s.items() if v},
-            **{f"{k}_p95_ms": pct(v, 0.95) for k, v in s.items() if v},
+            **{f"{k}_p50_ms": percentile(v, 50) for k, v in s.items() if v},
+            **{f"{k}_p95_ms": percentile(v, 95) for k, v in s.items() if v},
         }
         for name, s in samples.items()
     }
@@ -231,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="target GGUF with FIM tokens")
     parser.add_argument("--draft", help="draft GGUF (optional)")
-    parser.add_argument("--source", default=str(stdlib_file("argparse.py")))
+    parser.add_argument("--source", default=str(corpus.stdlib_path("argparse.py")))
     parser.add_argument("--requests", type=int, default=100)
     parser.add_argument("--n-predict", type=int, default=4)
     parser.add_argument("--ctx", type=int, default=8192)

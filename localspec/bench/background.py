@@ -1,0 +1,44 @@
+"""Busy background processes for a benchmark: a developer's machine is rarely idle.
+
+``busy_loops(n)`` starts ``n`` CPU-bound processes (``while True: pass``, one core each, as a
+build or a test run would take) for the duration of a ``with`` block and stops them after,
+also when the benchmark fails or is interrupted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+
+@contextlib.contextmanager
+def busy_loops(n: int, *, settle_s: float = 0.5) -> Iterator[list[int]]:
+    """Run ``n`` busy loops while the block runs (their pids are yielded); ``settle_s``
+    lets the scheduler spread them before the first measurement."""
+    procs = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL)
+        for _ in range(max(0, n))
+    ]
+    try:
+        if procs:
+            time.sleep(settle_s)
+        yield [p.pid for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait(timeout=10)
+
+
+def levels(text: str) -> list[int]:
+    """``--background 0,1,2`` → [0, 1, 2] (each a count of busy loops, run in turn)."""
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"--background takes counts like 0,1,2, not {text!r}") from None
+    if not values or any(v < 0 for v in values):
+        raise ValueError(f"--background takes counts like 0,1,2, not {text!r}")
+    return values

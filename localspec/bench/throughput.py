@@ -1,0 +1,382 @@
+"""``localspec bench throughput``: clients at once against localspec and llama-server.
+
+N clients each send R greedy ``/completion`` requests at the same time (distinct standard
+library prompts of about C characters, ``--n-predict`` tokens each, any slot). For every
+server, background load (``--background``: busy processes beside the servers) and client
+count, the report gives the aggregate generated tokens per second, the requests' latency
+p50/p95, each request's prompt and decode speed from the server's own timings, and how many
+answers equal the same prompt's answer alone (decoded in a batch with others, a greedy answer
+may differ only where the batch's rounding flips a near tie). The servers start one at a time
+with as many slots as the largest client count (llama-server ``-np N -kvu``, localspec
+``--slots N``), every cell is measured for each server in turn (the order alternating), and
+each figure is put beside llama-server's from the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from localspec.bench import anchor
+from localspec.bench.background import busy_loops, levels
+from localspec.bench.corpus import code_prompts
+from localspec.bench.replay import machine
+from localspec.bench.stats import fmt, mean, percentile, ratio
+
+EPILOG = """\
+examples:
+  # one client, idle and beside one and two busy processes, against llama-server
+  localspec bench throughput --target t.gguf --clients 1 --background 0,1,2 \\
+      --vs-llama-server plain --json busy.json
+  # four and eight editors at once (localspec --slots 8, llama-server -np 8 -kvu)
+  localspec bench throughput --target t.gguf --draft d.gguf --clients 4,8 --vs-llama-server plain
+
+llama-server comes from $LLAMA_SERVER_BIN (build it with scripts/build-llama-server.sh).
+"""
+
+
+@dataclass
+class Request:
+    """One request's outcome, as the server reported it."""
+
+    latency_s: float
+    ok: bool
+    prompt_index: int = -1
+    content: str = ""
+    same_as_alone: bool | None = None  # None: no answer alone to compare with
+    predicted_n: int = 0
+    prompt_n: int = 0
+    prompt_per_second: float | None = None
+    predicted_per_second: float | None = None
+    error: str = ""
+
+
+@dataclass
+class Cell:
+    """One server at one background load and client count."""
+
+    server: str
+    background: int
+    clients: int
+    wall_s: float = 0.0
+    requests: list[Request] = field(default_factory=list)
+
+    @property
+    def ok(self) -> list[Request]:
+        return [r for r in self.requests if r.ok]
+
+    @property
+    def errors(self) -> int:
+        return len(self.requests) - len(self.ok)
+
+    @property
+    def aggregate_tps(self) -> float | None:
+        return ratio(sum(r.predicted_n for r in self.ok), self.wall_s)
+
+    def latency(self, q: float) -> float | None:
+        return percentile([r.latency_s for r in self.ok], q)
+
+    @property
+    def decode_tps(self) -> float | None:
+        return mean([r.predicted_per_second for r in self.ok if r.predicted_per_second])
+
+    @property
+    def prompt_tps(self) -> float | None:
+        return mean([r.prompt_per_second for r in self.ok if r.prompt_per_second])
+
+    @property
+    def same_as_alone(self) -> float | None:
+        checked = [r.same_as_alone for r in self.ok if r.same_as_alone is not None]
+        return sum(checked) / len(checked) if checked else None
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "server": self.server,
+            "background": self.background,
+            "clients": self.clients,
+            "requests": len(self.requests),
+            "errors": self.errors,
+            "wall_s": self.wall_s,
+            "aggregate_tokens_per_s": self.aggregate_tps,
+            "latency_p50_s": self.latency(50),
+            "latency_p95_s": self.latency(95),
+            "decode_tokens_per_s": self.decode_tps,
+            "prompt_tokens_per_s": self.prompt_tps,
+            "same_as_alone": self.same_as_alone,
+        }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="localspec bench throughput",
+        description=__doc__.split("\n\n")[1] if __doc__ else None,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--target", type=Path, required=True, metavar="GGUF", help="target model")
+    p.add_argument("--draft", type=Path, metavar="GGUF", help="draft model (both servers)")
+    p.add_argument("--clients", default="1", help="client counts to measure, e.g. 1,4,8")
+    p.add_argument("--requests", type=int, default=2, help="requests per client (default 2)")
+    p.add_argument("--n-predict", type=int, default=64, help="tokens per request (default 64)")
+    p.add_argument(
+        "--prompt-chars", type=int, default=1500, help="characters per prompt (default 1500)"
+    )
+    p.add_argument(
+        "--background", default="0", help="busy processes beside the servers, e.g. 0,1,2"
+    )
+    p.add_argument("--threads", type=int, default=2, help="threads of both servers (default 2)")
+    p.add_argument("--ctx", type=int, default=4096, help="context per slot (default 4096)")
+    p.add_argument(
+        "--vs-llama-server", default="plain", help="llama-server modes, e.g. plain,draft ('': none)"
+    )
+    p.add_argument("--spec-mode", help="localspec's speculative mode (default: its settings)")
+    p.add_argument("--no-localspec", action="store_true", help="only the llama-server modes")
+    p.add_argument("--llama-server-bin", metavar="PATH", help="instead of $LLAMA_SERVER_BIN")
+    p.add_argument("--repeats", type=int, default=1, help="rounds over every cell (default 1)")
+    p.add_argument(
+        "--no-alone", action="store_true", help="skip the answers alone (no agreement column)"
+    )
+    p.add_argument("--timeout", type=float, default=900.0, help="per request, s (default 900)")
+    p.add_argument("--load-timeout", type=float, default=600.0, help="model load, s")
+    p.add_argument("--log-dir", type=Path, help="where started servers log (default: a tmpdir)")
+    p.add_argument("--json", type=Path, metavar="FILE", help="write results as JSON")
+    return p
+
+
+def prompts(n: int, chars: int) -> list[str]:
+    """``n`` distinct standard-library snippets of about ``chars`` characters."""
+    lines = max(4, chars // 30)
+    return [text[:chars] for text in code_prompts(n, lines=lines)]
+
+
+def _post(url: str, body: dict[str, Any], timeout: float) -> Request:
+    t0 = time.perf_counter()
+    try:
+        r = httpx.post(url + "/completion", json=body, timeout=timeout)
+        latency = time.perf_counter() - t0
+        if r.status_code != 200:
+            return Request(latency, False, error=f"{r.status_code}: {r.text[:200]}")
+        answer = r.json()
+        if isinstance(answer, list):
+            answer = answer[0]
+        t = answer.get("timings") or {}
+        return Request(
+            latency,
+            True,
+            content=str(answer.get("content", "")),
+            predicted_n=int(t.get("predicted_n") or 0),
+            prompt_n=int(t.get("prompt_n") or 0),
+            prompt_per_second=t.get("prompt_per_second"),
+            predicted_per_second=t.get("predicted_per_second"),
+        )
+    except (httpx.HTTPError, ValueError) as exc:
+        return Request(time.perf_counter() - t0, False, error=f"{type(exc).__name__}: {exc}")
+
+
+def _body(text: str, n_predict: int) -> dict[str, Any]:
+    # every prompt evaluated in full (no cache reuse between cells): prompt speed is comparable
+    return {"prompt": text, "n_predict": n_predict, "top_k": 1, "samplers": ["top_k"],
+            "cache_prompt": False, "id_slot": -1}  # fmt: skip
+
+
+def alone(url: str, texts: Sequence[str], args: Any) -> list[str]:
+    """Each prompt's answer with nothing else running: the reference for agreement."""
+    out = []
+    for text in texts:
+        r = _post(url, _body(text, args.n_predict), args.timeout)
+        out.append(r.content if r.ok else "")
+    return out
+
+
+def measure(
+    url: str,
+    name: str,
+    texts: Sequence[str],
+    *,
+    background: int,
+    clients: int,
+    args: Any,
+    reference: Sequence[str] = (),
+) -> Cell:
+    """``clients`` threads at once, each sending its ``args.requests`` prompts in turn."""
+    cell = Cell(name, background, clients)
+    lock = threading.Lock()
+
+    def client(index: int) -> None:
+        for k in range(args.requests):
+            i = (index * args.requests + k) % len(texts)
+            outcome = _post(url, _body(texts[i], args.n_predict), args.timeout)
+            outcome.prompt_index = i
+            if outcome.ok and i < len(reference):
+                outcome.same_as_alone = outcome.content == reference[i]
+            with lock:
+                cell.requests.append(outcome)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    cell.wall_s = time.perf_counter() - t0
+    return cell
+
+
+def table(cells: Sequence[Cell]) -> str:
+    head = (
+        f"{'server':<24} {'bg':>3} {'clients':>7} {'agg tok/s':>10} {'p50 s':>7} "
+        f"{'p95 s':>7} {'decode tok/s':>12} {'prompt tok/s':>12} {'=alone':>6} {'errors':>6}  "
+        "vs llama-server"
+    )
+    lines = [head, "-" * len(head)]
+    for c in cells:
+        anchor_cell = _anchor_for(c, cells)
+        vs = ""
+        if anchor_cell is not None and anchor_cell is not c:
+            vs = (
+                f"agg {fmt(ratio(c.aggregate_tps, anchor_cell.aggregate_tps), '.2f')}x "
+                f"p50 {fmt(ratio(c.latency(50), anchor_cell.latency(50)), '.2f')}x "
+                f"p95 {fmt(ratio(c.latency(95), anchor_cell.latency(95)), '.2f')}x "
+                f"decode {fmt(ratio(c.decode_tps, anchor_cell.decode_tps), '.2f')}x "
+                f"prompt {fmt(ratio(c.prompt_tps, anchor_cell.prompt_tps), '.2f')}x"
+            )
+        lines.append(
+            f"{c.server:<24} {c.background:>3} {c.clients:>7} {fmt(c.aggregate_tps, '.1f'):>10} "
+            f"{fmt(c.latency(50), '.2f'):>7} {fmt(c.latency(95), '.2f'):>7} "
+            f"{fmt(c.decode_tps, '.1f'):>12} {fmt(c.prompt_tps, '.0f'):>12} "
+            f"{fmt(None if c.same_as_alone is None else 100 * c.same_as_alone, '.0f'):>5}% "
+            f"{c.errors:>6}  {vs}"
+        )
+    return "\n".join(lines)
+
+
+def _anchor_for(cell: Cell, cells: Sequence[Cell]) -> Cell | None:
+    """The first llama-server cell at the same load and client count."""
+    return next(
+        (
+            c
+            for c in cells
+            if c.server.startswith("llama-server")
+            and (c.background, c.clients) == (cell.background, cell.clients)
+        ),
+        None,
+    )
+
+
+def merge(cells: Sequence[Cell]) -> list[Cell]:
+    """Repeated rounds of the same cell, as one (their requests together, walls summed)."""
+    out: dict[tuple[str, int, int], Cell] = {}
+    for c in cells:
+        key = (c.server, c.background, c.clients)
+        if key not in out:
+            out[key] = Cell(*key)
+        out[key].requests += c.requests
+        out[key].wall_s += c.wall_s
+    return list(out.values())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        client_counts = levels(args.clients)
+        loads = levels(args.background)
+        if 0 in client_counts or args.requests < 1:
+            raise ValueError("--clients and --requests must be at least 1")
+        for path in (args.target, args.draft):
+            if path is not None and not path.is_file():
+                raise ValueError(f"model file not found: {path}")
+        serve = anchor.ServeSettings(
+            target=args.target.resolve(),
+            draft=args.draft.resolve() if args.draft else None,
+            ctx=args.ctx,
+            threads=args.threads,
+            slots=max(client_counts),
+            kv_unified=True,
+            n_predict=args.n_predict,
+        )
+        specs = [] if args.no_localspec else [anchor.localspec_spec(serve, args.spec_mode)]
+        modes = [m.strip() for m in args.vs_llama_server.split(",") if m.strip()]
+        if modes:
+            binary = anchor.find_llama_server(args.llama_server_bin)
+            specs += [anchor.llama_server_spec(binary, serve, m) for m in modes]
+        if not specs:
+            raise ValueError("nothing to measure: drop --no-localspec or add --vs-llama-server")
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    texts = prompts(max(client_counts) * args.requests, args.prompt_chars)
+    log_dir = args.log_dir or Path("/tmp/localspec-bench-logs")
+
+    def progress(msg: str) -> None:
+        print(f"  {msg}", file=sys.stderr, flush=True)
+
+    cells: list[Cell] = []
+    started: list[anchor.ManagedServer] = []
+    try:
+        started = anchor.start_all(specs, log_dir, args.load_timeout, progress)
+        reference: dict[str, list[str]] = {}
+        if not args.no_alone:
+            for server in started:
+                progress(f"{server.spec.name}: each prompt alone, for the agreement column")
+                reference[server.spec.name] = alone(server.spec.url, texts, args)
+        n_round = 0
+        for _ in range(args.repeats):
+            for load in loads:
+                with busy_loops(load):
+                    for clients in client_counts:
+                        order = started if n_round % 2 == 0 else started[::-1]
+                        n_round += 1
+                        for server in order:
+                            cell = measure(
+                                server.spec.url, server.spec.name, texts,
+                                background=load, clients=clients, args=args,
+                                reference=reference.get(server.spec.name, ()),
+                            )  # fmt: skip
+                            cells.append(cell)
+                            progress(
+                                f"{cell.server} bg {load} clients {clients}: "
+                                f"{fmt(cell.aggregate_tps, '.1f')} tok/s, "
+                                f"p50 {fmt(cell.latency(50), '.2f')} s, {cell.errors} errors"
+                            )
+    except (anchor.ServerError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    finally:
+        for server in started:
+            server.stop()
+    merged = merge(cells)
+    print()
+    print(table(merged))
+    if args.json:
+        doc = {
+            "benchmark": "throughput",
+            "machine": machine(),
+            "settings": {k: str(v) for k, v in vars(args).items()},
+            "servers": [{"name": s.spec.name, "argv": s.spec.argv} for s in started],
+            "cells": [c.summary() for c in merged],
+            "requests": [
+                {"server": c.server, "background": c.background, "clients": c.clients, **asdict(r)}
+                for c in cells
+                for r in c.requests
+            ],
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=1))
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0 if all(c.errors == 0 for c in merged) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

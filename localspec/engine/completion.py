@@ -1,0 +1,630 @@
+"""One sequence being generated: its sampler, stop rules, drafts and the tokens it emitted.
+
+A request's completions each live in one sequence of the target context: the first in the
+slot's own sequence (its output stays cached for the next request), the others in extra
+sequences that share the prompt's KV. Per step a completion offers ``[last, *draft]`` for the
+scheduler's batch, then verifies the drafted tokens against its own sampler's draws at their
+rows of the batch: accepted while the draw equals the drafted token, the first disagreement
+emits the target's token, and rejected KV is removed. The sampler draws once per emitted
+token in the same order with or without speculation, so the output is the target's own.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from localspec.engine.cache import SeqState
+from localspec.engine.errors import DecodeError
+from localspec.engine.llama import Segment
+from localspec.engine.ngram import NgramIndex
+from localspec.engine.pipeline import DraftPipeline
+from localspec.engine.policy import SpecPolicy, ngram_source
+from localspec.engine.sampling import Sampler
+from localspec.engine.stops import StopRules
+from localspec.engine.types import (
+    Cancel,
+    DraftStats,
+    GenerationRequest,
+    GenerationResult,
+    IndexedTokenCallback,
+    TokenEvent,
+    TokenProbs,
+)
+
+if TYPE_CHECKING:
+    from localspec.engine.engine import Engine
+
+ADAPTIVE_P_MIN = 0.3
+CHEAP_DRAFT_PREFILL = 64  # draft prompt tokens a probe of the draft model may cost
+CHEAP_DRAFT_CATCHUP = 8  # emitted tokens the draft may be behind for a probe
+UNBOUNDED_HORIZON = 256  # tokens a completion without n_predict is expected to run
+LINE_TOKENS = 32  # tokens to the newline that ends a completion past t_max_predict_ms
+# a pipelined draft keeps drafting past a token it is at least this sure of: free when the
+# target then emits that token, about half a draft token late to catch up when it does not
+# (measured on the SmolLM2 pair: 0.1 beat 0.3 by 10-30% and 0.0)
+PIPELINE_P_CHAIN = 0.1
+
+
+def draft_window_start(n_prompt: int, window: int) -> int:
+    """Where the draft model's view of a prompt begins.
+
+    The start moves in steps of window/4, so while the prompt grows by a few tokens per
+    keystroke the draft's cached window keeps its first token and plain prefix reuse works.
+    """
+    if window <= 0 or n_prompt <= window:
+        return 0
+    grain = max(1, window // 4)
+    return -(-(n_prompt - window) // grain) * grain
+
+
+class Completion:
+    """One completion of one request, from its first token to its stop."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        req: GenerationRequest,
+        st: SeqState,
+        *,
+        index: int = 0,
+        cancel: Cancel | None = None,
+        on_token: IndexedTokenCallback | None = None,
+        may_draft_model: bool = True,
+    ) -> None:
+        self.e = engine
+        self.req = req
+        self.index = index
+        self.st = st  # the target sequence it decodes in
+        self.cancel = cancel
+        self.on_token = on_token
+        self.slot = req.slot
+        spec = engine.settings.spec
+        self.n_max = spec.n_max if req.spec_n_max is None else req.spec_n_max
+        self.n_min = spec.n_min if req.spec_n_min is None else req.spec_n_min
+        self.p_min = spec.p_min if req.spec_p_min is None else req.spec_p_min
+        self.mode = spec.mode if self.n_max > 0 else "off"
+        self.auto = self.mode == "auto" or spec.adaptive
+        if self.auto and req.spec_p_min is None:
+            # the cost model caps the length; p_min only has to stop hopeless drafts (a
+            # small draft model is often unsure of tokens the target then accepts)
+            self.p_min = min(self.p_min, ADAPTIVE_P_MIN)
+        self.sampler = Sampler(req.sampling, engine._tctx, engine.vocab.handle)
+        self.result = GenerationResult(tokens=[], text="", stop_type="none")
+        self.result.n_prompt = len(req.prompt)
+        self.out: list[int] = []
+        self.last = -1  # the newest emitted token, not decoded yet
+        self.stopped = False  # a stop rule ended it
+        self.done = False  # stopped or cancelled
+        self.stops: StopRules | None = None
+        self.ngram: NgramIndex | None = None
+        self.dbase: list[int] | None = None  # the draft's window of the prompt, once synced
+        self._dgood = 0  # draft KV entries known to match dbase + out
+        self._behind: int | None = None  # see _draft_behind
+        self.draft_ok = (
+            may_draft_model
+            and engine._dcache is not None
+            and self.mode in ("draft", "hybrid", "auto")
+        )
+        self.pipe: DraftPipeline | None = None
+        self._wait_ms = 0.0  # waiting for the draft thread (counts as llama.cpp time)
+        self.policy: SpecPolicy = self._policy(pipelined=False)
+        # this step's draft: source (stats), policy key, tokens
+        self.source, self.key, self.draft = "", "", []
+        self.model_k = 0  # draft-model tokens asked for, to be drafted in a shared batch
+        self._defer = False
+        self._n_before = 0
+        self.t_decode0 = 0.0
+
+    def _policy(self, *, pipelined: bool) -> SpecPolicy:
+        policy = self.e.policy_for(pipelined, self.e.settings.spec, self.p_min)
+        policy.n_max = max(self.n_max, 1)
+        return policy
+
+    @property
+    def dst(self) -> SeqState:
+        """The slot's sequence in the draft context."""
+        assert self.e._dcache is not None
+        return self.e._dcache.slots[self.slot]
+
+    def close(self) -> None:
+        self.sampler.close()
+        if self.pipe is not None:
+            self.pipe.stop()  # no wait: the next user of the draft cache joins it
+
+    # --- the draft thread --------------------------------------------------------------------
+    def start_pipeline(self) -> bool:
+        """Draft on the draft model's own thread (its window prefill runs beside the target's
+        prompt prefill). False when this prompt cannot be drafted for."""
+        e = self.e
+        assert e._dcache is not None and e._dctx is not None
+        base = self._draft_window()
+        if any(t >= e._dctx.n_vocab for t in base):  # a target-only (padding) id
+            self.draft_ok = False
+            return False
+        spec = e.settings.spec
+        self.dbase = base
+        self.policy = self._policy(pipelined=True)
+        self.pipe = DraftPipeline(
+            e._dcache,
+            self.dst,
+            base,
+            p_min=self.p_min,
+            p_chain=PIPELINE_P_CHAIN,
+            ahead=min(spec.pipeline_ahead, max(self.n_max, 1)),
+            n_ctx=e.draft_n_ctx,
+            n_target_vocab=e.vocab.n_vocab,
+            prefill=e.draft_prefill_policy(self.req.cache_prompt),
+            previous=e._draft_job,
+        )
+        e._draft_job = self.pipe
+        self.pipe.start()
+        return True
+
+    def unpipe(self) -> None:
+        """Continue drafting on this thread (another sequence joined the batch)."""
+        pipe = self.pipe
+        if pipe is None:
+            return
+        self._pipeline_stats()
+        self.e._settle_draft()
+        self.pipe = None
+        self.policy = self._policy(pipelined=False)
+        # the draft's cache holds verified tokens (some of its window, perhaps not all): the
+        # next draft re-plans its window, under the same rule as a new request's
+        self.dbase = None
+        self._behind = None
+        self._dgood = 0
+
+    # --- decoding ------------------------------------------------------------------------------
+    def begin(self, logits_index: int) -> None:
+        """The first token, drawn from the prompt's last logits (batch index of the last
+        decode); the completion then takes part in the steps until it stops."""
+        req, res = self.req, self.result
+        self.t_decode0 = time.perf_counter()
+        self.stops = StopRules(
+            stop=req.stop,
+            n_predict=req.n_predict,
+            n_indent=req.n_indent,
+            t_max_predict_ms=req.t_max_predict_ms,
+        )
+        if self.mode != "off":
+            self.ngram = NgramIndex(req.prompt, n_min=self.e.settings.spec.ngram_min)
+        ts = time.perf_counter()
+        last = self.sampler.sample(logits_index)
+        res.t_sample_ms += (time.perf_counter() - ts) * 1000.0
+        events: list[TokenEvent] = []
+        stop = self._emit(last, len(self.st.tokens), events, self._probs(logits_index, last))
+        if self.pipe is not None:
+            self.pipe.confirm([last])
+        self.last = last
+        self._deliver(events)
+        self.stopped = self.done = stop
+
+    def room(self) -> int:
+        """Draft tokens this step may carry."""
+        e, req = self.e, self.req
+        n_before = len(self.st.tokens)
+        room = e.n_ctx - n_before - 2  # keep one cell free after the batch (llama-server)
+        room = min(room, e.n_batch - 1)  # the verify batch is [last, *draft]
+        if self.index > 0:
+            room = min(room, e.aux_room - (n_before - len(req.prompt)) - 2)
+        if req.n_predict >= 0:
+            room = min(room, req.n_predict - len(self.out) - 1)
+        return room
+
+    def cancelled(self) -> bool:
+        if self.cancel is not None and self.cancel.is_set():
+            self.result.cancelled = True
+            self.done = True
+        return self.done
+
+    def segment(self) -> Segment:
+        """This step's tokens for the batch: ``[last, *draft]`` after the cached ones."""
+        batch = [self.last, *self.draft]
+        self._n_before = len(self.st.tokens)
+        return Segment(batch, self._n_before, self.st.seq, "all" if self.draft else "last")
+
+    def verify(self, base: int, step_ms: float) -> None:
+        """After the step's decode: draw at this sequence's rows (from batch index ``base``),
+        accept drafted tokens while the draw equals them, emit, drop rejected KV."""
+        e, res = self.e, self.result
+        draft, source, key = self.draft, self.source, self.key
+        n_before = self._n_before
+        e._tcache.appended(self.st, [self.last, *draft])
+        res.t_verify_ms += step_ms
+        ts = time.perf_counter()
+        accepted = 0
+        new_tokens: list[int] = []
+        new_probs: list[TokenProbs | None] = []
+        last_row = base + len(draft)
+        for j in range(len(draft) + 1):
+            idx = base + j if draft else last_row
+            tok = self.sampler.sample(idx)
+            new_tokens.append(tok)
+            new_probs.append(self._probs(idx, tok))
+            if j < len(draft) and tok == draft[j]:
+                accepted += 1
+                continue
+            break
+        res.t_sample_ms += (time.perf_counter() - ts) * 1000.0
+        if draft:
+            st = res.drafted.setdefault(source, DraftStats())
+            st.drafted += len(draft)
+            st.accepted += accepted
+            self.policy.observe_result(key, len(draft), accepted)
+            res.spec_steps.append((source, len(draft), accepted))
+        self.policy.tick()
+        events: list[TokenEvent] = []
+        n_emitted = 0
+        stop = False
+        for tok, probs in zip(new_tokens, new_probs, strict=True):
+            n_emitted += 1
+            stop = self._emit(tok, n_before + n_emitted, events, probs)
+            if stop:
+                break
+        if self.pipe is not None:
+            self.pipe.confirm(new_tokens[:n_emitted])
+        # KV keeps everything emitted except the newest token (it is not decoded yet)
+        e._tcache.truncate(self.st, n_before + n_emitted)
+        self._sync_draft_after_step()
+        self.last = self.out[-1]
+        self.draft = []
+        self._deliver(events)
+        self.stopped = self.done = stop
+
+    def finish(self) -> GenerationResult:
+        """The result, once the completion stopped (or was cancelled)."""
+        res, stops = self.result, self.stops
+        if stops is not None:
+            if res.cancelled or not self.stopped:
+                tail = stops.flush()
+                if tail and self.on_token is not None and self.out:
+                    self.on_token(self.index, TokenEvent(self.out[-1], tail))
+            res.text = stops.text
+            res.stop_type = stops.stop_type if not res.cancelled else "none"
+            res.stopping_word = stops.stopping_word
+            res.predicted_ms = (time.perf_counter() - self.t_decode0) * 1000.0
+        if self.pipe is not None:
+            self._pipeline_stats()
+        res.tokens = list(self.out)
+        res.threads = self.e._tctx.threads_now
+        return res
+
+    def _pipeline_stats(self) -> None:
+        """What the draft thread had done (it ran concurrently)."""
+        pipe, res = self.pipe, self.result
+        assert pipe is not None
+        res.pipelined = True
+        res.draft_prompt_ms = pipe.prefill_ms
+        pre = pipe.prefill_result
+        if pre is not None:
+            res.draft_n_cached = pre.n_cached
+            res.draft_n_evaluated = pre.n_evaluated
+            res.draft_n_shifted = pre.n_shifted
+        res.t_draft_ms = pipe.decode_ms
+        res.draft_n_decoded = pipe.n_decoded
+
+    def _probs(self, idx: int, tok: int) -> TokenProbs | None:
+        """The request's n_probs report for ``tok`` (None when it asked for none)."""
+        n = self.req.n_probs
+        return self.sampler.probs(idx, tok, n) if n > 0 else None
+
+    def _emit(
+        self, tok: int, n_kv_before: int, events: list[TokenEvent], probs: TokenProbs | None
+    ) -> bool:
+        """Account one emitted token (stop rules); the text goes to ``events``."""
+        self.out.append(tok)
+        if probs is not None:
+            self.result.probs.append(probs)
+        if self.ngram is not None:
+            self.ngram.extend((tok,))
+        e = self.e
+        assert self.stops is not None
+        outcome = self.stops.push(
+            e.vocab.piece(tok),
+            is_eog=tok in e.vocab.eog,
+            context_full=n_kv_before + 1 >= e.n_ctx,
+        )
+        text = outcome.text
+        if outcome.stop:
+            text += self.stops.flush()
+        events.append(TokenEvent(tok, text, probs))
+        return outcome.stop
+
+    def _deliver(self, events: list[TokenEvent]) -> None:
+        if self.on_token is not None:
+            for ev in events:
+                self.on_token(self.index, ev)
+
+    # --- drafting ------------------------------------------------------------------------
+    def propose(self, room: int, *, defer_model: bool = False) -> None:
+        """Pick this step's draft (``self.source``, ``self.key``, ``self.draft``); no tokens
+        means a plain step. ``defer_model``: a draft-model draft is only asked for
+        (``self.model_k`` tokens), to be made with the other sequences' in one draft batch
+        (``draft_together``)."""
+        self.model_k = 0
+        self._defer = defer_model
+        self.source, self.key, self.draft = self._propose(room)
+
+    def _propose(self, room: int) -> tuple[str, str, list[int]]:
+        res = self.result
+        # the step costs of the threads the target runs on now
+        self.policy.verify = self.e.step_costs(self.pipe is not None)
+        if self.mode == "off" or room < 1 or self.ngram is None:
+            return "", "", []
+        auto = self.auto
+        n_max = min(self.n_max, room)
+        n_min = max(self.n_min, 1)
+        td = time.perf_counter()
+        source, key, draft = "", "", []
+        if self.mode in ("ngram", "hybrid", "auto"):
+            draft, match = self.ngram.draft(n_max)
+            source, key = "ngram", ngram_source(match)
+            if auto and draft:
+                draft = draft[: self.policy.plan(key)]
+        if self.pipe is not None:
+            if self.draft_ok and self.mode in ("draft", "hybrid", "auto"):
+                cand = self._pipelined_draft(n_max, auto)
+                if len(cand) >= n_min and self._prefer_draft(cand, key, draft, auto):
+                    source = key = "draft"
+                    draft = cand
+        elif len(draft) < n_min:
+            source, key, draft = "", "", []
+            if self.draft_ok and self.mode in ("draft", "hybrid", "auto"):
+                k = n_max
+                if auto:
+                    probe_ok = self._draft_probe_is_cheap()
+                    k = min(k, self.policy.plan("draft", allow_probe=probe_ok))
+                    if k >= n_min and self.dbase is None and not self._draft_prefill_pays():
+                        self.draft_ok = False  # for this request: n-grams or plain steps
+                        k = 0
+                if k >= n_min and self._defer and self._sync_draft():
+                    self.model_k = k  # drafted with the others (draft_together)
+                elif k >= n_min:
+                    draft = self._draft_with_fallback(k)
+                    source = key = "draft"
+                    if not draft:  # the draft model paid a decode and was unsure: a miss
+                        self.policy.observe_result("draft", 1, 0)
+        if len(draft) < n_min:
+            source, key, draft = "", "", []
+        res.t_draft_ms += (time.perf_counter() - td) * 1000.0
+        return source, key, draft
+
+    def _pipelined_draft(self, n_max: int, auto: bool) -> list[int]:
+        """What the draft thread has ready; its cost is hidden, so the policy only weighs
+        the longer verify batch against the expected accepted run."""
+        pipe = self.pipe
+        assert pipe is not None
+        if not pipe.usable:
+            self.draft_ok = False
+            return []
+        if auto:
+            # a switched-off draft model stops drafting ahead (it slows the target's memory
+            # traffic); it restarts a couple of steps before its probe is due
+            pipe.set_active(not self.policy.is_off("draft", lead=2))
+        tw = time.perf_counter()
+        avail = pipe.proposals(n_max, wait_for=self.e.settings.spec.pipeline_wait)
+        self._wait_ms += (time.perf_counter() - tw) * 1000.0
+        if not auto or not avail:
+            return avail
+        return avail[: self.policy.plan("draft", limit=len(avail))]
+
+    def _prefer_draft(self, cand: list[int], ngram_key: str, ngram: list[int], auto: bool) -> bool:
+        """Pipelined: the draft model's tokens or the n-gram's? "hybrid" keeps llama-server's
+        n-gram-first rule; "auto" takes the larger expected gain."""
+        if len(ngram) < max(self.n_min, 1):
+            return True
+        if not auto:
+            return False
+        return self.policy.gain("draft", len(cand)) > self.policy.gain(ngram_key, len(ngram))
+
+    def _draft_window(self) -> list[int]:
+        e = self.e
+        prompt = self.req.prompt
+        start = draft_window_start(len(prompt), e.settings.spec.draft_window)
+        base = list(prompt[start:])
+        if len(base) + len(self.out) + self.n_max + 2 > e.draft_n_ctx:
+            base = base[-max(1, e.draft_n_ctx - len(self.out) - self.n_max - 2) :]
+        return base
+
+    def _draft_probe_is_cheap(self) -> bool:
+        """A probe of a switched-off draft model must not first pay for a prompt prefill
+        or a long catch-up on the tokens emitted since it last ran."""
+        if self.dbase is None:
+            return self._draft_prefill_is_cheap()
+        behind = len(self.dbase) + len(self.out) - len(self.dst.tokens)
+        return behind <= CHEAP_DRAFT_CATCHUP
+
+    def _draft_prefill_is_cheap(self) -> bool:
+        """Whether the draft's cache already holds most of this request's window (then a
+        probe costs a few tokens, not a prompt prefill)."""
+        return self._draft_behind() <= CHEAP_DRAFT_PREFILL
+
+    def _draft_behind(self) -> int:
+        """Prompt tokens the draft model would evaluate to catch up on this request."""
+        if self._behind is None:
+            e = self.e
+            assert e._dcache is not None
+            policy = e.draft_prefill_policy(self.req.cache_prompt)
+            self._behind = e._dcache.plan(self.dst, self._draft_window(), policy).n_evaluated
+        return self._behind
+
+    def _draft_prefill_pays(self) -> bool:
+        """Auto mode: is the draft's prompt prefill repaid over what is left to generate?
+        (``t_max_predict_ms`` ends a completion at the first newline past that time.)"""
+        behind = self._draft_behind()
+        if behind <= CHEAP_DRAFT_PREFILL:
+            return True
+        req, t1 = self.req, self.policy.verify.t1
+        horizon = req.n_predict - len(self.out) if req.n_predict > 0 else UNBOUNDED_HORIZON
+        if req.t_max_predict_ms > 0 and t1 > 0:
+            horizon = min(horizon, int(req.t_max_predict_ms / t1) + LINE_TOKENS)
+        return self.policy.prefill_pays(behind, horizon)
+
+    def _draft_target_seq(self) -> list[int]:
+        assert self.dbase is not None
+        return self.dbase + self.out
+
+    def _sync_draft(self) -> bool:
+        """Bring the draft's cache in step with the prompt window + emitted tokens (lazy: a
+        request that never drafts with the model never pays for the draft's prefill)."""
+        e, res = self.e, self.result
+        dcache = e._dcache
+        assert dcache is not None
+        if self.dbase is None:
+            base = self._draft_window()
+            if any(t >= e._dctx.n_vocab for t in base):  # a target-only (padding) id
+                self.draft_ok = False
+                return False
+            e._settle_draft()
+            tp = time.perf_counter()
+            pre = dcache.prefill(
+                self.dst, base, e.draft_prefill_policy(self.req.cache_prompt), cancel=self.cancel
+            )
+            spent = (time.perf_counter() - tp) * 1000.0
+            res.draft_prompt_ms += spent
+            if not pre.cancelled:
+                self.policy.observe_draft_prefill(pre.n_evaluated, spent)
+            res.draft_n_cached += pre.n_cached
+            res.draft_n_evaluated += pre.n_evaluated
+            res.draft_n_shifted += pre.n_shifted
+            if pre.cancelled:
+                return False
+            self.dbase = base
+        return True
+
+    def _draft_with_fallback(self, k: int) -> list[int]:
+        """A failing draft model (no KV cells left, ...) ends drafting, not the request."""
+        try:
+            return self._draft_model(k)
+        except DecodeError:
+            assert self.e._dcache is not None
+            self.e._dcache.clear(self.dst)
+            self.draft_ok = False
+            self.dbase = None
+            return []
+
+    def _draft_model(self, k: int) -> list[int]:
+        e = self.e
+        dcache = e._dcache
+        dctx = e._dctx
+        assert dcache is not None and dctx is not None
+        if not self._sync_draft():
+            return []
+        seq = self._draft_target_seq()
+        dst = self.dst
+        have = dst.tokens
+        if len(seq) + k + 1 > e.draft_n_ctx:
+            k = e.draft_n_ctx - len(seq) - 1
+            if k < 1:
+                self.draft_ok = False
+                return []
+        pending = seq[len(have) :]
+        if any(t >= dctx.n_vocab for t in pending):
+            self.draft_ok = False
+            return []
+        # catch up on the tokens emitted since the draft last ran (one batch, usually 1-2)
+        for i in range(0, len(pending), dctx.n_batch):
+            dcache.append(dst, pending[i : i + dctx.n_batch], logits="last")
+        proposals: list[int] = []
+        n_target_vocab = e.vocab.n_vocab
+        t0 = time.perf_counter()
+        while True:
+            row = dctx.logits(-1)
+            tok = int(row.argmax())
+            p = 1.0 / float(np.exp(row - row[tok]).sum())
+            if p < self.p_min or tok >= n_target_vocab:
+                break
+            proposals.append(tok)
+            if len(proposals) >= k:
+                break
+            dcache.append(dst, [tok], logits="last")
+        if len(proposals) > 1:
+            per_token = (time.perf_counter() - t0) * 1000.0 / (len(proposals) - 1)
+            self.policy.observe_draft_cost("draft", per_token)
+        return proposals
+
+    def _sync_draft_after_step(self) -> None:
+        """Drop the draft's KV for proposals the target rejected (never keep them)."""
+        dcache = self.e._dcache
+        if dcache is None or self.dbase is None or self.pipe is not None:
+            return  # a pipelined draft cuts its own KV
+        dst = self.dst
+        have = dst.tokens
+        seq = self._draft_target_seq()
+        n = max(len(self.dbase), min(self._dgood, len(have)))  # before _dgood: checked already
+        limit = min(len(have), len(seq) - 1)
+        while n < limit and have[n] == seq[n]:
+            n += 1
+        dcache.truncate(dst, n)
+        self._dgood = n
+
+
+def draft_together(wants: list[Completion]) -> None:
+    """The draft model's drafts for several sequences in one draft batch per token: each
+    first catches up on what it emitted since it last drafted, then all draft greedily side
+    by side, each while it is at least ``p_min`` sure, up to its ``model_k`` tokens."""
+    if not wants:
+        return
+    e = wants[0].e
+    dcache, dctx = e._dcache, e._dctx
+    assert dcache is not None and dctx is not None
+    t0 = time.perf_counter()
+    going: list[Completion] = []
+    catch_up: list[Segment] = []
+    for c in wants:
+        seq = c._draft_target_seq()
+        k = min(c.model_k, e.draft_n_ctx - len(seq) - 1)
+        if len(c.dst.tokens) >= len(seq):  # logits come from decoding: redo the newest
+            dcache.truncate(c.dst, len(seq) - 1)
+        pending = seq[len(c.dst.tokens) :]
+        if k < 1 or any(t >= dctx.n_vocab for t in pending) or len(pending) > dctx.n_batch:
+            c.model_k = 0
+            if k < 1 or len(pending) <= dctx.n_batch:
+                c.draft_ok = False
+            else:  # far behind (a long stretch without the model): catch up on its own
+                c.draft = c._draft_with_fallback(k)
+                c.source = c.key = "draft" if c.draft else ""
+            continue
+        c.model_k = k
+        going.append(c)
+        catch_up.append(Segment(pending, len(c.dst.tokens), c.dst.seq, "last"))
+    segments = catch_up
+    rows: list[int] = []
+    try:
+        while going:
+            bases = dctx.decode_many(segments)
+            for c, seg in zip(going, segments, strict=True):
+                dcache.appended(c.dst, seg.tokens)
+            rows = [b + len(seg.tokens) - 1 for b, seg in zip(bases, segments, strict=True)]
+            nxt_going: list[Completion] = []
+            segments = []
+            for c, row_at in zip(going, rows, strict=True):
+                row = dctx.logits(row_at)
+                tok = int(row.argmax())
+                p = 1.0 / float(np.exp(row - row[tok]).sum())
+                if p < c.p_min or tok >= e.vocab.n_vocab:
+                    continue
+                c.draft.append(tok)
+                if len(c.draft) < c.model_k:
+                    nxt_going.append(c)
+                    segments.append(Segment([tok], len(c.dst.tokens), c.dst.seq, "last"))
+            going = nxt_going
+    except DecodeError:
+        for c in wants:  # the draft model ends drafting for this request, not the request
+            dcache.clear(c.dst)
+            c.draft_ok, c.dbase, c.draft = False, None, []
+    spent = (time.perf_counter() - t0) * 1000.0
+    for c in wants:
+        if not c.model_k:
+            continue
+        c.source = c.key = "draft"
+        if not c.draft:  # the draft model paid a decode and was unsure: a miss
+            c.policy.observe_result("draft", 1, 0)
+        elif len(c.draft) > 1:
+            c.policy.observe_draft_cost("draft", spent / len(c.draft))
+        c.result.t_draft_ms += spent
+

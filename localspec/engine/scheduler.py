@@ -1,0 +1,399 @@
+"""The step loop: every active sequence advances in one llama.cpp batch per step.
+
+A :class:`Task` is one request on one slot: its prompt is evaluated once, then each of its
+completions decodes in a sequence of its own (the first in the slot's sequence, the others in
+extra sequences that share the prompt's KV). Tasks on different slots run at the same time.
+
+The policy, step by step:
+
+* A task starts when its slot is free and the prompt lane is free: one prompt is evaluated at
+  a time (it owns the context's scratch and iso sequences while its reuse plan runs), first
+  come, first served; a task for a busy slot waits without holding up the others.
+* Each step is one batch holding, for every decoding sequence, its last token and its draft,
+  and at most one piece (``prefill_chunk`` tokens) of the prompt being evaluated. A request
+  that arrives while others decode starts its prompt at the next step, and a long prompt (an
+  editor's file switch) advances one piece per step instead of freezing the others: a step
+  costs them at most one piece.
+* A cancelled task's sequences stop at the next step; the others go on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from localspec.engine.cache import PrefillResult, PrefillSteps, SeqState
+from localspec.engine.completion import Completion, draft_together
+from localspec.engine.errors import DecodeError
+from localspec.engine.llama import Segment
+from localspec.engine.policy import share_step
+from localspec.engine.types import (
+    Cancel,
+    GenerationRequest,
+    GenerationResult,
+    IndexedTokenCallback,
+)
+
+if TYPE_CHECKING:
+    from localspec.engine.engine import Engine
+
+
+@dataclass(eq=False)
+class Task:
+    """One request on one slot: a prompt evaluated once, and one or more completions.
+
+    ``requests[i]`` is completion i's (its sampler, seed, stops); the first one's slot,
+    prompt, blocks and cache rule are the task's. ``on_done`` is called on the engine's thread
+    once ``results`` (or ``error``) is set."""
+
+    requests: Sequence[GenerationRequest]
+    cancel: Cancel | None = None
+    prefill_cancel: Cancel | None = None  # stops the prompt's evaluation (default: cancel)
+    on_token: IndexedTokenCallback | None = None
+    on_done: Callable[[Task], None] | None = None
+    results: list[GenerationResult] = field(default_factory=list)
+    error: BaseException | None = None
+    done: bool = False
+
+    @property
+    def first(self) -> GenerationRequest:
+        return self.requests[0]
+
+    @property
+    def slot(self) -> int:
+        return self.requests[0].slot
+
+
+@dataclass(eq=False)
+class _Running:
+    """A started task: its prompt's evaluation, then its completions."""
+
+    task: Task
+    t0: float
+    inside0: float
+    completions: list[Completion] = field(default_factory=list)
+    aux: list[SeqState] = field(default_factory=list)  # the extra completions' sequences
+    steps: PrefillSteps | None = None  # the prompt's evaluation while it runs
+    piece: Segment | None = None  # its next piece
+    pre: PrefillResult | None = None
+    prompt_ms: float = 0.0
+    shared: bool = False  # the prompt shared steps with other sequences (no price sample)
+
+
+class Scheduler:
+    """Runs tasks in steps; single-threaded (the engine's owner calls ``step``)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.e = engine
+        self.waiting: deque[Task] = deque()
+        self.running: list[_Running] = []
+        self.prefilling: _Running | None = None
+        self._free_aux: list[SeqState] = list(engine._tcache.aux)
+
+    # --- the owner's side ------------------------------------------------------------------
+    def submit(self, task: Task) -> None:
+        """Queue ``task``; bad requests raise ValueError here, before anything runs."""
+        e = self.e
+        if not task.requests:
+            raise ValueError("a task needs at least one request")
+        first = task.first
+        e._check_slot(first.slot)
+        if len(task.requests) - 1 > len(e._tcache.aux):
+            raise ValueError(
+                f"{len(task.requests)} completions asked; this engine decodes at most "
+                f"{len(e._tcache.aux) + 1} of one request at once"
+            )
+        n_prompt = len(first.prompt)
+        if n_prompt == 0:
+            raise ValueError("empty prompt")
+        if n_prompt >= e.n_ctx:
+            from localspec.engine.errors import PromptTooLongError
+
+            raise PromptTooLongError(
+                f"prompt of {n_prompt} tokens does not fit the slot context of {e.n_ctx}"
+            )
+        bad = [t for t in first.prompt if not 0 <= t < e.vocab.n_vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} out of range (n_vocab {e.vocab.n_vocab})")
+        self.waiting.append(task)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def slot_busy(self, slot: int) -> bool:
+        return any(r.task.slot == slot for r in self.running)
+
+    def waiting_for_prompt(self) -> bool:
+        """A task waits for the prompt lane (a prompt of a client that left is evaluated on,
+        as a cache fill, only until someone else needs the lane)."""
+        return any(not self.slot_busy(t.slot) for t in self.waiting)
+
+    def step(self) -> bool:
+        """One step: start what can start, then one batch for every active sequence and a
+        piece of the prompt being evaluated. Returns whether work is left."""
+        self._admit()
+        live = self._live()
+        if len(live) + (self.prefilling is not None) > 1:
+            for c in live:
+                c.unpipe()  # the draft thread drafts for one sequence alone
+        self._drafts(live)
+        segments = [c.segment() for c in live]
+        run = self.prefilling
+        piece = run.piece if run is not None else None
+        n_tokens = sum(len(s.tokens) for s in segments)
+        if piece is not None and segments and n_tokens + len(piece.tokens) > self.e.n_batch:
+            piece = None  # a full batch of decoding sequences: the prompt waits a step
+        batch = segments + ([piece] if piece is not None else [])
+        if batch:
+            try:
+                t0 = time.perf_counter()
+                bases = self.e._tctx.decode_many(batch)
+                step_ms = (time.perf_counter() - t0) * 1000.0
+                if segments:
+                    n_step = n_tokens + (len(piece.tokens) if piece else 0)
+                    self.e.observe_step(n_step, step_ms, pipelined=live[0].pipe is not None)
+                for c, base in zip(live, bases, strict=False):
+                    c.verify(base, step_ms)
+                if piece is not None and run is not None:
+                    run.shared = run.shared or bool(segments)
+                    at = bases[-1] + len(piece.tokens) - 1
+                    self._advance(run, at, None if segments else step_ms)
+            except BaseException as exc:  # the tasks in this batch fail, not the engine
+                self._fail_all(exc, live, run if piece is not None else None)
+                return self.busy
+        self._retire()
+        return self.busy
+
+    def _drafts(self, live: list[Completion]) -> None:
+        """Each sequence's draft for this step. Alone, it follows its own cost model; beside
+        others, the draft model drafts for all of them in one draft batch, and the lengths
+        come from the measured cost of a step of that many tokens (``share_step``)."""
+        if len(live) == 1:
+            live[0].propose(live[0].room())
+            return
+        for c in live:
+            c.propose(c.room(), defer_model=True)
+        draft_together([c for c in live if c.model_k])
+        offers = [c.policy.source(c.key).survival(len(c.draft)) if c.draft else [] for c in live]
+        for c, k in zip(live, share_step(offers, self.e.step_costs(False)), strict=True):
+            c.draft = c.draft[:k]
+            if not c.draft:
+                c.source = c.key = ""
+
+    # --- starting ------------------------------------------------------------------------------
+    def _admit(self) -> None:
+        """Start the first waiting task whose slot is free, when no prompt is being evaluated
+        (and its extra completions have sequences to decode in)."""
+        if self.prefilling is not None:
+            return
+        for task in list(self.waiting):
+            if self.slot_busy(task.slot) or len(task.requests) - 1 > len(self._free_aux):
+                continue
+            self.waiting.remove(task)
+            self._start(task)
+            if self.prefilling is not None:
+                return
+
+    def _start(self, task: Task) -> None:
+        e = self.e
+        first = task.first
+        st = e._tcache.slots[task.slot]
+        run = _Running(task, time.perf_counter(), e.inside_ms())
+        self.running.append(run)
+        try:
+            if not first.cache_prompt:
+                e.clear_slot(task.slot)
+            c = self._completion(run, 0, st)
+            alone = len(self.running) == 1 and len(task.requests) == 1
+            if alone and first.n_predict != 0 and c.draft_ok and e.pipeline_enabled():
+                # the draft's window prefill runs on its thread beside the target's prefill
+                c.start_pipeline()
+            prompt: Sequence[int] = first.prompt
+            held = e._tcache.slots[task.slot]
+            if (
+                first.n_predict == 0
+                and len(held.tokens) > len(first.prompt)
+                and held.tokens[: len(first.prompt)] == first.prompt
+                and e._tcache.blocks_in_place(held, first.blocks, first.block_sink)
+            ):
+                # a cache fill the slot already holds, and more: what follows stays (an
+                # editor's ring warm-up must not drop the cursor's cached prefix and suffix
+                # behind the ring). No logits are computed for it, unless an earlier KV shift
+                # left the held tokens approximate and re-evaluating them fits the exactness
+                # budget: idle time repays it
+                debt = len(held.tokens) - held.exact
+                if debt <= 0 or not e._tcache.affordable(debt, e.settings.exact_ms):
+                    res = c.result
+                    res.n_cached, res.stop_type = len(first.prompt), "limit"
+                    res.n_approx = max(0, len(first.prompt) - held.exact)
+                    res.prompt_ms = (time.perf_counter() - run.t0) * 1000.0
+                    self._complete(run, [res])
+                    return
+                prompt = list(held.tokens)
+            cancel = task.prefill_cancel if task.prefill_cancel is not None else task.cancel
+            run.steps = e._tcache.prefill_steps(
+                st,
+                prompt,
+                e.prefill_policy(first.cache_prompt),
+                first.blocks,
+                first.block_sink,
+                cancel,
+            )
+            self.prefilling = run
+            self._advance(run, -1, None, first_piece=True)
+        except BaseException as exc:
+            self._fail(run, exc)
+
+    def _completion(self, run: _Running, index: int, st: SeqState) -> Completion:
+        task = run.task
+        req = task.requests[index]
+        if index > 0:
+            cap = self.e.aux_room - 1  # an extra completion's sequence has this many cells
+            if req.n_predict < 0 or req.n_predict > cap:
+                req = replace(req, n_predict=cap)
+        c = Completion(
+            self.e,
+            req,
+            st,
+            index=index,
+            cancel=task.cancel,
+            on_token=task.on_token,
+            may_draft_model=index == 0,
+        )
+        run.completions.append(c)
+        return c
+
+    def _advance(
+        self, run: _Running, logits_index: int, ms: float | None, *, first_piece: bool = False
+    ) -> None:
+        """Resume the prompt's evaluation after its piece was decoded (``logits_index``: the
+        batch row of the piece's last token); at its end, the completions begin."""
+        assert run.steps is not None
+        try:
+            run.piece = next(run.steps) if first_piece else run.steps.send(ms)
+            return
+        except StopIteration as done:
+            pre: PrefillResult = done.value
+        run.steps = run.piece = None
+        self.prefilling = None
+        run.pre = pre
+        run.prompt_ms = (time.perf_counter() - run.t0) * 1000.0
+        e, task = self.e, run.task
+        first = task.first
+        cancelled = task.cancel is not None and task.cancel.is_set()
+        first_c = run.completions[0]
+        if not pre.cancelled and not run.shared and first_c.pipe is None:
+            # (a pipelined draft shares the cores; shared steps priced other work too)
+            first_c.policy.observe_target_prefill(pre.n_evaluated, run.prompt_ms)
+        self._fill_prompt_stats(run, first_c.result, 0)
+        if pre.cancelled or cancelled or first.n_predict == 0:
+            if pre.cancelled or cancelled:
+                first_c.result.cancelled = True
+            else:
+                first_c.result.stop_type = "limit"
+            first_c.done = True
+            return
+        slot_st = e._tcache.slots[task.slot]
+        for index in range(1, len(task.requests)):
+            aux = self._free_aux.pop()
+            run.aux.append(aux)
+            e._tcache.share_prefix(slot_st, aux, len(slot_st.tokens))
+            self._fill_prompt_stats(run, self._completion(run, index, aux).result, index)
+        for c in run.completions:
+            c.begin(logits_index)
+
+    def _fill_prompt_stats(self, run: _Running, res: GenerationResult, index: int) -> None:
+        pre = run.pre
+        assert pre is not None
+        n_prompt = len(run.task.first.prompt)
+        res.prompt_ms = run.prompt_ms
+        if index == 0:
+            res.n_cached = min(pre.n_cached, n_prompt)  # a repair may evaluate past it
+            res.n_evaluated, res.n_shifted = pre.n_evaluated, pre.n_shifted
+        else:  # the prompt's KV is shared with the first completion's
+            res.n_cached = n_prompt
+        res.n_approx = max(0, n_prompt - pre.n_exact)
+
+    # --- finishing ------------------------------------------------------------------------
+    def _live(self) -> list[Completion]:
+        live: list[Completion] = []
+        for run in self.running:
+            for c in run.completions:
+                if c.stops is not None and not c.done and not c.cancelled():
+                    live.append(c)
+        return live
+
+    def _retire(self) -> None:
+        for run in list(self.running):
+            if run is self.prefilling or run.pre is None:
+                continue
+            if all(c.done for c in run.completions):
+                results = [c.finish() for c in run.completions]
+                self._complete(run, results)
+
+    def _complete(self, run: _Running, results: list[GenerationResult]) -> None:
+        e = self.e
+        wall = (time.perf_counter() - run.t0) * 1000.0
+        inside = e.inside_ms() - run.inside0
+        for res in results:
+            res.t_outside_ms = max(0.0, wall - inside)
+            if not res.threads[0]:
+                res.threads = e._tctx.threads_now
+        self._close(run)
+        run.task.results = results
+        self._finish(run)
+
+    def _close(self, run: _Running) -> None:
+        for c in run.completions:
+            c.close()
+        n_prompt = len(run.task.first.prompt)
+        for aux in run.aux:
+            self.e._tcache.release(aux, n_prompt)
+            self._free_aux.append(aux)
+        run.aux = []
+
+    def _finish(self, run: _Running) -> None:
+        if run in self.running:
+            self.running.remove(run)
+        if self.prefilling is run:
+            self.prefilling = None
+        task = run.task
+        task.done = True
+        if task.on_done is not None:
+            task.on_done(task)
+
+    def _fail(self, run: _Running, exc: BaseException) -> None:
+        """One task failed: its slot starts over (its cache may be half-written)."""
+        if run.steps is not None:
+            run.steps.close()
+            run.steps = None
+        self._close(run)
+        with contextlib.suppress(DecodeError):
+            self.e.clear_slot(run.task.slot)
+        run.task.error = exc
+        self._finish(run)
+
+    def abort(self, exc: BaseException) -> None:
+        """Fail every task, running or waiting (after an unexpected error in a step)."""
+        for run in list(self.running):
+            self._fail(run, exc)
+        while self.waiting:
+            task = self.waiting.popleft()
+            task.error, task.done = exc, True
+            if task.on_done is not None:
+                task.on_done(task)
+
+    def _fail_all(
+        self, exc: BaseException, live: list[Completion], prefill: _Running | None
+    ) -> None:
+        """A batch failed: llama.cpp may keep part of it, so every task in it starts over."""
+        runs = {id(r): r for r in self.running if any(c in live for c in r.completions)}
+        if prefill is not None:
+            runs[id(prefill)] = prefill
+        for run in runs.values():
+            self._fail(run, exc)

@@ -1,0 +1,62 @@
+"""The throughput benchmark: clients at once, background load, the report's arithmetic."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import psutil
+import pytest
+
+from localspec.bench import anchor
+from localspec.bench.background import busy_loops, levels
+from localspec.bench.throughput import Cell, Request, main, merge, table
+
+
+def test_background_loops_run_for_the_block_only() -> None:
+    with busy_loops(2, settle_s=0.0) as pids:
+        assert len(pids) == 2
+        assert all(psutil.Process(p).is_running() for p in pids)
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids)
+    assert levels("0,1,2") == [0, 1, 2]
+    for bad in ("", "x", "-1"):
+        with pytest.raises(ValueError):
+            levels(bad)
+
+
+def test_cells_report_aggregate_speed_and_ratios_to_llama_server() -> None:
+    def cell(server: str, wall: float, tps: float) -> Cell:
+        reqs = [Request(1.0 + i, True, i, "x", True, 50, 400, 500.0, tps) for i in range(4)]
+        return Cell(server, 1, 4, wall, [*reqs, Request(9.0, False, error="503")])
+
+    ours, theirs = cell("localspec", 4.0, 40.0), cell("llama-server/plain", 8.0, 20.0)
+    assert ours.aggregate_tps == 200 / 4.0 and ours.errors == 1
+    assert ours.latency(50) == 2.5 and ours.decode_tps == 40.0
+    text = table([ours, theirs])
+    assert "agg 2.00x" in text and "decode 2.00x" in text
+    (both,) = merge([ours, cell("localspec", 4.0, 40.0)])
+    assert len(both.requests) == 10 and both.wall_s == 8.0
+
+
+def test_llama_server_gets_the_slots_and_one_kv_buffer() -> None:
+    serve = anchor.ServeSettings(target=Path("t.gguf"), ctx=2048, slots=4, kv_unified=True)
+    argv = anchor.llama_server_spec(Path("llama-server"), serve, "plain", port=1).argv
+    assert argv[argv.index("-np") + 1] == "4" and argv[argv.index("-c") + 1] == "8192"
+    assert "-kvu" in argv
+    ours = anchor.localspec_spec(serve, port=1).argv
+    assert ours[ours.index("--slots") + 1] == "4" and ours[ours.index("--ctx-size") + 1] == "2048"
+
+
+def test_a_real_run_against_localspec(qwen_target: Path, tmp_path: Path) -> None:
+    """Two clients at once on two slots, beside a busy process: every request answered."""
+    out = tmp_path / "t.json"
+    argv = ["--target", str(qwen_target), "--clients", "2", "--requests", "1",
+            "--n-predict", "4", "--prompt-chars", "300", "--background", "1",
+            "--vs-llama-server", "", "--threads", "1", "--ctx", "1024",
+            "--log-dir", str(tmp_path / "logs"), "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    doc = json.loads(out.read_text())
+    (c,) = doc["cells"]
+    assert (c["server"], c["background"], c["clients"]) == ("localspec", 1, 2)
+    assert c["requests"] == 2 and c["errors"] == 0 and c["aggregate_tokens_per_s"] > 0
+    assert all(r["predicted_n"] == 4 and r["prompt_n"] > 20 for r in doc["requests"])

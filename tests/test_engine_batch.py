@@ -1,0 +1,229 @@
+"""Many sequences in one step: a request's completions, and requests on several slots.
+
+Every check of an output is the strict one: each emitted token re-scored with the target
+alone, cold (``Scorer``: the target's greedy choice, up to near ties), so a sequence decoded in
+a shared batch must answer what the target answers, whatever its neighbours in the batch.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from localspec.bench.corpus import code_prompts
+from localspec.engine import (
+    Engine,
+    EngineSettings,
+    GenerationRequest,
+    SamplingParams,
+    SpecSettings,
+    Task,
+)
+from localspec.engine.llama import Segment
+from tests.test_engine_exact import Scorer, model_settings
+
+GREEDY = SamplingParams(top_k=1, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def engine(qwen_target: Path, qwen_draft: Path) -> Iterator[Engine]:
+    s = EngineSettings(
+        target=model_settings(qwen_target),
+        draft=model_settings(qwen_draft),
+        n_slots=2,
+        prefill_chunk=64,
+        spec=SpecSettings(mode="hybrid", n_max=4, p_min=0.0, pipeline=False),
+    )
+    with Engine.load(s) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def scorer(qwen_target: Path) -> Iterator[Scorer]:
+    s = Scorer(qwen_target)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def batches(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> list[list[Segment]]:
+    """Every batch the target decodes during the test, as its segments."""
+    seen: list[list[Segment]] = []
+    decode_many = engine._tctx.decode_many
+
+    def record(segments: Sequence[Segment]) -> list[int]:
+        seen.append(list(segments))
+        return decode_many(segments)
+
+    monkeypatch.setattr(engine._tctx, "decode_many", record)
+    return seen
+
+
+def prompts(engine: Engine, n: int, lines: int = 8) -> list[list[int]]:
+    return [engine.vocab.tokenize(text)[-150:] for text in code_prompts(n, lines=lines)]
+
+
+def exact(scorer: Scorer, prompt: list[int], out: list[int]) -> bool:
+    return scorer.check(prompt, out)[0] == 0
+
+
+def run(engine: Engine, *tasks: Task) -> None:
+    for task in tasks:
+        engine.submit(task)
+    while engine.step():
+        pass
+    for task in tasks:
+        assert task.done and task.error is None, task.error
+
+
+def test_n_cmpl_evaluates_the_prompt_once_and_the_completions_decode_together(
+    engine: Engine, scorer: Scorer, batches: list[list[Segment]]
+) -> None:
+    (prompt,) = prompts(engine, 1)
+    engine.clear_slot(0)
+    reqs = [
+        GenerationRequest(slot=0, prompt=prompt, n_predict=12, sampling=GREEDY, spec_n_max=k)
+        for k in (4, 0, 2)  # the same prompt, drafting or not: each its own sequence
+    ]
+    results = engine.generate_many(reqs)
+    assert [r.n_evaluated for r in results] == [len(prompt), 0, 0]
+    assert all(r.n_cached == len(prompt) for r in results[1:])
+    prompt_rows = sum(len(s.tokens) for b in batches for s in b if s.pos0 < len(prompt))
+    assert prompt_rows == len(prompt)  # evaluated once, not once per completion
+    assert max(len({s.seq for s in b}) for b in batches) == 3  # all three in one step
+    for r in results:
+        assert len(r.tokens) == 12 and exact(scorer, prompt, r.tokens)
+    # the slot keeps the first completion, as with one; the others' sequences are freed
+    assert engine.slot_tokens(0) == prompt + results[0].tokens[:-1]
+    for aux in engine._tcache.aux:
+        assert aux.tokens == [] and engine._tctx.seq_pos_max(aux.seq) == -1
+
+
+def test_requests_on_two_slots_decode_in_the_same_steps(
+    engine: Engine, scorer: Scorer, batches: list[list[Segment]]
+) -> None:
+    a, b = prompts(engine, 2)
+    tasks = [
+        Task([GenerationRequest(slot=s, prompt=p, n_predict=16, sampling=GREEDY)])
+        for s, p in ((0, a), (1, b))
+    ]
+    run(engine, *tasks)
+    assert any({s.seq for s in batch} == {0, 1} for batch in batches)
+    for task, prompt, slot in ((tasks[0], a, 0), (tasks[1], b, 1)):
+        (res,) = task.results
+        assert len(res.tokens) == 16 and exact(scorer, prompt, res.tokens)
+        assert engine.slot_tokens(slot) == prompt + res.tokens[:-1]
+
+
+def test_a_long_prompt_is_evaluated_in_pieces_between_the_others_steps(
+    engine: Engine, scorer: Scorer, batches: list[list[Segment]]
+) -> None:
+    """A file switch on one slot does not freeze the other's completion: each step carries
+    the decoding sequence's token and one piece of the new prompt."""
+    (short,) = prompts(engine, 1)
+    long = engine.vocab.tokenize("".join(code_prompts(6, lines=20)))[:440]
+    decoding = Task([GenerationRequest(slot=0, prompt=short, n_predict=40, sampling=GREEDY)])
+    engine.submit(decoding)
+    engine.step()
+    while not engine.scheduler.running[0].completions[0].out:
+        engine.step()  # slot 0 is decoding
+    switch = Task([GenerationRequest(slot=1, prompt=long, n_predict=4, sampling=GREEDY)])
+    engine.clear_slot(1)
+    run(engine, switch)
+    shared = [b for b in batches if {s.seq for s in b} == {0, 1}]
+    pieces = [s for b in shared for s in b if s.seq == 1 and len(s.tokens) > 1]
+    assert len(pieces) >= len(long) // 64 - 1  # the prompt went piece by piece beside it
+    assert all(len(p.tokens) <= 64 for p in pieces)
+    assert exact(scorer, short, decoding.results[0].tokens)
+    assert exact(scorer, long, switch.results[0].tokens)
+
+
+def test_cancelling_one_request_leaves_the_other_running(engine: Engine, scorer: Scorer) -> None:
+    a, b = prompts(engine, 2)
+    stop = threading.Event()
+    cancelled = Task(
+        [GenerationRequest(slot=0, prompt=a, n_predict=40, sampling=GREEDY)], cancel=stop
+    )
+    going = Task([GenerationRequest(slot=1, prompt=b, n_predict=40, sampling=GREEDY)])
+    engine.submit(cancelled)
+    engine.submit(going)
+    for _ in range(6):
+        engine.step()
+    stop.set()
+    while engine.step():
+        pass
+    (cut,) = cancelled.results
+    (full,) = going.results
+    assert cut.cancelled and cut.stop_type == "none" and len(cut.tokens) < 40
+    assert engine.slot_tokens(0) == a + cut.tokens[:-1] if cut.tokens else a
+    assert len(full.tokens) == 40 and not full.cancelled and exact(scorer, b, full.tokens)
+
+
+def test_a_request_waits_for_its_busy_slot_and_others_do_not(engine: Engine) -> None:
+    a, b, c = prompts(engine, 3)
+    first = Task([GenerationRequest(slot=0, prompt=a, n_predict=8, sampling=GREEDY)])
+    same = Task([GenerationRequest(slot=0, prompt=b, n_predict=8, sampling=GREEDY)])
+    other = Task([GenerationRequest(slot=1, prompt=c, n_predict=8, sampling=GREEDY)])
+    for task in (first, same, other):
+        engine.submit(task)
+    engine.step()  # first starts; same waits for slot 0
+    started = {r.task.slot: r.task for r in engine.scheduler.running}
+    assert started[0] is first and same in engine.scheduler.waiting
+    while engine.step():
+        pass
+    assert engine.slot_tokens(0)[: len(b)] == b  # same ran after first, on its slot
+
+
+def test_more_completions_than_sequences_are_refused(engine: Engine) -> None:
+    (prompt,) = prompts(engine, 1)
+    req = GenerationRequest(slot=0, prompt=prompt, n_predict=4)
+    with pytest.raises(ValueError, match="at most"):
+        engine.generate_many([req] * (engine.max_completions + 1))
+
+
+def test_extra_completions_stop_at_their_reserved_room(qwen_target: Path) -> None:
+    s = EngineSettings(target=model_settings(qwen_target), aux_room=10, n_aux=1)
+    with Engine.load(s) as eng:
+        (prompt,) = prompts(eng, 1)
+        req = GenerationRequest(slot=0, prompt=prompt, n_predict=30, sampling=GREEDY)
+        first, extra = eng.generate_many([req, replace(req)])
+        assert len(first.tokens) == 30 and len(extra.tokens) == 9
+        assert extra.stop_type == "limit"
+
+
+def test_the_draft_model_drafts_for_several_sequences_in_one_batch(
+    engine: Engine, scorer: Scorer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Draft-model drafts for two slots come from shared draft batches; outputs stay the
+    target's, and each draft cache keeps only verified tokens."""
+    dctx = engine._dctx
+    assert dctx is not None
+    seen: list[set[int]] = []
+    decode_many = dctx.decode_many
+
+    def record(segments: Sequence[Segment]) -> list[int]:
+        seen.append({s.seq for s in segments})
+        return decode_many(segments)
+
+    monkeypatch.setattr(dctx, "decode_many", record)
+    a, b = prompts(engine, 2)
+    reqs = [
+        GenerationRequest(slot=s, prompt=p, n_predict=20, sampling=GREEDY, spec_n_max=4)
+        for s, p in ((0, a), (1, b))
+    ]
+    tasks = [Task([r]) for r in reqs]
+    spec = replace(engine.settings.spec, mode="draft")
+    monkeypatch.setattr(engine, "settings", replace(engine.settings, spec=spec))
+    run(engine, *tasks)
+    assert any(seqs == {0, 1} for seqs in seen)
+    for task, prompt, slot in ((tasks[0], a, 0), (tasks[1], b, 1)):
+        (res,) = task.results
+        assert res.drafted["draft"].drafted > 0
+        assert exact(scorer, prompt, res.tokens)
+        drafts = engine.draft_slot_tokens(slot)
+        verified = prompt + res.tokens
+        assert drafts == verified[: len(drafts)] and len(drafts) >= len(prompt)
