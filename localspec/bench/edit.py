@@ -49,6 +49,16 @@ no worse than llama-server's.
 """
 PLAIN = "localspec/plain"
 LLAMA_PLAIN = "llama-server/plain"
+# localspec server variants, after its mode: without the draft model; flash attention on
+VARIANTS = ("nodraft", "fa-on")
+
+
+def reference(server: str) -> str:
+    """The plain-decoding row a server's answers must equal: the same server family, and for
+    localspec the same attention kernel (flash attention changes the arithmetic)."""
+    if not server.startswith("localspec"):
+        return LLAMA_PLAIN
+    return "localspec/off:fa-on" if server.endswith(":fa-on") else PLAIN
 
 
 @dataclass
@@ -148,9 +158,8 @@ def summarize(answers: Sequence[Answer], servers: Sequence[str]) -> list[Row]:
         row.ttft_p50_ms, row.ttft_mean_ms = percentile(ttfts, 50), mean(ttfts)
         row.drafted = sum(a.drafted for a in ok)
         row.acceptance = ratio(sum(a.accepted for a in ok), row.drafted)
-        reference = PLAIN if name.startswith("localspec") else LLAMA_PLAIN
         for a in ok:
-            ref = by_task.get((reference, a.task))
+            ref = by_task.get((reference(name), a.task))
             if ref is not None and not ref.error and name != reference:
                 row.compared += 1
                 row.identical += a.text == ref.text
@@ -162,7 +171,7 @@ def best(rows: Sequence[Row], prefix: str, *, plain: bool = False) -> Row | None
     """The fastest row of a family (``plain`` False: its speculative rows only)."""
     family = [r for r in rows if r.server.startswith(prefix) and r.tok_s is not None]
     if not plain:
-        family = [r for r in family if not r.server.endswith("/plain")]
+        family = [r for r in family if r.server != reference(r.server)]
     return max(family, key=lambda r: r.tok_s or 0.0, default=None)
 
 
@@ -234,7 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--localspec-modes",
         default="off,auto",
         help="comma-separated --spec-mode values for localspec servers (off is the plain "
-        "reference; MODE:nodraft serves without the draft model; default off,auto)",
+        "reference); after a mode, :nodraft serves without the draft model and :fa-on with "
+        "flash attention (compared with off:fa-on); default off,auto",
     )
     p.add_argument(
         "--vs-llama-server",
@@ -250,6 +260,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="JSON",
         help="extra fields for localspec requests, e.g. '{\"speculative.n_max\": 32}'",
     )
+    p.add_argument(
+        "--pause",
+        type=float,
+        default=0.5,
+        metavar="S",
+        help="idle seconds before each request, so no server's leftover work (spinning "
+        "threads) lands on the next one (default 0.5)",
+    )
     p.add_argument("--json", type=Path, help="write every answer and the summary here")
     p.add_argument("--log-dir", type=Path, help="server logs (default: $TMPDIR)")
     p.add_argument("--load-timeout", type=float, default=600.0)
@@ -262,13 +280,15 @@ def server_specs(args: argparse.Namespace) -> list[anchor.ServerSpec]:
     )
     specs = []
     for entry in (m.strip() for m in args.localspec_modes.split(",") if m.strip()):
-        mode, _, variant = entry.partition(":")
-        if variant not in ("", "nodraft"):
-            raise ValueError(f"unknown localspec variant :{variant} (known: :nodraft)")
-        files = dataclasses.replace(serve, draft=None) if variant else serve
+        mode, *variants = entry.split(":")
+        unknown = set(variants) - set(VARIANTS)
+        if unknown:
+            raise ValueError(f"unknown localspec variant(s) {sorted(unknown)}: {VARIANTS}")
+        files = dataclasses.replace(serve, draft=None) if "nodraft" in variants else serve
         spec = anchor.localspec_spec(files, mode)
-        name = PLAIN if mode == "off" and not variant else f"localspec/{entry}"
-        specs.append(anchor.ServerSpec(name, spec.argv, spec.port, spec.env))
+        argv = spec.argv + (["--flash-attn", "on"] if "fa-on" in variants else [])
+        name = PLAIN if entry == "off" else f"localspec/{entry}"
+        specs.append(anchor.ServerSpec(name, argv, spec.port, spec.env))
     if args.vs_llama_server:
         binary = anchor.find_llama_server(args.llama_server_bin)
         for mode in (m.strip() for m in args.vs_llama_server.split(",") if m.strip()):
@@ -303,6 +323,7 @@ def _main(args: argparse.Namespace) -> int:
             line = []
             for spec in order:
                 extra = args.request if spec.name.startswith("localspec") else {}
+                time.sleep(args.pause)
                 answer = ask(spec.url, task, args.n_predict, extra)
                 answer.server, answer.task = spec.name, i
                 answers.append(answer)
