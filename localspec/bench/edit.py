@@ -162,7 +162,7 @@ def summarize(answers: Sequence[Answer], servers: Sequence[str]) -> list[Row]:
         row.acceptance = ratio(sum(a.accepted for a in ok), row.drafted)
         for a in ok:
             ref = by_task.get((reference(name), a.task))
-            if ref is not None and not ref.error and name != reference:
+            if ref is not None and not ref.error and name != reference(name):
                 row.compared += 1
                 row.identical += a.text == ref.text
         rows.append(row)
