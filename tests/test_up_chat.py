@@ -69,6 +69,8 @@ def test_up_serves_the_chat_pair_the_plan_chose(
             assert infill.status_code == 200 and infill.json()["model"] == "smol+ngram"
             log = localspec(env, "logs", "-n", "200").stdout
             assert "chat:     separate:" in log  # the plan, with both pairs, before loading
+            status = localspec(env, "status", "--port", str(port))
+            assert "chat         smol-chat+ngram" in status.stdout, status.stdout
         finally:
             assert localspec(env, "down", "--port", str(port)).returncode == 0
 
