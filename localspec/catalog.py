@@ -139,11 +139,17 @@ class Tokenizer(_Frozen):
     fim_text: FimText | None = None  # those tokens' texts (a text-prompt upstream needs them)
 
 
+Capability = Literal["fim", "chat"]
+
+
 class ModelEntry(_Frozen):
     id: str
     family: str
     role: Literal["target", "draft", "both"]
     params_b: float = Field(gt=0)
+    # what the model was trained for: "fim" (code completion: base models, and Qwen3-Coder)
+    # and "chat" (instruct models: chat, instruction editing, tool calls)
+    capabilities: tuple[Capability, ...] = Field(default=("fim",), min_length=1)
     arch: Arch
     tokenizer: Tokenizer
     quants: dict[str, QuantEntry] = Field(min_length=1)
@@ -159,6 +165,9 @@ class ModelEntry(_Frozen):
     @property
     def can_draft(self) -> bool:
         return self.role in ("draft", "both")
+
+    def can(self, capability: Capability) -> bool:
+        return capability in self.capabilities
 
     def quant_ladder(self) -> list[str]:
         """This model's quants, smallest first (unknown names last, alphabetically)."""
@@ -239,6 +248,13 @@ class Catalog:
             if key == m.id or (key.startswith(m.id) and not key[len(m.id)].isalnum())
         ]
         return max(found, key=lambda m: len(m.id), default=None)
+
+    def pair_can(self, pair_id: str, capability: Capability) -> bool:
+        """Whether the pair's target was trained for ``capability`` (a model unknown to the
+        catalog can nothing)."""
+        pair = self.pairs.get(pair_id)
+        target = self.models.get(pair.target) if pair is not None else None
+        return target is not None and target.can(capability)
 
     def pairs_for(self, target_id: str) -> list[PairEntry]:
         """Compatible pairs whose target is ``target_id`` (n-gram-only pairs included)."""

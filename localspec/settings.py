@@ -83,6 +83,14 @@ class ModelsSettings(_Section):
         default_factory=list, description="extra model directories searched before downloading"
     )
     pair: str | None = Field(None, description="catalog pair to serve; unset lets the plan pick")
+    chat: Literal["auto", "off"] = Field(
+        "auto",
+        description="chat (/v1/chat/completions): auto lets the plan serve it with the "
+        "completion pair or a second, instruct pair; off answers chat with a 501",
+    )
+    chat_pair: str | None = Field(
+        None, description="catalog instruct pair for chat; unset lets the plan pick"
+    )
 
 
 class HubSettings(_Section):
@@ -252,8 +260,7 @@ class BackendSettings(_Section):
             raise ValueError("must be an http:// or https:// URL")
         if "@" in value.split("://", 1)[1].split("/", 1)[0]:
             raise ValueError(
-                "must not carry credentials (user:password@): put the key in "
-                "backend.api_key_file"
+                "must not carry credentials (user:password@): put the key in backend.api_key_file"
             )
         return value.rstrip("/")
 

@@ -198,4 +198,3 @@ def wait_until(cond: Callable[[], object], timeout: float = 60.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
         time.sleep(0.005)
-

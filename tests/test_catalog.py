@@ -282,3 +282,20 @@ def test_refresh_pins_revision_sizes_and_sha256_from_the_hub(tmp_path: Path) -> 
         moved = refresh_catalog(path, endpoint=hub.url, update_revisions=True, dry_run=True)
         assert ("revision", commit, "f" * 40) in {(c.key, c.old, c.new) for c in moved}
         assert path.read_text() == text  # dry run writes nothing
+
+
+def test_instruct_models_serve_chat_with_the_05b_instruct_draft(catalog: Catalog) -> None:
+    for size in ("0.5b", "1.5b", "3b", "7b", "14b", "32b"):
+        model = catalog.model(f"qwen2.5-coder-{size}-instruct")
+        assert model.capabilities == ("chat",) and not model.can("fim")
+        assert model.tokenizer.eos_id == 151645  # <|im_end|>, as the instruct GGUFs have it
+        base = catalog.model(f"qwen2.5-coder-{size}").arch
+        assert model.arch == base  # the same architecture as the base model
+        assert catalog.pair_can(f"qwen2.5-coder-{size}-instruct+ngram", "chat")
+    assert catalog.model("qwen2.5-coder-0.5b-instruct").can_draft
+    for size in ("1.5b", "3b", "7b", "14b", "32b"):
+        pair = catalog.pair(f"qwen2.5-coder-{size}-instruct+0.5b")
+        assert pair.draft == "qwen2.5-coder-0.5b-instruct" and pair.compatible
+    both = catalog.model("qwen3-coder-30b-a3b")
+    assert both.can("fim") and both.can("chat")
+    assert all(catalog.model(f"qwen2.5-coder-{s}").capabilities == ("fim",) for s in ("7b", "32b"))

@@ -309,17 +309,16 @@ def test_bench_passes_the_remaining_arguments_through(monkeypatch) -> None:
 SMOL_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct-GGUF"
 
 
-def _smol_catalog(directory: Path, filename: str) -> None:
-    """A catalog profile with one real model (SmolLM2 with FIM ids) and an n-gram pair."""
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "smol.toml").write_text(
-        f"""
-[models.smol]
+def smol_entry(model_id: str, filename: str, capabilities: str = '["fim"]') -> str:
+    """A catalog entry for SmolLM2 in ``filename`` and its n-gram pair ``<id>+ngram``."""
+    return f"""
+[models.{model_id}]
 family = "smollm2"
 role = "target"
 params_b = 0.135
+capabilities = {capabilities}
 tokenizer = {{ family = "smollm2" }}
-[models.smol.arch]
+[models.{model_id}.arch]
 n_layer = 30
 n_embd = 576
 n_head = 9
@@ -328,14 +327,19 @@ head_dim = 64
 n_vocab = 49152
 n_ctx_train = 8192
 tied_embeddings = true
-[models.smol.quants.Q4_1]
+[models.{model_id}.quants.Q4_1]
 repo = "{SMOL_REPO}"
 files = [{{ filename = "{filename}" }}]
 
-[pairs."smol+ngram"]
-target = "smol"
+[pairs."{model_id}+ngram"]
+target = "{model_id}"
 """
-    )
+
+
+def _smol_catalog(directory: Path, filename: str) -> None:
+    """A catalog profile with one real model (SmolLM2 with FIM ids) and an n-gram pair."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "smol.toml").write_text(smol_entry("smol", filename))
 
 
 def test_up_plans_pulls_from_the_locked_mirror_and_serves(

@@ -32,8 +32,9 @@ SCHEMA.config.generation.update(
 
 
 @pytest.fixture(scope="module")
-def live(qwen_target: Path) -> Iterator[Live]:
-    server = start(SETTINGS, engine_settings(qwen_target, n_ctx=N_CTX, n_batch=64))
+def live(qwen_scripted_chat: Path) -> Iterator[Live]:
+    # Qwen's vocabulary with FIM ids and a chat template: every route serves, chat included
+    server = start(SETTINGS, engine_settings(qwen_scripted_chat, n_ctx=N_CTX, n_batch=64))
     yield server
     stop(server)
 

@@ -264,7 +264,8 @@ def test_chosen_target_is_the_largest_that_fits_wholly(
 ) -> None:
     plan, facts = plans[name], MACHINES[name]
     chosen = catalog.models[plan.target[0]].params_b
-    bigger = {m.id for m in catalog.targets() if m.params_b > chosen}
+    # the completion pair is chosen among FIM models (instruct-only ones serve chat)
+    bigger = {m.id for m in catalog.targets() if m.params_b > chosen and m.can("fim")}
     for model_id in bigger:
         reasons = [r.reason for r in plan.rejected if r.candidate.startswith(model_id + " ")]
         assert reasons, f"{model_id} is bigger than the choice but was never considered"
@@ -274,7 +275,7 @@ def test_chosen_target_is_the_largest_that_fits_wholly(
             assert any(re.search(r"tok/s|sessions|ms/token|would not pay", r) for r in reasons)
     if not plan.fits_wholly:
         assert all(not _fits_wholly_at_its_most_frugal(catalog, m.id, facts)
-                   for m in catalog.targets())  # fmt: skip
+                   for m in catalog.targets() if m.can("fim"))  # fmt: skip
 
 
 # ----------------------------------------------------------------- specific rules

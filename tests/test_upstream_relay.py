@@ -170,9 +170,7 @@ def test_a_refused_key_is_a_clear_401(qwen_target: Path, tmp_path: Path) -> None
             assert state == {"status": "ok"}  # it answers: the 401 is how the key shows
         # the right key: the editor's own key never goes upstream, localspec's does
         with daemon(tmp_path, upstream=upstream_config(locked.url, api_key="team-key")) as ok:
-            r = httpx.post(
-                ok.url + "/infill", json=FIM_BODY, headers={"Authorization": "Bearer x"}
-            )
+            r = httpx.post(ok.url + "/infill", json=FIM_BODY, headers={"Authorization": "Bearer x"})
             assert r.status_code == 200, r.text
 
 
@@ -190,9 +188,7 @@ def mortal_team(model: Path, tmp_path: Path) -> Iterator[tuple[Daemon, Daemon]]:
         team.kill()
 
 
-def test_killed_mid_stream_then_the_local_model_answers(
-    qwen_target: Path, tmp_path: Path
-) -> None:
+def test_killed_mid_stream_then_the_local_model_answers(qwen_target: Path, tmp_path: Path) -> None:
     with mortal_team(qwen_target, tmp_path) as (team, proxy):
         with httpx.stream(
             "POST", proxy.url + "/completion", json={**LONG, "stream": True}, timeout=60

@@ -336,4 +336,3 @@ def self_signed(tmp: Path) -> tuple[Path, Path]:
         capture_output=True,
     )  # fmt: skip
     return cert, key
-

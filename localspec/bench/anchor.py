@@ -118,21 +118,22 @@ def llama_server_spec(
         "--no-webui",
         "--metrics",  # the bench reads llamacpp:prompt_tokens_total around each location
     ]  # fmt: skip
-    if mode == "draft":
+    # several types joined by "&" are tried in that order each step ("ngram-mod&draft": the
+    # n-gram draft when it finds one, else the draft model's)
+    aliases = {"draft": "draft-simple", "ngram": "ngram-simple"}
+    types = [aliases.get(t, t) for t in mode.split("&")] if mode != "plain" else []
+    if "draft-simple" in types:
         if serve.draft is None:
-            raise ValueError("llama-server mode 'draft' needs a draft model (--draft)")
+            raise ValueError(f"llama-server mode {mode!r} needs a draft model (--draft)")
         argv += [
             "-md", str(serve.draft),
-            "--spec-type", "draft-simple",
             "--spec-draft-n-max", str(serve.draft_max),
             "--spec-draft-p-min", str(serve.draft_p_min),
             "-td", str(serve.threads),
             "-tbd", str(serve.threads),
         ]  # fmt: skip
-    elif mode == "ngram":
-        argv += ["--spec-type", "ngram-simple"]
-    elif mode != "plain":
-        argv += ["--spec-type", mode]
+    if types:
+        argv += ["--spec-type", ",".join(types)]
     if variant:
         argv += ["--flash-attn", "off"]
     if serve.kv_unified:

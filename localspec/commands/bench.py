@@ -1,4 +1,4 @@
-"""``localspec bench speculative|replay``: hand the rest of the command line to the benchmark."""
+"""``localspec bench NAME ...``: hand the rest of the command line to the benchmark."""
 
 from __future__ import annotations
 
@@ -11,19 +11,20 @@ EPILOG = """\
 examples:
   localspec bench speculative --help     speculative vs plain decoding, draft vs n-gram
   localspec bench replay --help          replay an editor session against the daemon
+  localspec bench edit --help            instruction edits (chat) vs llama-server
   localspec bench throughput --help      clients at once, busy machines, vs llama-server
   localspec bench steps --help           step time by busy slots, kept for `localspec plan`
   localspec bench load --help            editor-like clients hammering a running daemon
   localspec bench overhead --help        the server's own time per request, in-process
 Benchmarks print a table and write JSON; every argument after the name is theirs.
 """
-BENCHES = ("speculative", "replay", "throughput", "steps", "load", "overhead")
+BENCHES = ("speculative", "replay", "edit", "throughput", "steps", "load", "overhead")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
-        help="run a benchmark (speculative, replay, throughput, steps, load, overhead)",
+        help="run a benchmark (speculative, replay, edit, throughput, steps, load, overhead)",
         epilog=EPILOG,
         formatter_class=c.Formatter,
         add_help=True,

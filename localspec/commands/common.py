@@ -62,6 +62,7 @@ SERVE_FLAGS = (
     SettingFlag("--api-key-file", "server.api_key_file", str, "file holding the API key", "FILE"),
     SettingFlag("--slots", "server.slots", int, "parallel slots (separate KV caches)", "N"),
     SettingFlag("--pair", "models.pair", str, "catalog pair to serve", "NAME"),
+    SettingFlag("--chat-pair", "models.chat_pair", str, "catalog instruct pair for chat", "NAME"),
     SettingFlag("--ctx-size", "limits.context", int, "context tokens per slot", "N"),
     SettingFlag("--gpu-memory-gb", "limits.gpu_memory_gb", float, "GPU memory cap", "GB"),
     SettingFlag("--threads", "limits.threads", int, "CPU threads for llama.cpp", "N"),

@@ -179,6 +179,12 @@ def gather_status(host: str, port: int, api_key: str | None) -> dict[str, Any]:
     props = _get_json(f"{url}/props", api_key, keep="backend")
     report["props"] = props
     report["localspec"] = bool(props) and daemon.MARKER in str(props).lower()
+    models = _get_json(f"{url}/v1/models", api_key)
+    if isinstance(models, dict) and isinstance(models.get("models"), list):
+        report["chat"] = [
+            m.get("name") for m in models["models"]
+            if isinstance(m, dict) and "chat" in (m.get("capabilities") or ())
+        ]  # fmt: skip
     slots = _get_json(f"{url}/slots", api_key)
     if isinstance(slots, list):
         report["slots"] = {
@@ -225,7 +231,6 @@ def summarise(totals: dict[str, float]) -> dict[str, Any]:
     }
 
 
-
 def _human_time(seconds: float) -> str:
     minutes, sec = divmod(int(seconds), 60)
     hours, minutes = divmod(minutes, 60)
@@ -270,6 +275,9 @@ def render_status(report: dict[str, Any]) -> str:
             if not isinstance(v, (dict, list)) and k != "draft_model"
         )
         lines.append(f"  speculative  {shown}")
+    if "chat" in report:  # who answers /v1/chat/completions
+        chat = report["chat"]
+        lines.append(f"  chat         {', '.join(map(str, chat)) if chat else 'not served'}")
     n_ctx = settings.get("n_ctx") or props.get("n_ctx")
     if n_ctx:
         lines.append(f"  context      {n_ctx} tokens per slot")

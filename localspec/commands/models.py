@@ -125,9 +125,6 @@ def load_catalog() -> Any:
     return load(catalog_dirs())
 
 
-
-
-
 def run_models(args: argparse.Namespace) -> int:
     from localspec import fetch
     from localspec.catalog import CatalogError

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -22,6 +23,7 @@ examples:
   localspec up                                  plan, download and serve on localhost:8012
   localspec up --detach                         the same in the background; returns when ready
   localspec up --target 7b.gguf --draft 0.5b.gguf   serve local GGUF files, no catalog
+  localspec up --target 7b.gguf --chat-target 7b-instruct.gguf   and a chat model beside it
   localspec up --pair qwen2.5-coder-7b+0.5b --ctx-size 8192
   localspec up --host 0.0.0.0 --api-key-file ~/.config/localspec/key   share on the LAN
 
@@ -44,6 +46,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--target", type=Path, metavar="GGUF", help="serve this local target model")
     p.add_argument("--draft", type=Path, metavar="GGUF", help="local draft model (with --target)")
+    p.add_argument(
+        "--chat-target",
+        type=Path,
+        metavar="GGUF",
+        help="with --target: a local instruct model that answers chat (default: the target, "
+        "when its GGUF has a chat template)",
+    )
+    p.add_argument(
+        "--chat-draft", type=Path, metavar="GGUF", help="local draft model for --chat-target"
+    )
     p.add_argument(
         "--gpu-layers",
         type=int,
@@ -82,6 +94,12 @@ def run(args: argparse.Namespace) -> int:
     _warn_readable_inline_key(resolved)
     if args.draft is not None and args.target is None:
         c.error("--draft needs --target (a catalog pair brings its own draft: use --pair)")
+        return c.EXIT_USAGE
+    if args.chat_target is not None and args.target is None:
+        c.error("--chat-target needs --target (catalog pairs: use --chat-pair)")
+        return c.EXIT_USAGE
+    if args.chat_draft is not None and args.chat_target is None:
+        c.error("--chat-draft needs --chat-target")
         return c.EXIT_USAGE
     host, port = settings.server.host, settings.server.port
     owner = daemon.probe_port(host, port, api_key)
@@ -123,10 +141,10 @@ def _warn_readable_inline_key(resolved: st.ResolvedSettings) -> None:
 def _detach(args: argparse.Namespace, host: str, port: int) -> int:
     child_argv = ["up", *c.flag_argv(args), "--gpu-layers", str(args.gpu_layers)]
     child_argv += ["--flash-attn", args.flash_attn]
-    for name in ("target", "draft"):
+    for name in ("target", "draft", "chat_target", "chat_draft"):
         path = getattr(args, name)
         if path is not None:
-            child_argv += [f"--{name}", str(path.expanduser().resolve())]
+            child_argv += [f"--{name.replace('_', '-')}", str(path.expanduser().resolve())]
     log_path = daemon.log_file()
     proc = daemon.spawn_detached(child_argv, log_path)
     url = daemon.base_url(host, port)
@@ -190,13 +208,19 @@ class Served:
     alias: str
     plan: Any = None  # the Plan behind a catalog pair; None for --target/--draft files
     paths: tuple[Any, Any] = (None, None)  # (target, draft) files of a planned pair
+    chat: Any = None  # EngineSettings of a second pair that answers chat
+    chat_alias: str | None = None
+    chat_refusal: str | None = None  # why no chat is served (the 501's text)
+
+
+CHAT_OFF = "Chat is off on this daemon: models.chat = off (`localspec profile explain`)"
 
 
 def _local_models(args: argparse.Namespace, settings: st.Settings) -> Served:
     from localspec.engine.types import EngineSettings, ModelSettings, SpecSettings
 
     models = []
-    for path in (args.target, args.draft):
+    for path in (args.target, args.draft, args.chat_target, args.chat_draft):
         if path is None:
             models.append(None)
             continue
@@ -218,19 +242,31 @@ def _local_models(args: argparse.Namespace, settings: st.Settings) -> Served:
                 n_threads_batch=settings.limits.threads,
             )
         )
-    target, draft = models
+    target, draft, chat_target, chat_draft = models
     spec = settings.speculative
     if spec.mode == "draft" and draft is None:
         raise UpError("speculative.mode is 'draft' but no draft model is given (--draft)")
-    engine = EngineSettings(
-        target=target,
-        draft=draft,
-        n_slots=settings.server.slots or 1,
-        spec=SpecSettings(mode=spec.mode, n_max=spec.n_max, n_min=spec.n_min, p_min=spec.p_min),
-        cache_reuse=settings.cache.reuse_chunk,
-        exact_ms=settings.cache.exact_ms,
+
+    def engine(target: ModelSettings, draft: ModelSettings | None) -> EngineSettings:
+        mode = spec.mode if draft is not None or spec.mode != "draft" else "ngram"
+        return EngineSettings(
+            target=target,
+            draft=draft,
+            n_slots=settings.server.slots or 1,
+            spec=SpecSettings(mode=mode, n_max=spec.n_max, n_min=spec.n_min, p_min=spec.p_min),
+            cache_reuse=settings.cache.reuse_chunk,
+            exact_ms=settings.cache.exact_ms,
+        )
+
+    off = settings.models.chat == "off"
+    chat = engine(chat_target, chat_draft) if chat_target is not None and not off else None
+    return Served(
+        engine(target, draft),
+        args.target.name,
+        chat=chat,
+        chat_alias=args.chat_target.name if chat is not None else None,
+        chat_refusal=CHAT_OFF if off else None,
     )
-    return Served(engine, args.target.name)
 
 
 def _planned_models(settings: st.Settings) -> Served:
@@ -248,8 +284,12 @@ def _planned_models(settings: st.Settings) -> Served:
     except ValueError as exc:  # CatalogError, HardwareError, PlanError
         raise UpError(str(exc)) from None
     print(plan.render_plan(chosen), file=sys.stderr)
+    chat = chosen.chat
     try:
         target_path, draft_path = fetch.pull_plan(chosen, settings=settings, catalog=catalog)
+        chat_paths = None
+        if chat is not None and chat.plan is not None:  # a second pair answers chat
+            chat_paths = fetch.pull_plan(chat.plan, settings=settings, catalog=catalog)
     except fetch.FetchError as exc:
         raise UpError(str(exc)) from None
     return Served(
@@ -257,6 +297,9 @@ def _planned_models(settings: st.Settings) -> Served:
         chosen.pair_id,
         chosen,
         (target_path, draft_path),
+        chat=None if chat_paths is None else chat.plan.engine_settings(*chat_paths),
+        chat_alias=None if chat_paths is None else chat.plan.pair_id,
+        chat_refusal=chat.reason if chat is not None and chat.mode == "off" else None,
     )
 
 
@@ -272,7 +315,7 @@ def _fallback(served: Served) -> Served | None:
     if smaller is None:
         return None
     c.warn(f"{smaller.notes[-1]}; retrying")
-    return Served(smaller.engine_settings(*served.paths), served.alias, smaller, served.paths)
+    return dataclasses.replace(served, engine=smaller.engine_settings(*served.paths), plan=smaller)
 
 
 def _upstream_settings(settings: st.Settings, key: str | None) -> Any:
@@ -346,6 +389,8 @@ def _server_settings(settings: st.Settings, api_key: str | None, served: Served 
         spm_infill=server.spm_infill,
         typed_in_middle=settings.cache.infill_layout == "typed-in-middle",
         ring_blocks=settings.cache.ring_attention == "blocks",
+        chat_refusal=served.chat_refusal,
+        chat_alias=served.chat_alias,
     )
 
 
@@ -404,6 +449,7 @@ def _serve(
             code = serve(
                 server_settings,
                 served.engine if served else None,
+                chat_engine_settings=served.chat if served else None,
                 on_ready=on_ready,
                 log_level=uvicorn_level,
                 upstream=upstream,

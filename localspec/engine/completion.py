@@ -627,4 +627,3 @@ def draft_together(wants: list[Completion]) -> None:
         elif len(c.draft) > 1:
             c.policy.observe_draft_cost("draft", spent / len(c.draft))
         c.result.t_draft_ms += spent
-

@@ -169,7 +169,6 @@ def _offline_message(
     )
 
 
-
 class _Hub:
     """huggingface_hub calls for one pull: HEAD metadata and LFS sha256 per repo."""
 

@@ -35,6 +35,8 @@ def candidates_from_catalog(catalog: Any, settings: PlanSettings) -> list[Candid
         if pair.draft and not settings.draft_models:
             continue
         target = catalog.models[pair.target]
+        if not all(target.can(need) for need in settings.needs):
+            continue
         draft_entry = catalog.models[pair.draft] if pair.draft else None
         draft = facts(draft_entry, _draft_quant(draft_entry)) if draft_entry else None
         for quant in target.quants:
@@ -69,11 +71,19 @@ def allowed_candidates(catalog: Any, settings: PlanSettings) -> list[Candidate]:
         )
     else:
         candidates = candidates_from_catalog(catalog, settings)
+    if settings.pair and all(cand.pair_id != settings.pair for cand in candidates):
+        pair = getattr(catalog, "pairs", {}).get(settings.pair)
+        if pair is not None and pair.compatible:
+            does = "/".join(catalog.models[pair.target].capabilities)
+            raise PlanError(
+                f"pair {settings.pair!r} is a {does} pair where a {'+'.join(settings.needs)} "
+                "one is needed (an instruct pair for chat goes in models.chat_pair)"
+            )
+        if candidates:
+            raise PlanError(f"pair {settings.pair!r} is not in the catalog or not allowed")
     if not candidates:
         raise PlanError(
             "no catalog pair is allowed by the settings (models.allowed = "
             f"{list(settings.allowed)}); allow at least one pair"
         )
-    if settings.pair and all(cand.pair_id != settings.pair for cand in candidates):
-        raise PlanError(f"pair {settings.pair!r} is not in the catalog or not allowed")
     return candidates

@@ -19,34 +19,7 @@ def gib(n: float) -> str:
 
 def render_plan(plan: Plan) -> str:
     """The table `localspec plan` prints: choice, memory per device, rejections, speed."""
-    t_layers = plan.target_layers
-    offload = "all" if plan.target_ngl >= t_layers else f"{plan.target_ngl}"
-    lines = [
-        f"hardware: {plan.hardware}",
-        f"pair:     {plan.pair_id}",
-        f"target:   {plan.target[0]} {plan.target[1]}  "
-        f"(GPU layers {offload}/{t_layers}; sizes from {plan.target_source})",
-        "draft:    "
-        + (
-            f"{plan.draft[0]} {plan.draft[1]} on {plan.draft_device} (GPU layers {plan.draft_ngl})"
-            if plan.draft
-            else "none (n-gram drafting from the prompt)"
-        ),
-        f"context:  {plan.n_ctx} tokens x {plan.n_slots} slot(s), KV {plan.type_k}/{plan.type_v}, "
-        f"batch {plan.n_batch}/{plan.n_ubatch}, flash attention "
-        f"{'on' if plan.flash_attn else 'off'}, threads {plan.n_threads}/{plan.n_threads_batch}",
-    ]
-    if plan.tensor_split:
-        lines.append("split:    " + " / ".join(f"{s:.2f}" for s in plan.tensor_split))
-    lines += ["", "memory (GiB)"]
-    header = f"  {'device':<36}{'weights':>9}{'KV':>8}{'compute':>9}{'draft':>8}"
-    header += f"{'margin':>8}{'used':>8}{'budget':>8}"
-    lines.append(header)
-    for r in plan.memory:
-        lines.append(
-            f"  {r.device[:35]:<36}{gib(r.weights):>9}{gib(r.kv):>8}{gib(r.compute):>9}"
-            f"{gib(r.draft):>8}{gib(r.margin):>8}{gib(r.used):>8}{gib(r.budget):>8}"
-        )
+    lines = [f"hardware: {plan.hardware}", *_pair_lines(plan)]
     target_tps, draft_tps = plan.decode_ceiling_tps
     lines += [
         "",
@@ -65,6 +38,10 @@ def render_plan(plan: Plan) -> str:
             "concurrent sessions",
             *("  " + s for s in plan.capacity.explanation.split("\n")),
         ]
+    if plan.chat is not None:
+        lines += ["", f"chat:     {plan.chat.mode}: {plan.chat.reason}"]
+        if plan.chat.plan is not None:
+            lines += ["  " + line if line else "" for line in _pair_lines(plan.chat.plan)]
     if plan.rejected:
         lines += ["", "rejected"]
         shown = plan.rejected[-MAX_REJECTIONS_SHOWN:]  # the nearest misses come last
@@ -97,3 +74,35 @@ def render_team(team: TeamServer) -> str:
         team.profile.rstrip(),
     ]
     return "\n".join(lines)
+
+
+def _pair_lines(plan: Plan) -> list[str]:
+    """One pair's choice and its memory per device (the completion pair, or the chat pair)."""
+    t_layers = plan.target_layers
+    offload = "all" if plan.target_ngl >= t_layers else f"{plan.target_ngl}"
+    lines = [
+        f"pair:     {plan.pair_id}",
+        f"target:   {plan.target[0]} {plan.target[1]}  "
+        f"(GPU layers {offload}/{t_layers}; sizes from {plan.target_source})",
+        "draft:    "
+        + (
+            f"{plan.draft[0]} {plan.draft[1]} on {plan.draft_device} (GPU layers {plan.draft_ngl})"
+            if plan.draft
+            else "none (n-gram drafting from the prompt)"
+        ),
+        f"context:  {plan.n_ctx} tokens x {plan.n_slots} slot(s), KV {plan.type_k}/{plan.type_v}, "
+        f"batch {plan.n_batch}/{plan.n_ubatch}, flash attention "
+        f"{'on' if plan.flash_attn else 'off'}, threads {plan.n_threads}/{plan.n_threads_batch}",
+    ]
+    if plan.tensor_split:
+        lines.append("split:    " + " / ".join(f"{s:.2f}" for s in plan.tensor_split))
+    lines += ["", "memory (GiB)"]
+    header = f"  {'device':<36}{'weights':>9}{'KV':>8}{'compute':>9}{'draft':>8}"
+    header += f"{'margin':>8}{'used':>8}{'budget':>8}"
+    lines.append(header)
+    for r in plan.memory:
+        lines.append(
+            f"  {r.device[:35]:<36}{gib(r.weights):>9}{gib(r.kv):>8}{gib(r.compute):>9}"
+            f"{gib(r.draft):>8}{gib(r.margin):>8}{gib(r.used):>8}{gib(r.budget):>8}"
+        )
+    return lines

@@ -8,6 +8,7 @@ from os import PathLike
 from typing import Any
 
 from localspec.engine.types import EngineSettings, ModelSettings, SpecSettings
+from localspec.planning.chat import ChatPlan
 from localspec.planning.memory import padded_ctx
 from localspec.planning.types import DeviceMemory, PlanError
 
@@ -71,6 +72,7 @@ class Plan:
     speculative: SpecSettings = field(default_factory=SpecSettings)
     cache_reuse: int = 256
     cache_exact_ms: float = 100.0
+    chat: ChatPlan | None = None  # who answers chat (planning/chat.py); None: not decided
 
     @property
     def concurrent_sessions(self) -> int:
@@ -124,9 +126,10 @@ class Plan:
         )
 
     def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
+        data = asdict(replace(self, chat=None))
         data["memory"] = [r.to_json() for r in self.memory]
         data["concurrent_sessions"] = self.concurrent_sessions
+        data["chat"] = None if self.chat is None else self.chat.to_json()
         return data
 
 

@@ -11,6 +11,7 @@ from typing import Any
 from localspec.hardware import HardwareFacts
 from localspec.planning.candidates import allowed_candidates
 from localspec.planning.capacity import size_slots
+from localspec.planning.chat import with_chat
 from localspec.planning.layout import (
     SearchContext,
     draft_placements,
@@ -305,7 +306,8 @@ def make_plan(
         notes.append(f"KV cache quantized to {chosen.layout.type_kv} to fit (flash attention on)")
     if chosen.layout.n_ctx < c.ctx_max(chosen.cand.target):
         notes.append(f"context shrunk to {chosen.layout.n_ctx} tokens to fit")
-    return _to_plan(c, chosen, rejected, notes, warnings)
+    plan = _to_plan(c, chosen, rejected, notes, warnings)
+    return with_chat(catalog, facts, settings, plan, make_plan)
 
 
 def _nothing_fits(c: SearchContext, rejected: Sequence[Rejection]) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from localspec.engine.types import SpecSettings
 from localspec.planning.types import ModelFacts, PlanError, StepCosts
@@ -38,6 +38,12 @@ class PlanSettings:
     """(model id, quant) -> facts read from a GGUF on disk; replaces the catalog estimate."""
     step_costs: Mapping[tuple[str, str], StepCosts] = field(default_factory=dict)
     """(model id, quant) -> step times measured on this machine; replace the bandwidth model."""
+    needs: tuple[str, ...] = ("fim",)  # what the target must do (catalog capabilities)
+    # the chat side (planning/chat.py): "auto" decides it, "off" serves none; None: this is
+    # the search for the chat pair itself
+    chat: Literal["auto", "off"] | None = "auto"
+    chat_pair: str | None = None  # try only this pair for chat
+    chat_allowed: tuple[str, ...] = ()  # patterns the chat pair must match (models.allowed)
 
 
 def is_allowed(patterns: Sequence[str], *names: str) -> bool:
@@ -52,6 +58,9 @@ def plan_settings_from(settings: Any, **overrides: Any) -> PlanSettings:
     ``overrides`` set PlanSettings fields no settings key holds (concurrent_sessions=500)."""
     models, limits, spec = settings.models, settings.limits, settings.speculative
     allowed = tuple(models.allowed)
+    chat_pair = models.chat_pair
+    if chat_pair and not is_allowed(allowed, chat_pair):
+        raise PlanError(f"models.chat_pair {chat_pair!r} is not in models.allowed {list(allowed)}")
     if models.pair:
         if not is_allowed(allowed, models.pair):
             raise PlanError(f"models.pair {models.pair!r} is not in models.allowed {list(allowed)}")
@@ -72,5 +81,8 @@ def plan_settings_from(settings: Any, **overrides: Any) -> PlanSettings:
         ),
         cache_reuse=settings.cache.reuse_chunk,
         cache_exact_ms=settings.cache.exact_ms,
+        chat=models.chat,
+        chat_pair=chat_pair,
+        chat_allowed=tuple(models.allowed),
         **overrides,
     )

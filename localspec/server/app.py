@@ -7,7 +7,10 @@ import asyncio
 import contextlib
 import dataclasses
 import inspect
+import logging
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Iterator
+from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -21,13 +24,15 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from localspec import __version__
 from localspec.engine.types import EngineSettings, ModelSettings
-from localspec.server import prompts
+from localspec.server import chat, prompts
+from localspec.server.chatmodel import reading_chat_model
 from localspec.server.dispatch import error_response
 from localspec.server.errors import ApiError, InvalidRequest, NotSupported
 from localspec.server.gate import Gate
 from localspec.server.metrics import CONTENT_TYPE
 from localspec.server.results import CompactJSONResponse
 from localspec.server.schemas import (
+    ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     InfillRequest,
@@ -42,6 +47,8 @@ from localspec.server.upstream.backend import Upstream
 from localspec.server.upstream.config import UpstreamSettings
 from localspec.server.upstream.failover import Failover, local_probe, ready_probe
 from localspec.server.upstream.openai_kind import Limits
+
+log = logging.getLogger("localspec.server")
 
 
 async def service(request: Request) -> Service:
@@ -188,9 +195,25 @@ async def openai_completions(body: OpenAICompletionRequest, request: Request, sv
     return await svc.openai(request, svc.job(params, prepare, truncate=truncate))
 
 
+@router.post("/v1/chat/completions")
+@router.post("/chat/completions", include_in_schema=False)
+async def chat_completions(body: ChatCompletionRequest, request: Request, svc: Svc) -> Response:
+    """OpenAI chat: the messages rendered with the model's own chat template, streamed or not,
+    tool calls in the model's format answered as ``tool_calls`` (llama.vim's instruction
+    editing, llama-vscode's chat, edit and agent)."""
+    return await chat.chat_completions(body, request, svc)
+
+
+@router.post("/apply-template")
+async def apply_template(body: ChatCompletionRequest, request: Request, svc: Svc) -> Response:
+    """The prompt a chat request would run, as ``{"prompt": text}``."""
+    return await chat.apply_template(body, request, svc)
+
+
 @router.get("/props")
-async def props(svc: Svc) -> Response:
-    return CompactJSONResponse(svc.props())
+async def props(request: Request, svc: Svc) -> Response:
+    """The server's properties; ``?model=NAME`` those of that served model."""
+    return CompactJSONResponse(svc.for_model(request.query_params.get("model")).props())
 
 
 @router.get("/v1/models")
@@ -234,7 +257,8 @@ async def tokenize(body: TokenizeRequest, request: Request, svc: Svc) -> Respons
         return {"tokens": [{"id": t, "piece": vocab.detokenize([t])} for t in tokens]}
 
     try:
-        return CompactJSONResponse(await asyncio.wrap_future(svc.worker.call(run)))
+        worker = svc.for_model(body.model).worker
+        return CompactJSONResponse(await asyncio.wrap_future(worker.call(run)))
     except Exception as exc:
         return error_response(exc, request)
 
@@ -246,7 +270,8 @@ async def detokenize(body: DetokenizeRequest, request: Request, svc: Svc) -> Res
         return {"content": engine.vocab.detokenize(body.tokens)}
 
     try:
-        return CompactJSONResponse(await asyncio.wrap_future(svc.worker.call(run)))
+        worker = svc.for_model(body.model).worker
+        return CompactJSONResponse(await asyncio.wrap_future(worker.call(run)))
     except Exception as exc:
         return error_response(exc, request)
 
@@ -323,6 +348,34 @@ def _once(callback: Callable[[], None] | None) -> Callable[[], None] | None:
     return call
 
 
+def _when_all_ready(on_ready: Callable[[], None] | None, n: int) -> Callable[[], None] | None:
+    """``on_ready`` once all ``n`` workers have loaded their models (each calls this once)."""
+    if on_ready is None or n == 1:
+        return on_ready
+    lock, left = threading.Lock(), [n]
+
+    def one_ready() -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            on_ready()
+
+    return one_ready
+
+
+def _chat_failed(ready: Callable[[], None] | None) -> Callable[[BaseException], None]:
+    """A chat pair that fails to load leaves completion serving: chat answers a 501 with the
+    reason, and the daemon counts as ready once the completion pair is."""
+
+    def failed(exc: BaseException) -> None:
+        log.error("the chat model failed to load; chat is unavailable: %s", exc)
+        if ready is not None:
+            ready()
+
+    return failed
+
+
 def create_app(
     server_settings: ServerSettings,
     engine_settings: EngineSettings | None,
@@ -331,28 +384,37 @@ def create_app(
     on_ready: Callable[[], None] | None = None,
     on_failure: Callable[[BaseException], None] | None = None,
     upstream: UpstreamSettings | None = None,
+    chat_engine_settings: EngineSettings | None = None,
+    chat_load: Callable[[], Any] | None = None,
 ) -> FastAPI:
     """The ASGI app; the engine loads in a background thread at startup (/health: 503 till then).
 
     ``server_settings.n_parallel`` is the slot count (llama-server's ``-np``): it replaces
     ``engine_settings.n_slots``. With ``upstream`` the editor's requests go to a team server
     (server/upstream/), the local model (``engine_settings``; None: no local model) answering
-    while it is down or slow.
+    while it is down or slow. ``chat_engine_settings``: a second pair, with a worker of its
+    own, that answers chat (``server_settings.chat_alias`` names it).
     """
+
+    def slots(settings: EngineSettings) -> EngineSettings:
+        if settings.n_slots == server_settings.n_parallel:
+            return settings
+        return dataclasses.replace(settings, n_slots=server_settings.n_parallel)
+
     has_local = engine_settings is not None
     if engine_settings is None:
         if upstream is None:
             raise ValueError("nothing to serve: give engine_settings, an upstream, or both")
         # never loaded: the worker does not start without a local model
         engine_settings = EngineSettings(target=ModelSettings(path=""))
-    if engine_settings.n_slots != server_settings.n_parallel:
-        engine_settings = dataclasses.replace(engine_settings, n_slots=server_settings.n_parallel)
+    engine_settings = slots(engine_settings)
     on_ready = _once(on_ready)
+    ready = _when_all_ready(on_ready, 1 if chat_engine_settings is None else 2)
     svc = Service.create(
         server_settings,
         engine_settings,
-        load or default_loader(engine_settings),
-        on_ready=on_ready,
+        reading_chat_model(load or default_loader(engine_settings)),
+        on_ready=ready,
         on_failure=on_failure,
     )
     remote = None
@@ -366,11 +428,29 @@ def create_app(
             ),
             registry=svc.metrics.registry if svc.metrics is not None else None,
         )
+    if chat_engine_settings is not None:
+        chat_engine_settings = slots(chat_engine_settings)
+        chat_settings = dataclasses.replace(
+            server_settings,
+            chat_refusal=None,
+            model_alias=server_settings.chat_alias or Path(chat_engine_settings.target.path).name,
+        )
+        svc.chat_service = Service.create(
+            chat_settings,
+            chat_engine_settings,
+            reading_chat_model(chat_load or default_loader(chat_engine_settings)),
+            on_ready=ready,
+            on_failure=_chat_failed(ready),
+        )
+        svc.chat_service.metrics = svc.metrics  # one registry: requests of both models
+    workers = ([svc.worker] if has_local else []) + (
+        [svc.chat_service.worker] if svc.chat_service else []
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        if has_local:
-            svc.worker.start()
+        for worker in workers:
+            worker.start()
         if remote is not None:
             await remote.start()
             if remote.health.usable and on_ready is not None:
@@ -380,7 +460,8 @@ def create_app(
         finally:
             if remote is not None:
                 await remote.aclose()
-            await run_in_threadpool(svc.worker.stop)
+            for worker in workers:
+                await run_in_threadpool(worker.stop)
 
     app = FastAPI(
         title="localspec",

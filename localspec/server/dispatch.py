@@ -255,7 +255,8 @@ async def respond_stream(
     done_marker: bytes = b"",
     on_result: Callable[[JobResult], None] | None = None,
 ) -> Response:
-    """Stream ``data: {...}`` events; an error before the first event is a plain error answer."""
+    """Stream ``data: {...}`` events; an error before the first event is a plain error answer.
+    ``partial`` gives one event per token, or a list of events (possibly empty)."""
     pending = Pending(request, worker, job, timeout_s)
     pending.enable_streaming()
 
@@ -286,7 +287,9 @@ async def respond_stream(
             while item is not _DONE:
                 if item is None:
                     return
-                yield sse(partial(*item))
+                out = partial(*item)  # one event, or a list of them (chat: none, or several)
+                for obj in out if isinstance(out, list) else (out,):
+                    yield sse(obj)
                 item = await pending.next_item()
             try:
                 tail = early_tail if first is _DONE else finish()

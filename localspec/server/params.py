@@ -18,6 +18,7 @@ from localspec.server.schemas import GenerationFields
 
 RANDOM_SEED = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED
 
+
 def sampler_chain(samplers: list[str] | str) -> tuple[str, ...]:
     """llama.cpp's names (any spelling it accepts), or a string of one-letter codes, as the
     engine's canonical names (one table: engine/sampling.py).

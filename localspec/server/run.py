@@ -105,6 +105,7 @@ def serve(
     server_settings: ServerSettings,
     engine_settings: EngineSettings | None,
     *,
+    chat_engine_settings: EngineSettings | None = None,
     on_ready: Callable[[], None] | None = None,
     on_bound: Callable[[list[tuple[str, int]]], None] | None = None,
     log_level: str = "warning",
@@ -112,7 +113,8 @@ def serve(
 ) -> int:
     """Serve until SIGINT/SIGTERM; 0 on a clean stop, non-zero when loading or binding failed.
     ``upstream``: a team server answers, the local model (``engine_settings``; None: none)
-    only while it cannot."""
+    only while it cannot. ``chat_engine_settings``: a second pair that answers chat (its own
+    worker)."""
     server_settings.check()
     failure: list[BaseException] = []
     server: _Server | None = None
@@ -124,7 +126,12 @@ def serve(
             server.should_exit = True
 
     app = create_app(
-        server_settings, engine_settings, on_ready=on_ready, on_failure=failed, upstream=upstream
+        server_settings,
+        engine_settings,
+        on_ready=on_ready,
+        on_failure=failed,
+        chat_engine_settings=chat_engine_settings,
+        upstream=upstream,
     )
     svc = app.state.service
     try:

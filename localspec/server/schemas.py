@@ -175,8 +175,43 @@ class OpenAICompletionRequest(GenerationFields):
     logprobs: Any = None
 
 
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(GenerationFields):
+    """``POST /v1/chat/completions`` (and ``/apply-template``): OpenAI's chat request with
+    llama-server's extensions. ``messages`` and ``tools`` are checked by ``localspec.chat``
+    with llama-server's error texts, not here."""
+
+    messages: Any = Field(
+        None,
+        description="OpenAI chat messages: role, content (text or text parts), tool_calls, "
+        "tool_call_id. A last assistant message is continued.",
+    )
+    tools: Any = Field(None, description="OpenAI function tools, handed to the chat template.")
+    tool_choice: Any = Field(None, description="auto, none, required, or a named function.")
+    parallel_tool_calls: bool | None = None
+    stream_options: StreamOptions | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | str | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Extra variables for the chat template (e.g. enable_thinking)."
+    )
+    response_format: Any = Field(
+        None, description='Only {"type": "text"}: no grammar-constrained output.'
+    )
+    logprobs: bool | None = Field(
+        None, description="Report each token's log-probability (before sampling)."
+    )
+    top_logprobs: int | None = Field(None, ge=0, le=N_PROBS_LIMIT)
+    grammar: Any = Field(None, description="Not supported (no grammar sampler): a 400.")
+    json_schema: Any = Field(None, description="Not supported (no grammar sampler): a 400.")
+
+
 class TokenizeRequest(_Body):
     content: Text | PromptPieces = ""
+    model: Any = Field(None, description="Which served model's vocabulary (chat or completion).")
     add_special: bool = False
     parse_special: bool = True
     with_pieces: bool = False
@@ -184,6 +219,7 @@ class TokenizeRequest(_Body):
 
 class DetokenizeRequest(_Body):
     tokens: list[int] = Field(default_factory=list)
+    model: Any = Field(None, description="Which served model's vocabulary (chat or completion).")
 
 
 # ---------------------------------------------------------------------- parsing

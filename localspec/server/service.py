@@ -15,6 +15,7 @@ from starlette.responses import Response
 from localspec import __version__
 from localspec.engine.types import EngineSettings, SamplingParams, TokenEvent
 from localspec.server import dispatch, results
+from localspec.server.chatmodel import chat_model
 from localspec.server.errors import ApiError, Unavailable
 from localspec.server.metrics import Metrics, Probes
 from localspec.server.params import TaskParams, task_params
@@ -81,6 +82,7 @@ class Service:
     started: float
     token_cache: TokenCache
     _params_cache: dict[tuple[Any, ...], TaskParams] = field(default_factory=dict)
+    chat_service: Service | None = None  # a second pair loaded for chat (its own worker)
 
     @classmethod
     def create(
@@ -108,12 +110,40 @@ class Service:
     def not_ready(self) -> ApiError | None:
         state = self.worker.state
         if state == "ready":
-            return None
+            chat = self.chat_service
+            if chat is None or chat.worker.state == "failed":  # chat says so; FIM serves on
+                return None
+            return chat.not_ready()
         if state == "loading":
             return Unavailable("Loading model")
         if state == "failed":
             return ApiError(f"The model failed to load: {self.worker.error}")
         return Unavailable("Server is stopping")
+
+    def for_model(self, name: Any) -> Service:
+        """The served model a request names (``model``, ``/props?model=``): the chat pair when
+        it is that one's name, else this one (other names are ignored, as llama-server)."""
+        chat = self.chat_service
+        return chat if chat is not None and name == chat.model_name else self
+
+    @property
+    def serves_chat(self) -> bool:
+        return (
+            self.chat_service is None
+            and not self.settings.chat_refusal
+            and chat_model(self.engine).serves_chat
+        )
+
+    def capabilities(self) -> list[str]:
+        """What this model answers: completion, infill (FIM tokens), chat, tools."""
+        caps = ["completion"]
+        if self.engine.vocab.fim.supported:
+            caps.append("infill")
+        if self.serves_chat:
+            caps.append("chat")
+            if chat_model(self.engine).tool_format is not None:
+                caps.append("tools")
+        return caps
 
     # ------------------------------------------------------------------ requests
 
@@ -356,32 +386,53 @@ class Service:
             "endpoint_slots": True,
             "endpoint_props": False,
             "endpoint_metrics": self.metrics is not None,
-            "chat_template": "",
+            **self._chat_props(),
+            "capabilities": self.capabilities(),
             "build_info": f"localspec {__version__}",
             "is_sleeping": False,
         }
 
+    def _chat_props(self) -> dict[str, Any]:
+        """llama-server's template fields; an empty ``chat_template``: this model answers no
+        chat (a completion-only model, or chat is served by the other pair)."""
+        template = chat_model(self.engine).template
+        if template is None or not self.serves_chat:
+            return {"chat_template": ""}
+        return {
+            "chat_template": template.source,
+            "chat_template_caps": template.caps.to_json(),
+            "bos_token": template.bos_token,
+            "eos_token": template.eos_token,
+        }
+
     def models(self) -> dict[str, Any]:
-        engine = self.engine
-        meta = {"n_ctx": engine.n_ctx, "n_vocab": engine.vocab.n_vocab}
+        """Every served model (the chat pair too, when one is loaded), with what each does."""
+        served = [self] if self.chat_service is None else [self, self.chat_service]
         return {
             "models": [
                 {
-                    "name": self.model_name,
-                    "model": self.model_name,
+                    "name": svc.model_name,
+                    "model": svc.model_name,
                     "type": "model",
-                    "capabilities": ["completion"],
+                    "capabilities": svc.capabilities(),
                 }
+                for svc in served
             ],
             "object": "list",
             "data": [
                 {
-                    "id": self.model_name,
+                    "id": svc.model_name,
                     "object": "model",
                     "created": int(self.started),
                     "owned_by": "localspec",
-                    "meta": meta,
+                    "capabilities": svc.capabilities(),
+                    "meta": {
+                        "n_ctx": svc.engine.n_ctx,
+                        "n_vocab": svc.engine.vocab.n_vocab,
+                        "n_ctx_train": getattr(svc.engine, "n_ctx_train", None),
+                    },
                 }
+                for svc in served
             ],
         }
 

@@ -30,6 +30,10 @@ class ServerSettings:
     max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies answer 413
     body_timeout_s: float = 30.0  # a body not fully received by then answers 408
     max_connections: int = 256  # open connections past this answer 503 (uvicorn's cap)
+    # why this daemon answers no chat (the 501's message: what to change); None: chat is
+    # served by the chat model, or by the completion model when its GGUF has a chat template
+    chat_refusal: str | None = None
+    chat_alias: str | None = None  # the chat model's name in answers (a second pair); None: file
 
     def is_loopback(self) -> bool:
         return self.host in LOOPBACK_HOSTS

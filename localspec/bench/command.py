@@ -1,0 +1,38 @@
+"""What the benchmark commands share: their argument parser's shape, and running with SIGTERM
+(or SIGINT in a background job) turned into KeyboardInterrupt, so the servers they started are
+stopped, then the process's own handlers put back."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+from collections.abc import Callable
+
+
+def bench_parser(prog: str, doc: str | None, epilog: str) -> argparse.ArgumentParser:
+    """A parser whose description is the module docstring's second paragraph."""
+    return argparse.ArgumentParser(
+        prog=prog,
+        description=doc.split("\n\n")[1] if doc else None,
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def interruptible(run: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """``run(args)`` with SIGTERM and SIGINT raising KeyboardInterrupt (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        return run(args)
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    for sig in saved:
+        signal.signal(sig, _interrupt)
+    try:
+        return run(args)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
