@@ -389,8 +389,8 @@ def _server_settings(settings: st.Settings, api_key: str | None, served: Served 
         spm_infill=server.spm_infill,
         typed_in_middle=settings.cache.infill_layout == "typed-in-middle",
         ring_blocks=settings.cache.ring_attention == "blocks",
-        chat_refusal=served.chat_refusal,
-        chat_alias=served.chat_alias,
+        chat_refusal=served.chat_refusal if served else None,
+        chat_alias=served.chat_alias if served else None,
     )
 
 
