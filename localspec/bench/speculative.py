@@ -23,7 +23,7 @@ from localspec.engine import (
     SamplingParams,
     SpecSettings,
 )
-from localspec.engine.llama import physical_cores
+from localspec.engine.llama import physical_cores, resolved_flash_attn
 
 # well-known, stable modules: plain Python code of the kind an editor completes
 # --- the benchmark ---------------------------------------------------------------------------
@@ -130,17 +130,21 @@ def run(
     n_threads = threads or physical_cores()
     mt_threads = max(physical_cores(), n_threads)
     base_spec = spec or SpecSettings(draft_window=draft_window)
-    settings = EngineSettings(
-        target=ModelSettings(target, n_ctx=2048, n_threads=threads),
-        draft=ModelSettings(draft, n_ctx=2048, n_threads=threads) if draft else None,
-        spec=base_spec,
-        n_slots=2,  # slot 1 re-scores diverging outputs with a cold cache
-    )
+    # slot 1 only re-scores diverging outputs with a cold cache: attention is chosen as a
+    # one-slot daemon chooses it (several slots turn flash attention on, which makes a
+    # verify batch dearer on a CPU)
+    target_model = ModelSettings(target, n_ctx=2048, n_threads=threads)
+    target_model = replace(target_model, flash_attn=resolved_flash_attn(target_model, 1))
+    draft_model = ModelSettings(draft, n_ctx=2048, n_threads=threads) if draft else None
+    if draft_model is not None:
+        draft_model = replace(draft_model, flash_attn=resolved_flash_attn(draft_model, 1))
+    settings = EngineSettings(target=target_model, draft=draft_model, spec=base_spec, n_slots=2)
     prompts = code_prompts(n_prompts, lines=lines)
     totals = {m: ModeTotals() for m in modes}
     greedy = SamplingParams(top_k=1, temperature=0.0)
     t_start = time.perf_counter()
     with Engine.load(settings) as engine:
+        flash_attn = engine.flash_attn
         toks = [engine.vocab.tokenize(p) for p in prompts]
         n_runs = repeats * len(toks) * len(modes)
         done = 0
@@ -225,6 +229,7 @@ def run(
         "threads": n_threads,
         "physical_cores": physical_cores(),
         "spec": asdict(base_spec),
+        "flash_attn": flash_attn,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "wall_s": round(time.perf_counter() - t_start, 1),
         "rows": rows,

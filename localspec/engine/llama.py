@@ -127,6 +127,14 @@ def default_repack_weights() -> bool:
     return not cpu_runs_amx()
 
 
+def resolved_flash_attn(settings: ModelSettings, n_slots: int) -> bool:
+    """The model's ``flash_attn`` setting, or the one rule's choice where it is None."""
+    if settings.flash_attn is not None:
+        return settings.flash_attn
+    on_gpu = settings.n_gpu_layers != 0 and bool(C.llama_supports_gpu_offload())
+    return default_flash_attn(on_gpu, settings.type_k, settings.type_v, n_slots)
+
+
 def model_params(settings: ModelSettings) -> C.llama_model_params:
     """llama.cpp's load parameters for ``settings`` (the memory test loads with these too)."""
     _init_backend()
@@ -202,10 +210,7 @@ class Context:
         self.governor = governor
         self.threads_now = (self.n_threads, self.n_threads_batch)  # as last applied
         params.no_perf = True
-        flash_attn = settings.flash_attn
-        if flash_attn is None:
-            on_gpu = settings.n_gpu_layers != 0 and bool(C.llama_supports_gpu_offload())
-            flash_attn = default_flash_attn(on_gpu, settings.type_k, settings.type_v, n_slots)
+        flash_attn = resolved_flash_attn(settings, n_slots)
         self.flash_attn = flash_attn
         params.flash_attn_type = (
             C.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else C.LLAMA_FLASH_ATTN_TYPE_DISABLED
