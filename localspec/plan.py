@@ -20,6 +20,7 @@ from localspec.planning.facts import (
     model_facts_from_gguf,
 )
 from localspec.planning.gguf_header import GGML_TYPE_SIZES, GgufHeader, read_gguf_header
+from localspec.planning.inputs import PlanSettings, plan_settings_from
 from localspec.planning.memory import (
     CTX_STEP,
     GPU_MARGIN,
@@ -37,7 +38,6 @@ from localspec.planning.memory import (
 from localspec.planning.render import MAX_REJECTIONS_SHOWN, render_plan
 from localspec.planning.result import Capacity, Plan, Rejection, smaller
 from localspec.planning.search import DATACENTER_CONTEXT, PERSONAL_CONTEXT, make_plan
-from localspec.planning.settings import PlanSettings, plan_settings_from
 from localspec.planning.speed import (
     BANDWIDTH_EFFICIENCY,
     COMPUTE_EFFICIENCY,

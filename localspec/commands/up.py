@@ -369,7 +369,7 @@ def _upstream_settings(settings: st.Settings, key: str | None) -> Any:
 
 
 def _server_settings(settings: st.Settings, api_key: str | None, served: Served | None) -> Any:
-    from localspec.server.settings import ServerSettings
+    from localspec.server.options import ServerSettings
 
     server = settings.server
     return ServerSettings(

@@ -12,6 +12,7 @@ from localspec.hardware import HardwareFacts
 from localspec.planning.candidates import allowed_candidates
 from localspec.planning.capacity import size_slots
 from localspec.planning.chat import with_chat
+from localspec.planning.inputs import PlanSettings, plan_settings_from
 from localspec.planning.layout import (
     SearchContext,
     draft_placements,
@@ -23,7 +24,6 @@ from localspec.planning.layout import (
 from localspec.planning.memory import devices_for, draft_offload, padded_ctx
 from localspec.planning.render import gib
 from localspec.planning.result import Capacity, Plan, Rejection
-from localspec.planning.settings import PlanSettings, plan_settings_from
 from localspec.planning.speed import (
     BANDWIDTH_EFFICIENCY,
     draft_seconds,

@@ -18,9 +18,9 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from localspec.planning.candidates import candidates_from_catalog
+from localspec.planning.inputs import PlanSettings, plan_settings_from
 from localspec.planning.result import Plan
 from localspec.planning.search import make_plan
-from localspec.planning.settings import PlanSettings, plan_settings_from
 from localspec.planning.types import PlanError, StepCosts
 
 Engine = Literal["llama-server", "vllm", "sglang"]
