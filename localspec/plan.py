@@ -20,7 +20,7 @@ from localspec.planning.facts import (
     model_facts_from_gguf,
 )
 from localspec.planning.gguf_header import GGML_TYPE_SIZES, GgufHeader, read_gguf_header
-from localspec.planning.inputs import PlanSettings, plan_settings_from
+from localspec.planning.inputs import PlanSettings, Speculation
 from localspec.planning.memory import (
     CTX_STEP,
     GPU_MARGIN,
@@ -82,6 +82,7 @@ __all__ = [
     "PlanError",
     "PlanSettings",
     "Rejection",
+    "Speculation",
     "candidate_order",
     "candidates_from_catalog",
     "compute_bytes",
@@ -98,7 +99,6 @@ __all__ = [
     "one_hot",
     "output_buffer_bytes",
     "padded_ctx",
-    "plan_settings_from",
     "poisson_quantile",
     "prompt_seconds",
     "read_gguf_header",
