@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from localspec.server.options import ServerSettings
     from localspec.server.upstream.config import UpstreamSettings
 
-Path_ = str | PathLike[str]
+FilePath = str | PathLike[str]
 
 
 def speculation(settings: Settings) -> Speculation:
@@ -81,13 +81,13 @@ def spec_settings(asked: Speculation, *, has_draft: bool) -> SpecSettings:
 
 
 def plan_engine_settings(
-    plan: Plan, target_path: Path_, draft_path: Path_ | None = None
+    plan: Plan, target_path: FilePath, draft_path: FilePath | None = None
 ) -> EngineSettings:
     """What the engine loads for ``plan``. n_ctx is per slot (the engine multiplies by
     n_slots); the draft lives whole on one GPU: a split with all of it on ``draft_gpu``."""
     from localspec.engine.types import EngineSettings, ModelSettings
 
-    def model(path: Path_, ngl: int, split: tuple[float, ...] | None, gpu: int) -> ModelSettings:
+    def model(path: FilePath, ngl: int, split: tuple[float, ...] | None, gpu: int) -> ModelSettings:
         return ModelSettings(
             path=str(path),
             n_gpu_layers=ngl,
@@ -122,7 +122,7 @@ def plan_engine_settings(
 
 
 def file_model_settings(
-    settings: Settings, path: Path_, *, gpu_layers: int, flash_attn: bool | None
+    settings: Settings, path: FilePath, *, gpu_layers: int, flash_attn: bool | None
 ) -> ModelSettings:
     """A GGUF given on the command line (``up --target``): the plan's choices left to
     llama.cpp's defaults, the context and threads from ``limits``."""
