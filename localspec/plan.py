@@ -20,6 +20,7 @@ from localspec.planning.facts import (
     model_facts_from_gguf,
 )
 from localspec.planning.gguf_header import GGML_TYPE_SIZES, GgufHeader, read_gguf_header
+from localspec.planning.inputs import PlanSettings, Speculation
 from localspec.planning.memory import (
     CTX_STEP,
     GPU_MARGIN,
@@ -37,7 +38,6 @@ from localspec.planning.memory import (
 from localspec.planning.render import MAX_REJECTIONS_SHOWN, render_plan
 from localspec.planning.result import Capacity, Plan, Rejection, smaller
 from localspec.planning.search import DATACENTER_CONTEXT, PERSONAL_CONTEXT, make_plan
-from localspec.planning.settings import PlanSettings, plan_settings_from
 from localspec.planning.speed import (
     BANDWIDTH_EFFICIENCY,
     COMPUTE_EFFICIENCY,
@@ -82,6 +82,7 @@ __all__ = [
     "PlanError",
     "PlanSettings",
     "Rejection",
+    "Speculation",
     "candidate_order",
     "candidates_from_catalog",
     "compute_bytes",
@@ -98,7 +99,6 @@ __all__ = [
     "one_hot",
     "output_buffer_bytes",
     "padded_ctx",
-    "plan_settings_from",
     "poisson_quantile",
     "prompt_seconds",
     "read_gguf_header",

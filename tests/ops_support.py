@@ -22,7 +22,7 @@ import uvicorn
 from localspec.engine.types import EngineSettings, ModelSettings, SpecSettings
 from localspec.server import ServerSettings, create_app
 from localspec.server.run import bind_sockets, uvicorn_config
-from localspec.server.service import Service
+from localspec.server.state import Service
 
 KEY = "ops-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

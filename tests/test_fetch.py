@@ -26,6 +26,7 @@ from localspec.fetch import (
     pull,
     resolve_local,
 )
+from localspec.settings import HubSettings, Settings, SettingsError, check_security
 from tests.catalog_toml import tiny_arch
 from tests.hubserver import LocalHub
 
@@ -373,8 +374,6 @@ def test_up_with_files_present_makes_zero_requests(
     """What `up` runs (pull_plan with the user's Settings): first pull, then no network."""
     from types import SimpleNamespace
 
-    from localspec.settings import HubSettings, Settings
-
     draft_data = random.Random(9).randbytes(100_000)
     hub.add_file("acme/Draft-GGUF", "draft.gguf", draft_data)
     catalog = load_catalog(
@@ -524,3 +523,19 @@ def test_a_changed_hub_never_costs_the_local_model(hub: LocalHub, models: Path) 
     pinned = spec(revision=old_commit, sha256=SHA, size=SIZE)
     assert pull([pinned], models_dir=models, offline=True) == [path]
     assert resolve_local(spec(revision="e" * 40), models_dir=models) is None  # not proven
+
+
+@pytest.mark.skipif(os.name != "posix", reason="file modes are POSIX")
+def test_the_hub_token_file_is_read_under_the_secret_files_rule(tmp_path: Path) -> None:
+    """The token file ``pull`` uses passes the same permission check as ``up``'s start-up
+    rules (settings.read_secret_file): a file others can read is refused, not used."""
+    token_file = tmp_path / "token"
+    token_file.write_text("hf_secret\n")
+    token_file.chmod(0o644)
+    settings = Settings(hub=HubSettings(token_file=token_file, offline=True))
+    with pytest.raises(SettingsError, match="readable by group or others"):
+        fetch.hub_options(settings)
+    with pytest.raises(SettingsError, match="readable by group or others"):
+        check_security(settings)
+    token_file.chmod(0o600)
+    assert fetch.hub_options(settings)["token"] == "hf_secret"

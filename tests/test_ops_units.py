@@ -67,7 +67,7 @@ def test_request_log_outcomes_and_text_line() -> None:
 
 
 def test_unused_engine_namespace_is_enough_for_probes() -> None:
-    from localspec.server.service import _probes
+    from localspec.server.state import _probes
 
     worker = SimpleNamespace(
         queued=0, busy=False, n_cancelled=0, slots=[],

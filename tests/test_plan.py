@@ -47,7 +47,6 @@ from localspec.plan import (
     measured_models,
     memory_table,
     model_facts_from_gguf,
-    plan_settings_from,
     poisson_quantile,
     read_gguf_header,
     render_plan,
@@ -56,6 +55,7 @@ from localspec.plan import (
 )
 from localspec.planning.types import StepCosts
 from localspec.settings import Settings
+from localspec.settings_to import plan_engine_settings, plan_inputs
 
 KV_BYTES = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 
@@ -341,7 +341,7 @@ def test_cpu_plans_turn_flash_attention_off_and_count_the_score_matrix(
         plan = make_plan(catalog, MACHINES[name])
         assert plan.type_k == "f16" and not plan.flash_attn, name
         assert "flash attention off" in render_plan(plan)
-        assert plan.engine_settings("t.gguf", "d.gguf").target.flash_attn is False
+        assert plan_engine_settings(plan, "t.gguf", "d.gguf").target.flash_attn is False
         host = plan.memory[-1]
         target = _facts_for(catalog, *plan.target)
         layout = Layout(plan.n_ctx, plan.n_slots, "f16", plan.n_ubatch, 0, (), None)
@@ -462,13 +462,13 @@ def test_json_engine_settings_and_table(plans: dict[str, Plan], tmp_path: Path) 
     assert data["target"] == list(plan.target) and data["memory"][0]["used"] > 0
     assert data["concurrent_sessions"] == plan.n_slots
     assert plan.draft is not None
-    settings = plan.engine_settings(tmp_path / "t.gguf", tmp_path / "d.gguf")
+    settings = plan_engine_settings(plan, tmp_path / "t.gguf", tmp_path / "d.gguf")
     assert settings.target.n_gpu_layers == plan.target_ngl
     assert settings.target.n_ctx == plan.n_ctx and settings.n_slots == plan.n_slots
     assert settings.target.type_k == plan.type_k and settings.target.flash_attn is True
     assert settings.draft is not None and settings.draft.n_gpu_layers == plan.draft_ngl
     with pytest.raises(PlanError, match="draft"):
-        plan.engine_settings(tmp_path / "t.gguf")
+        plan_engine_settings(plan, tmp_path / "t.gguf")
     text = render_plan(plan)
     for heading in ("pair:", "memory (GiB)", "weights", "KV", "compute", "draft", "margin",
                     "decode ceiling", "speculative"):  # fmt: skip
@@ -621,8 +621,12 @@ def _settings(**sections: dict[str, object]) -> Settings:
     return Settings.model_validate(sections)
 
 
+def _asked(**sections: dict[str, object]) -> PlanSettings:
+    return plan_inputs(_settings(**sections))
+
+
 def test_plan_from_localspec_settings(catalog: Catalog) -> None:
-    settings = _settings(
+    settings = _asked(
         models={"pair": "qwen2.5-coder-7b+0.5b"},
         limits={"context": 8192, "gpu_memory_gb": 20},
         server={"slots": 2},
@@ -634,17 +638,17 @@ def test_plan_from_localspec_settings(catalog: Catalog) -> None:
     assert plan.pair_id == "qwen2.5-coder-7b+0.5b"  # a pinned pair is the only one tried
     assert plan.n_ctx == 8192 and plan.n_slots == 2
     assert plan.memory[0].budget == int(20e9) - GiB
-    engine = plan.engine_settings("t.gguf", "d.gguf")
+    engine = plan_engine_settings(plan, "t.gguf", "d.gguf")
     assert engine.spec.n_max == 8 and engine.cache_reuse == 128 and engine.n_slots == 2
     assert engine.exact_ms == 40
-    plan = make_plan(catalog, facts, _settings(speculative={"mode": "ngram"}))
-    assert plan.draft is None and plan.engine_settings("t.gguf").spec.mode == "ngram"
+    plan = make_plan(catalog, facts, _asked(speculative={"mode": "ngram"}))
+    assert plan.draft is None and plan_engine_settings(plan, "t.gguf").spec.mode == "ngram"
     pinned_elsewhere = _settings(
         models={"allowed": ["qwen2.5-coder-3b*"], "pair": "qwen2.5-coder-7b+0.5b"}
     )
     with pytest.raises(PlanError, match=r"models.pair .* is not in models.allowed"):
-        make_plan(catalog, facts, pinned_elsewhere)
-    asked = plan_settings_from(_settings(), concurrent_sessions=500)
+        plan_inputs(pinned_elsewhere)
+    asked = plan_inputs(_settings(), concurrent_sessions=500)
     plan = make_plan(catalog, load_hardware_profile("a100-40gb"), asked)
     assert plan.capacity is not None and plan.capacity.sessions_requested == 500
     assert plan.concurrent_sessions >= 500

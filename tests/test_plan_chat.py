@@ -17,10 +17,10 @@ from localspec.plan import (
     PlanSettings,
     candidates_from_catalog,
     make_plan,
-    plan_settings_from,
     render_plan,
 )
 from localspec.planning.chat import remaining
+from localspec.settings_to import plan_inputs
 
 
 @pytest.fixture(scope="module")
@@ -120,15 +120,15 @@ def test_localspec_settings_reach_the_chat_side(catalog: Catalog) -> None:
         flags={"models.chat_pair": ("qwen2.5-coder-1.5b-instruct+ngram", "--chat-pair")},
         environ={},
     )
-    ps = plan_settings_from(resolved.settings)
+    ps = plan_inputs(resolved.settings)
     assert ps.chat == "auto" and ps.chat_pair == "qwen2.5-coder-1.5b-instruct+ngram"
-    plan = make_plan(catalog, load_hardware_profile("rtx3060-12gb"), resolved.settings)
+    plan = make_plan(catalog, load_hardware_profile("rtx3060-12gb"), ps)
     assert plan.chat is not None and plan.chat.plan is not None
     assert plan.chat.plan.pair_id == "qwen2.5-coder-1.5b-instruct+ngram"
     # an instruct pair where the completion pair goes is refused with a pointer
     wrong = st.load(flags={"models.pair": ("qwen2.5-coder-7b-instruct+0.5b", "--pair")}, environ={})
     with pytest.raises(PlanError, match=r"models\.chat_pair"):
-        make_plan(catalog, load_hardware_profile("rtx4090-24gb"), wrong.settings)
+        make_plan(catalog, load_hardware_profile("rtx4090-24gb"), plan_inputs(wrong.settings))
 
 
 def test_json_and_table_show_each_pairs_memory(catalog: Catalog) -> None:

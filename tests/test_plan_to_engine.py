@@ -10,12 +10,13 @@ from localspec.catalog import load_catalog
 from localspec.engine.llama import gpu_split
 from localspec.hardware import load_hardware_profile
 from localspec.plan import PlanSettings, make_plan
+from localspec.settings_to import plan_engine_settings
 
 
 def test_two_gpu_plan_splits_the_target_and_pins_the_draft() -> None:
     plan = make_plan(load_catalog(), load_hardware_profile("2xh100-80gb"), PlanSettings())
     assert plan.tensor_split is not None and len(plan.tensor_split) == 2
-    settings = plan.engine_settings("/m/target.gguf", "/m/draft.gguf")
+    settings = plan_engine_settings(plan, "/m/target.gguf", "/m/draft.gguf")
     assert settings.target.tensor_split == plan.tensor_split
     assert settings.draft is not None
     gpu = plan.draft_gpu or 0
@@ -25,7 +26,7 @@ def test_two_gpu_plan_splits_the_target_and_pins_the_draft() -> None:
 
 def test_single_gpu_plan_leaves_the_split_to_llama_cpp() -> None:
     plan = make_plan(load_catalog(), load_hardware_profile("rtx4090-24gb"), PlanSettings())
-    settings = plan.engine_settings("/m/target.gguf", "/m/draft.gguf")
+    settings = plan_engine_settings(plan, "/m/target.gguf", "/m/draft.gguf")
     assert not settings.target.tensor_split
     assert settings.draft is None or not settings.draft.tensor_split
 

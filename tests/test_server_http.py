@@ -25,7 +25,7 @@ import uvicorn
 from localspec.engine.types import EngineSettings, ModelSettings, SpecSettings
 from localspec.server import ServerSettings, create_app
 from localspec.server.run import bind_sockets
-from localspec.server.service import Service
+from localspec.server.state import Service
 from tests.ops_support import wait_until
 from tests.steer import held_generation
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from localspec.server.options import ServerSettings
 from localspec.server.run import bind_sockets
-from localspec.server.settings import ServerSettings
 
 SCRIPT = """
 import json, sys

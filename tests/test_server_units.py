@@ -17,6 +17,7 @@ from localspec.engine.types import (
 )
 from localspec.server.auth import key_matches, presented_key
 from localspec.server.errors import InvalidRequest
+from localspec.server.options import ServerSettings
 from localspec.server.params import RANDOM_SEED, sampler_chain, task_params
 from localspec.server.results import (
     LOWEST_LOGPROB,
@@ -28,7 +29,6 @@ from localspec.server.results import (
     timings,
 )
 from localspec.server.schemas import InfillRequest
-from localspec.server.settings import ServerSettings
 from localspec.server.slots import SlotInfo, choose_slot
 
 

@@ -9,12 +9,13 @@ from localspec.catalog import load_catalog
 from localspec.commands.up import Served, _fallback
 from localspec.hardware import load_hardware_profile
 from localspec.plan import PlanSettings, make_plan
+from localspec.settings_to import plan_engine_settings
 
 
 def test_planned_load_failure_retries_smaller_until_nothing_is_left() -> None:
     plan = make_plan(load_catalog(), load_hardware_profile("rtx4090-24gb"), PlanSettings())
     paths = (Path("/models/target.gguf"), Path("/models/draft.gguf"))
-    served = Served(plan.engine_settings(*paths), plan.pair_id, plan, paths)
+    served = Served(plan_engine_settings(plan, *paths), plan.pair_id, plan, paths)
     seen = [(served.engine.target.n_ctx, served.engine.target.n_gpu_layers)]
     while (nxt := _fallback(served)) is not None:
         assert nxt.alias == served.alias and nxt.paths == paths
@@ -30,5 +31,5 @@ def test_planned_load_failure_retries_smaller_until_nothing_is_left() -> None:
 
 def test_local_files_are_not_second_guessed() -> None:
     plan = make_plan(load_catalog(), load_hardware_profile("cpu-32gb"), PlanSettings())
-    served = Served(plan.engine_settings(Path("/t.gguf")), "t.gguf")
+    served = Served(plan_engine_settings(plan, Path("/t.gguf")), "t.gguf")
     assert _fallback(served) is None

@@ -32,8 +32,8 @@ from localspec.bench import corpus
 from localspec.bench.stats import percentile
 from localspec.engine.types import EngineSettings, ModelSettings, SpecSettings
 from localspec.server.app import create_app
+from localspec.server.options import ServerSettings
 from localspec.server.run import bind_sockets, uvicorn_config
-from localspec.server.settings import ServerSettings
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "llama-vscode (full answer)": {},

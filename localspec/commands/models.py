@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from localspec import paths
+from localspec import paths, settings_to
 from localspec import settings as st
 from localspec.commands import common as c
 from localspec.units import human_bytes
@@ -244,7 +244,7 @@ def run_plan(args: argparse.Namespace) -> int:
             team = team_plan(
                 catalog,
                 facts,
-                settings,
+                settings_to.plan_inputs(settings),
                 developers=args.team,
                 engine=args.emit,
                 server_url=args.server_url,
@@ -255,7 +255,8 @@ def run_plan(args: argparse.Namespace) -> int:
             else:
                 print(render_team(team))
             return c.EXIT_OK
-        chosen = plan.make_plan(catalog, facts, settings, step_costs=measured)
+        asked = settings_to.plan_inputs(settings)
+        chosen = plan.make_plan(catalog, facts, asked, step_costs=measured)
     except st.SettingsError as exc:
         return c.settings_error(exc)
     except ValueError as exc:  # CatalogError, HardwareError, PlanError are ValueErrors

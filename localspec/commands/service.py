@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from localspec import daemon, service
+from localspec import daemon, login_service
 from localspec.commands import common as c
 
 EPILOG = """\
@@ -43,8 +43,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         q.add_argument(
             "--os",
             dest="os_name",
-            choices=service.OS_NAMES,
-            default=service.current_os(),
+            choices=login_service.OS_NAMES,
+            default=login_service.current_os(),
             help="target OS (default: this one)",
         )
         if name == "install":
@@ -58,20 +58,20 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_install(args: argparse.Namespace) -> int:
     try:
         if args.dry_run:
-            text = service.render(args.os_name)
-            check = service.validate(args.os_name, service.encode(args.os_name, text))
+            text = login_service.render(args.os_name)
+            check = login_service.validate(args.os_name, login_service.encode(args.os_name, text))
             sys.stdout.write(text)
             if not check.ok:
                 c.error(f"{check.how} rejects it: {'; '.join(check.messages)}")
                 return c.EXIT_FAILURE
             print(
                 f"# checked with {check.how}; "
-                f"would be written to {service.service_path(args.os_name)}",
+                f"would be written to {login_service.service_path(args.os_name)}",
                 file=sys.stderr,
             )
             return c.EXIT_OK
-        outcome = service.install(args.os_name, start=not args.no_start)
-    except service.ServiceError as exc:
+        outcome = login_service.install(args.os_name, start=not args.no_start)
+    except login_service.ServiceError as exc:
         c.error(str(exc))
         return c.EXIT_FAILURE
     for line in outcome.lines:
@@ -80,14 +80,14 @@ def run_install(args: argparse.Namespace) -> int:
 
 
 def run_uninstall(args: argparse.Namespace) -> int:
-    outcome = service.uninstall(args.os_name)
+    outcome = login_service.uninstall(args.os_name)
     for line in outcome.lines:
         print(line)
     return c.EXIT_OK
 
 
 def run_status(args: argparse.Namespace) -> int:
-    result = service.status(args.os_name)
+    result = login_service.status(args.os_name)
     if args.json:
         c.print_json(result.as_dict())
         return c.EXIT_OK

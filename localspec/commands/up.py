@@ -10,11 +10,17 @@ import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-from localspec import daemon
+from localspec import daemon, settings_to
 from localspec import settings as st
 from localspec.commands import common as c
+
+if TYPE_CHECKING:  # the engine's and the server's modules load llama.cpp and FastAPI
+    from localspec.engine.types import EngineSettings, ModelSettings
+    from localspec.planning.result import Plan
+    from localspec.server.options import ServerSettings
+    from localspec.server.upstream.config import UpstreamSettings
 
 log = logging.getLogger("localspec.up")
 
@@ -204,11 +210,11 @@ def _redirect_output(path: Path) -> None:
 
 @dataclass
 class Served:
-    engine: Any  # EngineSettings
+    engine: EngineSettings
     alias: str
-    plan: Any = None  # the Plan behind a catalog pair; None for --target/--draft files
-    paths: tuple[Any, Any] = (None, None)  # (target, draft) files of a planned pair
-    chat: Any = None  # EngineSettings of a second pair that answers chat
+    plan: Plan | None = None  # the Plan behind a catalog pair; None for --target/--draft files
+    paths: tuple[Path, Path | None] | None = None  # (target, draft) files of a planned pair
+    chat: EngineSettings | None = None  # a second pair that answers chat
     chat_alias: str | None = None
     chat_refusal: str | None = None  # why no chat is served (the 501's text)
 
@@ -217,9 +223,8 @@ CHAT_OFF = "Chat is off on this daemon: models.chat = off (`localspec profile ex
 
 
 def _local_models(args: argparse.Namespace, settings: st.Settings) -> Served:
-    from localspec.engine.types import EngineSettings, ModelSettings, SpecSettings
-
-    models = []
+    flash_attn = {"auto": None, "on": True, "off": False}[args.flash_attn]
+    models: list[ModelSettings | None] = []
     for path in (args.target, args.draft, args.chat_target, args.chat_draft):
         if path is None:
             models.append(None)
@@ -233,35 +238,20 @@ def _local_models(args: argparse.Namespace, settings: st.Settings) -> Served:
                 "set by your profile; ask your IT team or run `localspec profile explain`"
             )
         models.append(
-            ModelSettings(
-                path=str(path),
-                n_gpu_layers=args.gpu_layers,
-                flash_attn={"auto": None, "on": True, "off": False}[args.flash_attn],
-                n_ctx=settings.limits.context or 4096,
-                n_threads=settings.limits.threads,
-                n_threads_batch=settings.limits.threads,
+            settings_to.file_model_settings(
+                settings, path, gpu_layers=args.gpu_layers, flash_attn=flash_attn
             )
         )
     target, draft, chat_target, chat_draft = models
-    spec = settings.speculative
-    if spec.mode == "draft" and draft is None:
+    assert target is not None  # _local_models serves --target
+    if settings.speculative.mode == "draft" and draft is None:
         raise UpError("speculative.mode is 'draft' but no draft model is given (--draft)")
-
-    def engine(target: ModelSettings, draft: ModelSettings | None) -> EngineSettings:
-        mode = spec.mode if draft is not None or spec.mode != "draft" else "ngram"
-        return EngineSettings(
-            target=target,
-            draft=draft,
-            n_slots=settings.server.slots or 1,
-            spec=SpecSettings(mode=mode, n_max=spec.n_max, n_min=spec.n_min, p_min=spec.p_min),
-            cache_reuse=settings.cache.reuse_chunk,
-            exact_ms=settings.cache.exact_ms,
-        )
-
     off = settings.models.chat == "off"
-    chat = engine(chat_target, chat_draft) if chat_target is not None and not off else None
+    chat = None
+    if chat_target is not None and not off:
+        chat = settings_to.file_engine_settings(settings, chat_target, chat_draft)
     return Served(
-        engine(target, draft),
+        settings_to.file_engine_settings(settings, target, draft),
         args.target.name,
         chat=chat,
         chat_alias=args.chat_target.name if chat is not None else None,
@@ -280,25 +270,28 @@ def _planned_models(settings: st.Settings) -> Served:
             progress.finish("done")
         catalog = load_catalog()
         measured = step_costs.load(facts.description)
-        chosen = plan.make_plan(catalog, facts, settings, step_costs=measured)
+        asked = settings_to.plan_inputs(settings)
+        chosen = plan.make_plan(catalog, facts, asked, step_costs=measured)
     except ValueError as exc:  # CatalogError, HardwareError, PlanError
         raise UpError(str(exc)) from None
     print(plan.render_plan(chosen), file=sys.stderr)
     chat = chosen.chat
+    chat_plan = chat.plan if chat is not None else None  # a second pair answers chat
+    chat_engine = None
     try:
         target_path, draft_path = fetch.pull_plan(chosen, settings=settings, catalog=catalog)
-        chat_paths = None
-        if chat is not None and chat.plan is not None:  # a second pair answers chat
-            chat_paths = fetch.pull_plan(chat.plan, settings=settings, catalog=catalog)
+        if chat_plan is not None:
+            chat_paths = fetch.pull_plan(chat_plan, settings=settings, catalog=catalog)
+            chat_engine = settings_to.plan_engine_settings(chat_plan, *chat_paths)
     except fetch.FetchError as exc:
         raise UpError(str(exc)) from None
     return Served(
-        chosen.engine_settings(target_path, draft_path),
+        settings_to.plan_engine_settings(chosen, target_path, draft_path),
         chosen.pair_id,
         chosen,
         (target_path, draft_path),
-        chat=None if chat_paths is None else chat.plan.engine_settings(*chat_paths),
-        chat_alias=None if chat_paths is None else chat.plan.pair_id,
+        chat=chat_engine,
+        chat_alias=chat_plan.pair_id if chat_plan is not None else None,
         chat_refusal=chat.reason if chat is not None and chat.mode == "off" else None,
     )
 
@@ -309,88 +302,61 @@ def _fallback(served: Served) -> Served | None:
     nothing is left to give up or the models were given as files."""
     from localspec import plan
 
-    if served.plan is None:
+    if served.plan is None or served.paths is None:
         return None
     smaller = plan.smaller(served.plan)
     if smaller is None:
         return None
     c.warn(f"{smaller.notes[-1]}; retrying")
-    return dataclasses.replace(served, engine=smaller.engine_settings(*served.paths), plan=smaller)
+    engine = settings_to.plan_engine_settings(smaller, *served.paths)
+    return dataclasses.replace(served, engine=engine, plan=smaller)
 
 
-def _upstream_settings(settings: st.Settings, key: str | None) -> Any:
+def _upstream_settings(settings: st.Settings, key: str | None) -> UpstreamSettings | None:
     """The ``backend`` section as the server takes it; None for kind local. The openai kind
     lays FIM prompts out with a catalog model's FIM tokens: ``backend.fim_model``, else the
     catalog model ``backend.model`` names."""
-    from localspec.server.upstream.config import UpstreamSettings
-
     backend = settings.backend
-    if backend.kind == "local":
-        return None
-    assert backend.url is not None  # the settings' own rule
-    fim = fim_model = None
-    if backend.kind == "openai":
-        from localspec.commands.models import load_catalog
+    if backend.kind != "openai":
+        return settings_to.upstream_settings(settings, api_key=key)
+    from localspec.commands.models import load_catalog
 
-        name = backend.fim_model or backend.model
-        if not name:
-            raise UpError(
-                "backend.kind = openai needs backend.model (the upstream's model name) or "
-                "backend.fim_model (the catalog model whose FIM tokens lay out prompts)"
-            )
-        try:
-            catalog = load_catalog()
-        except ValueError as exc:
-            raise UpError(str(exc)) from None
-        entry = catalog.match_model(name)
-        if entry is None or entry.tokenizer.fim_text is None:
-            which = "backend.fim_model" if backend.fim_model else "backend.model"
-            raise UpError(
-                f"{which} = {name!r} names no catalog model with FIM tokens "
-                f"(`localspec models` lists them); set backend.fim_model to the one the "
-                "upstream serves"
-            )
-        fim, fim_model = entry.tokenizer.fim_text, entry.id
-    return UpstreamSettings(
-        kind=backend.kind,
-        url=backend.url,
-        api_key=key,
-        ca_bundle=str(backend.ca_bundle.expanduser()) if backend.ca_bundle else None,
-        model=backend.model,
-        fim=fim,
-        fim_model=fim_model,
-        slot=backend.slot,
-        connect_timeout_s=backend.connect_timeout_s,
-        read_timeout_s=backend.read_timeout_s,
-        fallback=backend.fallback == "local",
-        fallback_ms=backend.fallback_ms,
-        health_interval_s=backend.health_interval_s,
+    name = backend.fim_model or backend.model
+    if not name:
+        raise UpError(
+            "backend.kind = openai needs backend.model (the upstream's model name) or "
+            "backend.fim_model (the catalog model whose FIM tokens lay out prompts)"
+        )
+    try:
+        catalog = load_catalog()
+    except ValueError as exc:
+        raise UpError(str(exc)) from None
+    entry = catalog.match_model(name)
+    if entry is None or entry.tokenizer.fim_text is None:
+        which = "backend.fim_model" if backend.fim_model else "backend.model"
+        raise UpError(
+            f"{which} = {name!r} names no catalog model with FIM tokens "
+            f"(`localspec models` lists them); set backend.fim_model to the one the "
+            "upstream serves"
+        )
+    return settings_to.upstream_settings(
+        settings, api_key=key, fim=entry.tokenizer.fim_text, fim_model=entry.id
     )
 
 
-def _server_settings(settings: st.Settings, api_key: str | None, served: Served | None) -> Any:
-    from localspec.server.settings import ServerSettings
-
-    server = settings.server
-    return ServerSettings(
-        host=server.host,
-        port=server.port,
+def _server_settings(
+    settings: st.Settings, api_key: str | None, served: Served | None
+) -> ServerSettings:
+    """The daemon's settings, with what was loaded: its slots, names and chat refusal."""
+    if served is None:  # the upstream alone answers
+        return settings_to.server_settings(settings, api_key=api_key)
+    return settings_to.server_settings(
+        settings,
         api_key=api_key,
-        n_parallel=served.engine.n_slots if served else server.slots or 1,
-        queue_limit=server.queue_limit,
-        request_timeout_s=server.request_timeout_s,
-        metrics=server.metrics,
-        cors_origins=tuple(server.cors_origins),
-        model_alias=served.alias if served else None,
-        n_cmpl_max=server.n_cmpl_max,
-        max_body_bytes=server.max_body_bytes,
-        body_timeout_s=server.body_timeout_s,
-        max_connections=server.max_connections,
-        spm_infill=server.spm_infill,
-        typed_in_middle=settings.cache.infill_layout == "typed-in-middle",
-        ring_blocks=settings.cache.ring_attention == "blocks",
-        chat_refusal=served.chat_refusal if served else None,
-        chat_alias=served.chat_alias if served else None,
+        n_parallel=served.engine.n_slots,
+        model_alias=served.alias,
+        chat_alias=served.chat_alias,
+        chat_refusal=served.chat_refusal,
     )
 
 
@@ -418,13 +384,9 @@ def _serve(
         if upstream is None or upstream.fallback:  # a local model serves, or stands in
             served = _local_models(args, settings) if args.target else _planned_models(settings)
         server_settings = _server_settings(settings, api_key, served)
-        server_settings.check()
     except UpError as exc:
         c.error(str(exc))
         return c.EXIT_FAILURE
-    except ValueError as exc:  # ServerSettings.check
-        c.error(str(exc))
-        return c.EXIT_USAGE
     except KeyboardInterrupt:
         c.warn("interrupted before serving; nothing to stop")
         return c.EXIT_OK

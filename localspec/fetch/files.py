@@ -17,10 +17,13 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from localspec.catalog import QuantEntry
 from localspec.fetch.errors import FetchError
+
+if TYPE_CHECKING:
+    from huggingface_hub.utils import tqdm
 
 DEFAULT_REVISION = "main"
 _RECORD_SUFFIX = ".verified.json"
@@ -118,7 +121,7 @@ def _read_record(path: Path, models_dir: Path) -> dict[str, Any] | None:
     return None
 
 
-def _write_record(path: Path, models_dir: Path, sha256: str, **extra: Any) -> None:
+def _write_record(path: Path, models_dir: Path, sha256: str, **extra: str | None) -> None:
     stat = path.stat()
     record = {
         "sha256": sha256,
@@ -150,7 +153,7 @@ def sha256_file(path: Path, *, progress: bool = False, label: str = "") -> str:
     return digest.hexdigest()
 
 
-def _bar(desc: str, total: int, enabled: bool) -> Any:
+def _bar(desc: str, total: int, enabled: bool) -> tqdm:
     from huggingface_hub.utils import tqdm
 
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=not enabled)

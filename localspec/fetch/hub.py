@@ -21,10 +21,11 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any
+from types import TracebackType
+from typing import IO, TYPE_CHECKING, Any
 
 from localspec.catalog import QuantEntry
 from localspec.fetch.errors import FetchError, OfflineError, VerifyError
@@ -45,6 +46,12 @@ from localspec.fetch.files import (
     sha256_file,
 )
 from localspec.units import human_bytes
+
+if TYPE_CHECKING:  # huggingface_hub is imported where it is used: the CLI starts without it
+    from huggingface_hub import HfFileMetadata
+    from huggingface_hub.utils import tqdm
+
+Say = Callable[[str], None]  # a progress line for the user (or nothing, without progress)
 
 
 def offline_requested(offline: bool = False) -> bool:
@@ -181,7 +188,7 @@ class _Hub:
         self.token = token
         self._lfs: dict[tuple[str, str], dict[str, tuple[int, str | None]]] = {}
 
-    def metadata(self, spec: FileSpec) -> Any:
+    def metadata(self, spec: FileSpec) -> HfFileMetadata:
         from huggingface_hub import get_hf_file_metadata, hf_hub_url
 
         url = hf_hub_url(
@@ -229,7 +236,12 @@ class _hub_errors:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
         if exc is None or isinstance(exc, FetchError | KeyboardInterrupt):
             return False
         if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
@@ -271,7 +283,7 @@ def _fetch_one(
     models_dir: Path,
     *,
     progress: bool,
-    say: Any,
+    say: Say,
     force: bool = False,
     prefix: str = "",
 ) -> tuple[Path, int]:
@@ -333,7 +345,7 @@ def _fetch_one(
 
 
 @contextmanager
-def _exclusive(final: Path, models_dir: Path, say: Any) -> Iterator[None]:
+def _exclusive(final: Path, models_dir: Path, say: Say) -> Iterator[None]:
     """One download per file at a time across processes (`up` and `pull` may overlap)."""
     from filelock import Timeout
     from huggingface_hub.utils import WeakFileLock
@@ -356,7 +368,7 @@ def _exclusive(final: Path, models_dir: Path, say: Any) -> Iterator[None]:
 
 def _download_verified(
     spec: FileSpec,
-    meta: Any,
+    meta: HfFileMetadata,
     final: Path,
     expected_size: int | None,
     expected_sha: str | None,
@@ -365,7 +377,7 @@ def _download_verified(
     models_dir: Path,
     *,
     progress: bool,
-    say: Any,
+    say: Say,
 ) -> tuple[Path, int]:
     partial = final.with_name(final.name + _PARTIAL_SUFFIX)
     partial_meta = final.with_name(final.name + _PARTIAL_SUFFIX + ".json")
@@ -425,7 +437,7 @@ def _resumable(partial: Path, partial_meta: Path, etag: str, expected_size: int 
 
 def _download(
     spec: FileSpec,
-    meta: Any,
+    meta: HfFileMetadata,
     partial: Path,
     resume: int,
     expected_size: int | None,
@@ -525,7 +537,7 @@ def _same_host(url: str, endpoint: str) -> bool:
     return urlsplit(url).netloc == urlsplit(endpoint).netloc
 
 
-def _silent_tqdm() -> Any:
+def _silent_tqdm() -> type[tqdm]:
     from huggingface_hub.utils import tqdm
 
     class Silent(tqdm):  # type: ignore[misc, valid-type]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from localspec.catalog import Catalog
 from localspec.fetch.hub import pull
@@ -29,7 +29,16 @@ def apply_network_settings(*, proxy: str | None = None, ca_bundle: Path | None =
         close_session()
 
 
-def hub_options(settings: Settings) -> dict[str, Any]:
+class HubOptions(TypedDict):
+    """``pull``'s keyword arguments that the settings decide."""
+
+    endpoint: str | None
+    offline: bool
+    token: str | None
+    readonly_dirs: list[Path]
+
+
+def hub_options(settings: Settings) -> HubOptions:
     """The hub settings as ``pull``'s keyword arguments (the token file read under the secret
     files' rule); proxy and CA bundle go through the environment, which huggingface_hub's
     HTTP client reads."""
@@ -38,12 +47,12 @@ def hub_options(settings: Settings) -> dict[str, Any]:
     token = None
     if hub.token_file is not None:
         token = read_secret_file(hub.token_file.expanduser(), "hub.token_file")
-    return {
-        "endpoint": hub.endpoint,
-        "offline": hub.offline,
-        "token": token,
-        "readonly_dirs": [Path(d).expanduser() for d in settings.models.dirs],
-    }
+    return HubOptions(
+        endpoint=hub.endpoint,
+        offline=hub.offline,
+        token=token,
+        readonly_dirs=[Path(d).expanduser() for d in settings.models.dirs],
+    )
 
 
 def pull_plan(

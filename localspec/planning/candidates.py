@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from localspec.planning.facts import facts_from_catalog_entry, quant_bits
-from localspec.planning.settings import PlanSettings, is_allowed
+from localspec.planning.inputs import PlanSettings, is_allowed
 from localspec.planning.types import Candidate, ModelFacts, PlanError
 
 

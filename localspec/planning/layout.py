@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from localspec.hardware import HardwareFacts
+from localspec.planning.inputs import PlanSettings
 from localspec.planning.memory import (
     CTX_STEP,
     compute_bytes,
@@ -15,7 +16,6 @@ from localspec.planning.memory import (
     memory_table,
     padded_ctx,
 )
-from localspec.planning.settings import PlanSettings
 from localspec.planning.types import (
     Candidate,
     Device,

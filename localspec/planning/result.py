@@ -1,16 +1,16 @@
-"""The Plan: the chosen configuration with its arithmetic, what the engine loads from it,
-and the more frugal plan to fall back to when loading still runs out of memory."""
+"""The Plan: the chosen configuration with its arithmetic, and the more frugal plan to fall
+back to when loading still runs out of memory. Plain values: ``localspec.settings_to``
+turns a Plan into what the engine loads (the planner sits below the engine)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
-from os import PathLike
 from typing import Any
 
-from localspec.engine.types import EngineSettings, ModelSettings, SpecSettings
 from localspec.planning.chat import ChatPlan
+from localspec.planning.inputs import Speculation
 from localspec.planning.memory import padded_ctx
-from localspec.planning.types import DeviceMemory, PlanError
+from localspec.planning.types import DeviceMemory
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class Plan:
     notes: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
     target_source: str = "catalog estimate"
-    speculative: SpecSettings = field(default_factory=SpecSettings)
+    speculative: Speculation = field(default_factory=Speculation)
     cache_reuse: int = 256
     cache_exact_ms: float = 100.0
     chat: ChatPlan | None = None  # who answers chat (planning/chat.py); None: not decided
@@ -77,53 +77,6 @@ class Plan:
     @property
     def concurrent_sessions(self) -> int:
         return self.capacity.sessions_held if self.capacity else self.n_slots
-
-    def engine_settings(
-        self, target_path: str | PathLike[str], draft_path: str | PathLike[str] | None = None
-    ) -> EngineSettings:
-        """What the engine loads. n_ctx is per slot (the engine multiplies by n_slots)."""
-
-        def model(
-            path: str | PathLike[str],
-            ngl: int,
-            split: tuple[float, ...] | None,
-            main_gpu: int = 0,
-        ) -> ModelSettings:
-            return ModelSettings(
-                path=str(path),
-                n_gpu_layers=ngl,
-                n_ctx=self.n_ctx,
-                n_batch=self.n_batch,
-                n_ubatch=self.n_ubatch,
-                flash_attn=self.flash_attn,
-                type_k=self.type_k,
-                type_v=self.type_v,
-                n_threads=self.n_threads,
-                n_threads_batch=self.n_threads_batch,
-                main_gpu=main_gpu,
-                tensor_split=split,
-            )
-
-        if self.draft is not None and draft_path is None:
-            raise PlanError(f"the plan uses the draft {self.draft[0]}; give its GGUF path")
-        draft = None
-        if self.draft and draft_path:
-            # The draft lives whole on one GPU: a split with all of it on draft_gpu.
-            n_gpus = len(self.tensor_split or ())
-            gpu = self.draft_gpu or 0
-            pin = tuple(float(i == gpu) for i in range(n_gpus)) if n_gpus > 1 else None
-            draft = model(draft_path, self.draft_ngl, pin, gpu)
-        spec = self.speculative
-        if draft is None and spec.mode in ("draft", "hybrid"):
-            spec = replace(spec, mode="ngram")  # no draft model fits: n-grams still help
-        return EngineSettings(
-            target=model(target_path, self.target_ngl, self.tensor_split),
-            draft=draft,
-            n_slots=self.n_slots,
-            spec=spec,
-            cache_reuse=self.cache_reuse,
-            exact_ms=self.cache_exact_ms,
-        )
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(replace(self, chat=None))

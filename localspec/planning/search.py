@@ -12,6 +12,7 @@ from localspec.hardware import HardwareFacts
 from localspec.planning.candidates import allowed_candidates
 from localspec.planning.capacity import size_slots
 from localspec.planning.chat import with_chat
+from localspec.planning.inputs import PlanSettings
 from localspec.planning.layout import (
     SearchContext,
     draft_placements,
@@ -23,7 +24,6 @@ from localspec.planning.layout import (
 from localspec.planning.memory import devices_for, draft_offload, padded_ctx
 from localspec.planning.render import gib
 from localspec.planning.result import Capacity, Plan, Rejection
-from localspec.planning.settings import PlanSettings, plan_settings_from
 from localspec.planning.speed import (
     BANDWIDTH_EFFICIENCY,
     draft_seconds,
@@ -241,7 +241,7 @@ def _threads(c: SearchContext, fit: _Fit) -> tuple[int, int]:
 def make_plan(
     catalog: Any,
     facts: HardwareFacts,
-    settings: Any = None,
+    settings: PlanSettings | None = None,
     *,
     step_costs: Mapping[tuple[str, str], StepCosts] | None = None,
 ) -> Plan:
@@ -249,13 +249,12 @@ def make_plan(
     the GPU, the network or the disk).
 
     ``catalog`` is a localspec.catalog.Catalog, or already a list of ``Candidate``;
-    ``settings`` a PlanSettings or localspec's Settings (see ``plan_settings_from``);
+    ``settings``: what is asked of the plan (``localspec.settings_to.plan_inputs`` builds it
+    from localspec's Settings); None: the defaults;
     ``step_costs``: step times measured on the machine ``facts`` describes, by (model, quant).
     """
     if settings is None:
         settings = PlanSettings()
-    elif not isinstance(settings, PlanSettings):
-        settings = plan_settings_from(settings)
     if step_costs:
         settings = replace(settings, step_costs=dict(step_costs))
     candidates = allowed_candidates(catalog, settings)

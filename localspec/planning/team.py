@@ -18,9 +18,9 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from localspec.planning.candidates import candidates_from_catalog
+from localspec.planning.inputs import PlanSettings
 from localspec.planning.result import Plan
 from localspec.planning.search import make_plan
-from localspec.planning.settings import PlanSettings, plan_settings_from
 from localspec.planning.types import PlanError, StepCosts
 
 Engine = Literal["llama-server", "vllm", "sglang"]
@@ -85,7 +85,7 @@ def _shell(word: str) -> str:
 def team_plan(
     catalog: Any,
     facts: Any,
-    settings: Any = None,
+    settings: PlanSettings | None = None,
     *,
     developers: int,
     engine: Engine = "llama-server",
@@ -99,12 +99,7 @@ def team_plan(
         raise PlanError(f"a team has at least one developer, not {developers}")
     if engine not in ENGINES:
         raise PlanError(f"unknown engine {engine!r}: use one of {', '.join(ENGINES)}")
-    if settings is None:
-        ps = PlanSettings(concurrent_sessions=developers)
-    elif isinstance(settings, PlanSettings):
-        ps = replace(settings, concurrent_sessions=developers)
-    else:
-        ps = plan_settings_from(settings, concurrent_sessions=developers)
+    ps = replace(settings or PlanSettings(), concurrent_sessions=developers)
     facts = replace(facts, kind="datacenter")
     candidates: Any = catalog
     if engine != "llama-server":

@@ -6,30 +6,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import inspect
 import logging
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from localspec import __version__
 from localspec.engine.types import EngineSettings, ModelSettings
 from localspec.server import chat, prompts
 from localspec.server.chatmodel import reading_chat_model
+from localspec.server.direct import Direct, LeanRoute, route_paths
 from localspec.server.dispatch import error_response
 from localspec.server.errors import ApiError, InvalidRequest, NotSupported
 from localspec.server.gate import Gate
 from localspec.server.metrics import CONTENT_TYPE
+from localspec.server.options import ServerSettings
 from localspec.server.results import CompactJSONResponse
 from localspec.server.schemas import (
     ChatCompletionRequest,
@@ -38,11 +37,9 @@ from localspec.server.schemas import (
     InfillRequest,
     OpenAICompletionRequest,
     TokenizeRequest,
-    parse_body,
     validation_message,
 )
-from localspec.server.service import Service
-from localspec.server.settings import ServerSettings
+from localspec.server.state import Service
 from localspec.server.upstream.backend import Upstream
 from localspec.server.upstream.config import UpstreamSettings
 from localspec.server.upstream.failover import Failover, local_probe, ready_probe
@@ -57,72 +54,6 @@ async def service(request: Request) -> Service:
 
 
 Svc = Annotated[Service, Depends(service)]
-Endpoint = Callable[..., Coroutine[Any, Any, Response]]
-
-
-class LeanRoute(APIRoute):
-    """A route FastAPI documents from the endpoint's signature (the body's model in OpenAPI)
-    but does not serve: FastAPI's generic handler (content-type sniffing, ``json.loads``,
-    dependency solving, exit stacks, validating the dicts) cost ≈0.2 ms of every request.
-
-    Here the body is validated straight from the raw bytes (``schemas.parse_body``: same
-    models, same 400s) and the endpoint gets ``body``, ``request`` and ``svc`` by name; every
-    endpoint returns a ready ``Response``, so there is no response model to apply either.
-    """
-
-    PARAMS = frozenset({"body", "request", "svc"})
-
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        endpoint: Endpoint = self.endpoint
-        names = set(inspect.signature(endpoint).parameters)
-        if not names <= self.PARAMS:  # a new parameter would silently never be filled in
-            raise TypeError(f"{endpoint.__name__}: parameters {names - self.PARAMS} unsupported")
-        model = self.body_field.field_info.annotation if self.body_field is not None else None
-        if ("body" in names) != (model is not None):
-            raise TypeError(f"{endpoint.__name__}: the body must be a pydantic model named body")
-        wants_request, wants_svc = "request" in names, "svc" in names
-
-        async def handler(request: Request) -> Response:
-            kwargs: dict[str, Any] = {}
-            if model is not None:
-                try:
-                    kwargs["body"] = parse_body(model, await request.body())
-                except ApiError as exc:
-                    return error_response(exc, request)
-            if wants_request:
-                kwargs["request"] = request
-            if wants_svc:
-                kwargs["svc"] = request.app.state.service
-            return await endpoint(**kwargs)
-
-        self.handler = handler  # for Direct
-        return handler
-
-
-class Direct:
-    """ASGI, inside the gate: a request for a LeanRoute's exact method and path goes straight to
-    its handler; anything else (404, 405, /docs, /openapi.json, preflights) takes FastAPI's
-    router. The router walks nested route contexts, behind two more middlewares, on every
-    request (≈0.1 ms). An exception a handler raises still reaches the app's error handler
-    (500 in llama-server's format)."""
-
-    def __init__(self, app: ASGIApp, routes: Iterable[Any]) -> None:
-        self.app = app
-        self.handlers: dict[tuple[str, str], Callable[[Request], Awaitable[Response]]] = {
-            (method, route.path): route.handler
-            for route in _flat_routes(routes)
-            if isinstance(route, LeanRoute)
-            for method in route.methods
-        }
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            handler = self.handlers.get((scope["method"], scope["path"]))
-            if handler is not None:
-                response = await handler(Request(scope, receive, send))
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 router = APIRouter(route_class=LeanRoute)
@@ -305,22 +236,6 @@ async def _on_error(request: Request, exc: Exception) -> Response:
 
 
 # ---------------------------------------------------------------------- factory
-
-
-def _flat_routes(routes: Iterable[Any]) -> Iterator[Any]:
-    """Every route (FastAPI nests an included router instead of copying its routes)."""
-    for route in routes:
-        inner = getattr(route, "original_router", None)
-        if inner is not None:
-            yield from _flat_routes(inner.routes)
-        else:
-            yield route
-
-
-def route_paths(routes: Any) -> frozenset[str]:
-    """Every path the app serves."""
-    paths = (getattr(route, "path", None) for route in _flat_routes(routes))
-    return frozenset(path for path in paths if isinstance(path, str))
 
 
 def default_loader(engine_settings: EngineSettings) -> Callable[[], Any]:

@@ -31,7 +31,7 @@ from localspec.server.schemas import N_PROBS_LIMIT, ChatCompletionRequest
 from localspec.server.worker import Job, JobResult
 
 if TYPE_CHECKING:
-    from localspec.server.service import Service
+    from localspec.server.state import Service
 
 ENDPOINT = "v1/chat/completions"
 DEFAULT_TOP_LOGPROBS = 20  # llama-server's, when logprobs is asked without top_logprobs

@@ -19,7 +19,7 @@ import uvicorn
 
 from localspec.engine.types import EngineSettings
 from localspec.server.app import create_app
-from localspec.server.settings import ServerSettings
+from localspec.server.options import ServerSettings
 from localspec.server.upstream.config import UpstreamSettings
 
 log = logging.getLogger("localspec.server")

@@ -1,4 +1,5 @@
-"""What the daemon needs to know of its upstream (translated from the ``backend`` settings)."""
+"""What the daemon needs to know of its upstream: built from the ``backend`` settings by
+``localspec.settings_to.upstream_settings``; the defaults are the settings model's own."""
 
 from __future__ import annotations
 
@@ -6,8 +7,11 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from localspec.catalog import FimText
+from localspec.settings import BackendSettings
 
 UpstreamKind = Literal["llama-server", "openai"]
+
+_BACKEND = BackendSettings()  # the settings model's defaults
 
 
 @dataclass(frozen=True)
@@ -20,20 +24,18 @@ class UpstreamSettings:
     fim: FimText | None = None  # openai: the FIM tokens as text (from the catalog)
     fim_model: str | None = None  # the catalog model ``fim`` came from (shown in /props)
     slot: int | None = None  # llama-server: pinned slot; None: stable hash; -1: upstream picks
-    connect_timeout_s: float = 3.0
-    read_timeout_s: float = 60.0
-    fallback: bool = True  # a local model answers while the upstream is down or slow
-    fallback_ms: float = 2000.0  # 0: never give up on a healthy upstream before read timeout
-    health_interval_s: float = 5.0
+    connect_timeout_s: float = _BACKEND.connect_timeout_s
+    read_timeout_s: float = _BACKEND.read_timeout_s
+    fallback: bool = _BACKEND.fallback == "local"  # a local model answers while it cannot
+    fallback_ms: float = _BACKEND.fallback_ms  # 0: wait for read_timeout_s
+    health_interval_s: float = _BACKEND.health_interval_s
     slow_strikes: int = 3  # answers late in a row before the upstream is skipped for a while
 
     def check(self) -> None:
-        if not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"upstream URL {self.url!r} is not http:// or https://")
+        """The one rule the settings model cannot check: the openai kind lays prompts out
+        with a catalog model's FIM tokens (the model's values are checked there)."""
         if self.kind == "openai" and self.fim is None:
             raise ValueError("the openai upstream kind needs the FIM tokens' texts")
-        if self.fallback_ms < 0 or self.connect_timeout_s <= 0 or self.read_timeout_s <= 0:
-            raise ValueError("upstream timeouts must be positive (fallback_ms: 0 or more)")
 
     def refused_message(self) -> str:
         """Why the upstream answers 401/403, for the editor, the log and ``localspec status``."""

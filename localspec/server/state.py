@@ -18,10 +18,10 @@ from localspec.server import dispatch, results
 from localspec.server.chatmodel import chat_model
 from localspec.server.errors import ApiError, Unavailable
 from localspec.server.metrics import Metrics, Probes
+from localspec.server.options import ServerSettings
 from localspec.server.params import TaskParams, task_params
 from localspec.server.prompts import Prepare
 from localspec.server.schemas import GenerationFields
-from localspec.server.settings import ServerSettings
 from localspec.server.tokcache import TokenCache
 from localspec.server.worker import Job, JobResult, Worker
 

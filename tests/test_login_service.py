@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from localspec import service
+from localspec import login_service
 
 TASK_NS = "{http://schemas.microsoft.com/windows/2004/02/mit/task}"
 
@@ -36,36 +36,36 @@ def _env(home: Path, **extra: str) -> dict[str, str]:
 
 
 def test_systemd_unit_runs_this_python_and_passes_systemd_analyze(home: Path) -> None:
-    text = service.render("linux")
+    text = login_service.render("linux")
     exec_line = next(ln for ln in text.splitlines() if ln.startswith("ExecStart="))
     # the state dir has a space: the log path must be one quoted word
     assert exec_line.startswith(f'ExecStart={sys.executable} -m localspec up --log-file "')
     assert "state dir/localspec.log" in exec_line
-    check = service.validate("linux", service.encode("linux", text))
+    check = login_service.validate("linux", login_service.encode("linux", text))
     assert check.ok, check.messages
     if shutil.which("systemd-analyze"):
         assert check.how == "systemd-analyze verify"
 
 
 def test_systemd_validation_catches_a_broken_unit() -> None:
-    bad = service.render("linux").replace("Restart=on-failure", "Restrat=on-failure")
-    check = service.validate("linux", bad.encode())
+    bad = login_service.render("linux").replace("Restart=on-failure", "Restrat=on-failure")
+    check = login_service.validate("linux", bad.encode())
     assert not check.ok
-    broken = service.render("linux").replace("[Install]", "")
-    assert not service._parse_ini_unit(broken).ok
+    broken = login_service.render("linux").replace("[Install]", "")
+    assert not login_service._parse_ini_unit(broken).ok
 
 
 def test_launchd_plist_parses_with_program_arguments(home: Path) -> None:
-    data = service.encode(
-        "macos", service.render("macos", ["/opt/py & co/python", "-m", "localspec", "up"])
+    data = login_service.encode(
+        "macos", login_service.render("macos", ["/opt/py & co/python", "-m", "localspec", "up"])
     )
     plist = plistlib.loads(data)
-    assert plist["Label"] == service.LAUNCHD_LABEL
+    assert plist["Label"] == login_service.LAUNCHD_LABEL
     assert plist["ProgramArguments"] == ["/opt/py & co/python", "-m", "localspec", "up"]
     assert plist["RunAtLoad"] is True
     assert plist["KeepAlive"] == {"SuccessfulExit": False}
-    assert service.validate("macos", data).ok
-    assert not service.validate("macos", data.replace(b"</dict>\n</plist>", b"")).ok
+    assert login_service.validate("macos", data).ok
+    assert not login_service.validate("macos", data.replace(b"</dict>\n</plist>", b"")).ok
 
 
 def test_windows_task_is_utf16_xml_with_a_logon_trigger(home: Path, monkeypatch) -> None:
@@ -79,7 +79,7 @@ def test_windows_task_is_utf16_xml_with_a_logon_trigger(home: Path, monkeypatch)
         "--log-file",
         r"C:\a b\l.log",
     ]
-    data = service.encode("windows", service.render("windows", command))
+    data = login_service.encode("windows", login_service.render("windows", command))
     assert data[:2] in (b"\xff\xfe", b"\xfe\xff")  # schtasks wants the BOM
     root = ET.fromstring(data)
     assert root.find(f"{TASK_NS}Triggers/{TASK_NS}LogonTrigger/{TASK_NS}UserId").text == r"CORP\dev"
@@ -90,28 +90,31 @@ def test_windows_task_is_utf16_xml_with_a_logon_trigger(home: Path, monkeypatch)
         root.find(f"{TASK_NS}Principals/{TASK_NS}Principal/{TASK_NS}RunLevel").text
         == "LeastPrivilege"
     )
-    assert service.validate("windows", data).ok
+    assert login_service.validate("windows", data).ok
 
 
-@pytest.mark.parametrize("os_name", service.OS_NAMES)
+@pytest.mark.parametrize("os_name", login_service.OS_NAMES)
 def test_install_and_uninstall_in_a_temp_home(home: Path, os_name: str) -> None:
-    outcome = service.install(os_name, start=False)
-    path = service.service_path(os_name)
+    outcome = login_service.install(os_name, start=False)
+    path = login_service.service_path(os_name)
     assert outcome.ok and outcome.path == path and path.is_file()
     assert str(home) in str(path)
-    assert service.validate(os_name, path.read_bytes()).ok
-    assert service.status(os_name).installed
-    service.uninstall(os_name)
+    assert login_service.validate(os_name, path.read_bytes()).ok
+    assert login_service.status(os_name).installed
+    login_service.uninstall(os_name)
     assert not path.exists()
-    assert not service.status(os_name).installed
+    assert not login_service.status(os_name).installed
 
 
 def test_systemd_install_respects_xdg_config_home(home: Path, monkeypatch) -> None:
     monkeypatch.setenv("XDG_CONFIG_HOME", str(home / "cfg"))
-    assert service.service_path("linux") == home / "cfg" / "systemd" / "user" / "localspec.service"
+    assert (
+        login_service.service_path("linux")
+        == home / "cfg" / "systemd" / "user" / "localspec.service"
+    )
 
 
-@pytest.mark.skipif(service.current_os() != "linux", reason="drives systemctl on Linux")
+@pytest.mark.skipif(login_service.current_os() != "linux", reason="drives systemctl on Linux")
 def test_install_enables_with_systemctl_user_and_reports_failure(
     home: Path, tmp_path: Path
 ) -> None:

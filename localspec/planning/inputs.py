@@ -1,14 +1,33 @@
-"""What the user (or IT) asks of a plan, and its translation from localspec's Settings."""
+"""What the user (or IT) asks of a plan: plain values, built from localspec's Settings by
+``localspec.settings_to.plan_inputs`` (the planner reads no settings model itself)."""
 
 from __future__ import annotations
 
 import fnmatch
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
-from localspec.engine.types import SpecSettings
-from localspec.planning.types import ModelFacts, PlanError, StepCosts
+from localspec.planning.types import ModelFacts, StepCosts
+
+SpecMode = Literal["off", "draft", "ngram", "hybrid", "auto"]
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """The ``speculative`` settings the plan carries to the engine (and to a team server's
+    launch command); ``localspec.settings_to`` turns them into the engine's SpecSettings."""
+
+    mode: SpecMode = "auto"
+    n_max: int = 16
+    n_min: int = 0
+    p_min: float = 0.75
+
+    def without_draft_model(self) -> Speculation:
+        """What serves when no draft model is loaded: the modes that need one draft n-grams."""
+        if self.mode in ("draft", "hybrid"):
+            return Speculation("ngram", self.n_max, self.n_min, self.p_min)
+        return self
 
 
 @dataclass(frozen=True)
@@ -31,7 +50,7 @@ class PlanSettings:
     threads: int | None = None
     allow_q4_kv: bool = False  # q4_0 KV costs quality; off unless asked
     draft_models: bool = True  # False: n-gram pairs only (speculative.mode off or ngram)
-    speculative: SpecSettings = field(default_factory=SpecSettings)  # handed to the engine
+    speculative: Speculation = field(default_factory=Speculation)  # handed to the engine
     cache_reuse: int = 256  # handed to the engine
     cache_exact_ms: float = 100.0  # handed to the engine (EngineSettings.exact_ms)
     measured: Mapping[tuple[str, str], ModelFacts] = field(default_factory=dict)
@@ -49,40 +68,3 @@ class PlanSettings:
 def is_allowed(patterns: Sequence[str], *names: str) -> bool:
     """No patterns allow everything; otherwise any name matching any pattern."""
     return not patterns or any(fnmatch.fnmatch(n, p) for p in patterns for n in names)
-
-
-def plan_settings_from(settings: Any, **overrides: Any) -> PlanSettings:
-    """PlanSettings from localspec's layered Settings (models.*, limits.*, server.slots,
-    speculative.*, cache.reuse_chunk, cache.exact_ms). A pinned models.pair is the only pair
-    considered.
-    ``overrides`` set PlanSettings fields no settings key holds (concurrent_sessions=500)."""
-    models, limits, spec = settings.models, settings.limits, settings.speculative
-    allowed = tuple(models.allowed)
-    chat_pair = models.chat_pair
-    if chat_pair and not is_allowed(allowed, chat_pair):
-        raise PlanError(f"models.chat_pair {chat_pair!r} is not in models.allowed {list(allowed)}")
-    if models.pair:
-        if not is_allowed(allowed, models.pair):
-            raise PlanError(f"models.pair {models.pair!r} is not in models.allowed {list(allowed)}")
-        allowed = (models.pair,)
-    cap = limits.gpu_memory_gb
-    return PlanSettings(
-        allowed=allowed,
-        pair=models.pair,
-        context=limits.context,
-        min_context=min(4096, limits.context) if limits.context else 4096,
-        n_slots=settings.server.slots,
-        gpu_memory_cap_bytes=int(cap * 1e9) if cap else None,
-        threads=limits.threads,
-        spec_n_max=spec.n_max,
-        draft_models=spec.mode not in ("off", "ngram"),
-        speculative=SpecSettings(
-            mode=spec.mode, n_max=spec.n_max, n_min=spec.n_min, p_min=spec.p_min
-        ),
-        cache_reuse=settings.cache.reuse_chunk,
-        cache_exact_ms=settings.cache.exact_ms,
-        chat=models.chat,
-        chat_pair=chat_pair,
-        chat_allowed=tuple(models.allowed),
-        **overrides,
-    )

@@ -1,0 +1,58 @@
+"""How the HTTP daemon is exposed: address, auth, queue and timeouts (the engine has its own).
+
+``localspec.settings_to.server_settings`` builds a ServerSettings from the user's Settings,
+whose model checks every value; the defaults here are that model's own (for tests and
+programmatic use), so a default lives in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from localspec.settings import CacheSettings, ServerSection, is_loopback
+
+_SERVER = ServerSection()  # the settings model's defaults
+_CACHE = CacheSettings()
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = _SERVER.host  # "localhost" binds both 127.0.0.1 and ::1
+    port: int = _SERVER.port  # 0: any free port (tests)
+    api_key: str | None = None  # required for any non-loopback host
+    n_parallel: int = 1  # slots, i.e. EngineSettings.n_slots: separate KV caches
+    queue_limit: int = _SERVER.queue_limit  # waiting requests past this answer 503 + Retry-After
+    request_timeout_s: float = _SERVER.request_timeout_s  # queued + running, then cancelled
+    metrics: bool = _SERVER.metrics  # expose /metrics (Prometheus text)
+    cors_origins: tuple[str, ...] = tuple(_SERVER.cors_origins)
+    model_alias: str | None = None  # the "model" name in answers; default: the GGUF file name
+    spm_infill: bool = _SERVER.spm_infill  # llama-server's --spm-infill: suffix before prefix
+    # the cursor line goes behind FIM_MID (each keystroke appends to the cached prompt);
+    # False: llama-server's layout, the line ends the prefix (see server/fim.py)
+    typed_in_middle: bool = _CACHE.infill_layout == "typed-in-middle"
+    # /infill's extra-context chunks evaluated each on its own (engine blocks, docs/engine.md);
+    # with typed_in_middle only (llama-server's layout stays token for token and causal)
+    ring_blocks: bool = _CACHE.ring_attention == "blocks"
+    n_cmpl_max: int = _SERVER.n_cmpl_max  # most completions one request may ask for
+    infill_room: int = 256  # /infill prompts leave this many tokens (at most n_ctx/4) to generate
+    max_body_bytes: int = _SERVER.max_body_bytes  # larger request bodies answer 413
+    body_timeout_s: float = _SERVER.body_timeout_s  # a body not fully received by then: 408
+    max_connections: int = _SERVER.max_connections  # open connections past this answer 503
+    # why this daemon answers no chat (the 501's message: what to change); None: chat is
+    # served by the chat model, or by the completion model when its GGUF has a chat template
+    chat_refusal: str | None = None
+    chat_alias: str | None = None  # the chat model's name in answers (a second pair); None: file
+
+    @property
+    def blocks_in_effect(self) -> bool:
+        """Whether /infill's ring chunks are evaluated as blocks (only in localspec's layout)."""
+        return self.ring_blocks and self.typed_in_middle
+
+    def check(self) -> None:
+        """Refuse to expose an open completion endpoint. ``localspec up`` has applied the same
+        rule (``settings.check_security``) before; this guards a programmatic ``serve``."""
+        if not is_loopback(self.host) and not self.api_key:
+            raise ValueError(
+                f"refusing to listen on {self.host!r} without an API key: anyone on the network "
+                "could use the model. Set an API key, or bind localhost"
+            )

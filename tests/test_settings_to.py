@@ -1,0 +1,130 @@
+"""The one translation of the settings model into each part's settings, and the rules it
+keeps in one place: the defaults (the model's), the loopback rule, the direction of imports."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from localspec import settings as st
+from localspec import settings_to
+from localspec.engine.types import ModelSettings, SpecSettings
+from localspec.plan import PlanSettings, Speculation
+from localspec.server import ServerSettings, UpstreamSettings
+
+PACKAGE = Path(__file__).resolve().parents[1] / "localspec"
+
+
+def _settings(**sections: object) -> st.Settings:
+    return st.Settings.model_validate(sections)
+
+
+def test_defaults_of_each_part_are_the_settings_models() -> None:
+    """Each part's defaults (for tests and programmatic use) equal what the default Settings
+    translate to: a default changed in the model changes it everywhere."""
+    defaults = st.Settings()
+    assert settings_to.server_settings(defaults, api_key=None) == ServerSettings()
+    assert settings_to.plan_inputs(defaults) == PlanSettings()
+    assert settings_to.speculation(defaults) == Speculation()
+    assert settings_to.spec_settings(Speculation(), has_draft=True) == SpecSettings()
+    remote = _settings(backend={"kind": "llama-server", "url": "https://team:8443"})
+    assert settings_to.upstream_settings(remote, api_key=None) == UpstreamSettings(
+        kind="llama-server", url="https://team:8443"
+    )
+    assert settings_to.upstream_settings(defaults, api_key=None) is None  # kind local
+
+
+def test_server_settings_carry_every_server_key() -> None:
+    settings = _settings(
+        server={"host": "127.0.0.2", "port": 9000, "queue_limit": 3, "request_timeout_s": 5,
+                "metrics": False, "cors_origins": ["http://a"], "n_cmpl_max": 2,
+                "max_body_bytes": 4096, "body_timeout_s": 7, "max_connections": 9,
+                "spm_infill": True, "slots": 3},
+        cache={"infill_layout": "llama-server", "ring_attention": "causal"},
+    )  # fmt: skip
+    got = settings_to.server_settings(settings, api_key="k", model_alias="m", chat_alias="c")
+    assert got == ServerSettings(
+        host="127.0.0.2", port=9000, api_key="k", n_parallel=3, queue_limit=3,
+        request_timeout_s=5, metrics=False, cors_origins=("http://a",), model_alias="m",
+        spm_infill=True, typed_in_middle=False, ring_blocks=False, n_cmpl_max=2,
+        max_body_bytes=4096, body_timeout_s=7, max_connections=9, chat_alias="c",
+    )  # fmt: skip
+    # the engine's slot count, once known, is what the server serves
+    assert settings_to.server_settings(settings, api_key=None, n_parallel=5).n_parallel == 5
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [("localhost", True), ("127.0.0.1", True), ("127.0.0.2", True), ("::1", True),
+     ("[::1]", True), ("0.0.0.0", False), ("10.1.2.3", False), ("dev.example.com", False)],
+)  # fmt: skip
+def test_one_loopback_rule_for_the_settings_and_the_server(host: str, loopback: bool) -> None:
+    """``up`` (settings.check_security) and ``serve`` (ServerSettings.check) agree on which
+    hosts need an API key: 127.0.0.2 is loopback for both."""
+    assert st.is_loopback(host) is loopback
+    settings = _settings(server={"host": host})
+    server = settings_to.server_settings(settings, api_key=None)
+    if loopback:
+        assert st.check_security(settings) is None
+        server.check()
+    else:
+        with pytest.raises(st.SettingsError, match="reachable from other machines"):
+            st.check_security(settings)
+        with pytest.raises(ValueError, match="without an API key"):
+            server.check()
+    settings_to.server_settings(settings, api_key="k").check()  # a key opens any host
+
+
+def test_files_on_the_command_line_become_engine_settings(tmp_path: Path) -> None:
+    settings = _settings(
+        limits={"context": 2048, "threads": 3},
+        server={"slots": 2},
+        speculative={"mode": "hybrid", "n_max": 5},
+        cache={"reuse_chunk": 64, "exact_ms": 0},
+    )
+    target = settings_to.file_model_settings(
+        settings, tmp_path / "t.gguf", gpu_layers=-1, flash_attn=None
+    )
+    assert target == ModelSettings(
+        path=str(tmp_path / "t.gguf"), n_gpu_layers=-1, n_ctx=2048, n_threads=3,
+        n_threads_batch=3,
+    )  # fmt: skip
+    alone = settings_to.file_engine_settings(settings, target, None)
+    assert alone.spec == SpecSettings(mode="ngram", n_max=5)  # no draft model: n-grams
+    assert (alone.n_slots, alone.cache_reuse, alone.exact_ms) == (2, 64, 0)
+    paired = settings_to.file_engine_settings(settings, target, target)
+    assert paired.spec.mode == "hybrid"
+    default = settings_to.file_model_settings(
+        st.Settings(), "x.gguf", gpu_layers=0, flash_attn=True
+    )
+    assert default.n_ctx == ModelSettings(path="x").n_ctx and default.flash_attn is True
+
+
+def _imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return names
+
+
+def test_the_planner_imports_nothing_above_it() -> None:
+    """planning/ is pure and below the engine, the server and the CLI (docs/architecture.md):
+    none of its modules imports them, and importing the planner loads no llama.cpp."""
+    above = ("localspec.engine", "localspec.server", "localspec.commands", "localspec.settings")
+    for path in sorted((PACKAGE / "planning").glob("*.py")):
+        bad = {name for name in _imports(path) if name.startswith(above)}
+        assert not bad, f"{path.name} imports {sorted(bad)}"
+    code = (
+        "import sys, localspec.plan, localspec.planning.team, localspec.settings_to; "
+        "print(sorted(m for m in sys.modules if m == 'llama_cpp' or m == 'fastapi' "
+        "or m.startswith(('localspec.engine', 'localspec.server'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
