@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -91,3 +92,26 @@ def test_every_decode_runs_on_the_free_cores(qwen_target: Path) -> None:
         load.run(seconds=1.0, other_cores=0.0)
         res = eng.generate(GenerationRequest(slot=0, prompt=[*prompt, 11], n_predict=2))
         assert res.threads == (2, 2)  # four free cores, capped at the configured two
+
+
+def test_the_load_is_measured_while_the_engine_idles(qwen_target: Path) -> None:
+    """A request's first decode decides on the last fraction of a second: the governor is
+    re-measured on its own thread while no request runs (measured only by decodes, the first
+    one after a pause would average the whole pause, and a build that ran and ended in it
+    would cost the request a core). Closing the engine stops the thread."""
+    from tests.ops_support import wait_until
+
+    settings = EngineSettings(target=ModelSettings(str(qwen_target), n_ctx=256, n_threads=1))
+    before = set(threading.enumerate())
+    with Engine.load(settings) as eng:
+        gov = eng.governor
+        assert gov is not None
+        start = gov.n_samples
+        wait_until(lambda: gov.n_samples >= start + 2, timeout=30.0)
+        keeper = [t for t in threading.enumerate() if t.name == "localspec-load"]
+        keeper = [t for t in keeper if t not in before]
+        assert len(keeper) == 1
+    assert not keeper[0].is_alive()
+    quiet = EngineSettings(target=ModelSettings(str(qwen_target), n_ctx=256), follow_load=False)
+    with Engine.load(quiet) as eng:
+        assert eng.governor is None

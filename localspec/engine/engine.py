@@ -11,6 +11,9 @@ the first disagreement emits the target's token, and rejected KV is removed from
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
+
 from localspec.engine.cache import PrefillPolicy, SlotCaches
 from localspec.engine.completion import Completion, draft_window_start
 from localspec.engine.errors import EngineError
@@ -54,6 +57,7 @@ class Engine:
         self._closed = False
         # every decode runs on at most the cores other processes leave free (engine/threads.py)
         self.governor = ThreadGovernor(physical_cores()) if settings.follow_load else None
+        self._stop_governor: Callable[[], None] | None = None
         self._target = Model(settings.target)
         self._draft: Model | None = None
         self._tctx: Context | None = None
@@ -103,6 +107,8 @@ class Engine:
         # the last pipelined request's draft thread, until someone needs the draft cache
         self._draft_job: DraftPipeline | None = None
         self.scheduler = Scheduler(self)
+        if self.governor is not None:
+            self._stop_governor = self.governor.keep_fresh()
 
     @classmethod
     def load(cls, settings: EngineSettings) -> Engine:
@@ -148,6 +154,8 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        if self._stop_governor is not None:
+            self._stop_governor()
         if getattr(self, "_draft_job", None) is not None:
             self._settle_draft()
         for obj in (self._dctx, self._tctx, self._draft, self._target):
@@ -212,15 +220,7 @@ class Engine:
 
     def draft_prefill_policy(self, cache_prompt: bool) -> PrefillPolicy:
         """The same for the draft model's window (no exactness budget: it only drafts)."""
-        s = self.settings
-        return PrefillPolicy(
-            min_chunk=s.cache_reuse if cache_prompt else 0,
-            tail_min=s.tail_reuse,
-            max_drift=s.tail_max_drift,
-            tail_refresh=s.tail_refresh,
-            tail_roll=s.tail_roll,
-            chunk=s.prefill_chunk,
-        )
+        return replace(self.prefill_policy(cache_prompt), exact_ms=0.0)
 
     def inside_ms(self) -> float:
         """llama.cpp time of the engine's thread (a pipelined draft's runs on its own)."""

@@ -88,6 +88,7 @@ class ThreadGovernor:
         self.other_busy = 0.0  # cores other processes used over the last window
         self.free = self.cores
         self.n_changes = 0  # how often the choice changed (a flapping rule would show here)
+        self.n_samples = 0
 
     def threads(self) -> int:
         """Free cores now (re-measured when the last measurement is older than the interval:
@@ -100,11 +101,33 @@ class ThreadGovernor:
                 return self.free  # another thread has just re-measured
             self.other_busy = other_busy_cores(self._last, current)
             self._last = current
+            self.n_samples += 1
             free = free_cores(self.cores, self.other_busy, self.busy_core)
             if free != self.free:
                 self.free = free
                 self.n_changes += 1
             return self.free
+
+    def keep_fresh(self) -> Callable[[], None]:
+        """Re-measure every interval on a thread of its own until the returned function is
+        called. A decision then rests on the last fraction of a second: measured only when
+        the engine runs, the first decode of a request would average the whole time since the
+        last one, and a build (or another model) that ran and ended meanwhile would cost it
+        a core for the first 0.2 s (150-180 ms more for a 169-token prompt here)."""
+        stop = threading.Event()
+
+        def run() -> None:
+            while not stop.wait(self.interval_s):
+                self.threads()
+
+        thread = threading.Thread(target=run, name="localspec-load", daemon=True)
+        thread.start()
+
+        def halt() -> None:
+            stop.set()
+            thread.join(timeout=5.0)
+
+        return halt
 
 
 def physical_cores() -> int:
