@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import sys
 import threading
 from collections.abc import Callable
 
@@ -25,14 +26,23 @@ def _interrupt(signum: int, _frame: object) -> None:
 
 
 def interruptible(run: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
-    """``run(args)`` with SIGTERM and SIGINT raising KeyboardInterrupt (main thread only)."""
+    """``run(args)`` with SIGTERM and SIGINT raising KeyboardInterrupt (main thread only);
+    an interrupted run (its servers stopped by its own ``finally``) exits 130."""
     if threading.current_thread() is not threading.main_thread():
-        return run(args)
+        return _until_interrupted(run, args)
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     for sig in saved:
         signal.signal(sig, _interrupt)
     try:
-        return run(args)
+        return _until_interrupted(run, args)
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+
+
+def _until_interrupted(run: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    try:
+        return run(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

@@ -342,9 +342,6 @@ def _main(args: argparse.Namespace) -> int:
     except (anchor.ServerError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
     finally:
         for server in started:
             server.stop()

@@ -16,9 +16,7 @@ import asyncio
 import json
 import os
 import platform
-import signal
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -27,6 +25,7 @@ from typing import Any
 
 from localspec.bench import anchor, editor, proxy, report
 from localspec.bench.background import busy_loops
+from localspec.bench.command import interruptible
 from localspec.bench.driver import Outcome, Target, replay
 from localspec.bench.stats import fmt, percentile, ratio
 
@@ -354,22 +353,8 @@ async def _run_clients(
     return outcomes
 
 
-def _interrupt(signum: int, _frame: object) -> None:
-    raise KeyboardInterrupt  # SIGTERM (or SIGINT in a background job): stop the servers
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if threading.current_thread() is not threading.main_thread():
-        return _main(args)
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    for sig in saved:
-        signal.signal(sig, _interrupt)
-    try:
-        return _main(args)
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
+    return interruptible(_main, build_parser().parse_args(argv))
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -464,9 +449,6 @@ def _main(args: argparse.Namespace) -> int:
     except (anchor.ServerError, FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
     finally:
         for server in started:
             code = server.proc.poll() if server.proc is not None else None

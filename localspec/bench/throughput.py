@@ -28,6 +28,7 @@ import httpx
 
 from localspec.bench import anchor
 from localspec.bench.background import busy_loops, levels
+from localspec.bench.command import interruptible
 from localspec.bench.corpus import code_prompts
 from localspec.bench.replay import machine
 from localspec.bench.stats import fmt, mean, percentile, ratio
@@ -288,7 +289,10 @@ def merge(cells: Sequence[Cell]) -> list[Cell]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    return interruptible(_main, build_parser().parse_args(argv))
+
+
+def _main(args: argparse.Namespace) -> int:
     try:
         client_counts = levels(args.clients)
         loads = levels(args.background)
@@ -354,9 +358,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (anchor.ServerError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
     finally:
         for server in started:
             server.stop()
