@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -260,6 +260,19 @@ class ManagedServer:
 
     def __exit__(self, *_: object) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def serving(
+    specs: Sequence[ServerSpec], log_dir: Path, timeout_s: float, progress: Callable[[str], None]
+) -> Iterator[list[ManagedServer]]:
+    """``start_all``'s servers for the block, stopped when it ends however it ends."""
+    started = start_all(specs, log_dir, timeout_s, progress)
+    try:
+        yield started
+    finally:
+        for server in started:
+            server.stop()
 
 
 def start_all(

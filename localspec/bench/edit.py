@@ -321,30 +321,26 @@ def _main(args: argparse.Namespace) -> int:
         return 2
     log_dir = args.log_dir or Path(os.environ.get("TMPDIR", "/tmp")) / "localspec-bench-logs"
     answers: list[Answer] = []
-    started: list[anchor.ManagedServer] = []
     t0 = time.perf_counter()
     try:
         print(f"{len(tasks)} edits; starting {len(specs)} servers", file=sys.stderr)
-        started = anchor.start_all(specs, log_dir, args.load_timeout, _progress)
-        for i, task in enumerate(tasks):
-            order = specs[i % len(specs) :] + specs[: i % len(specs)]
-            line = []
-            for spec in order:
-                extra = args.request if spec.name.startswith("localspec") else {}
-                time.sleep(args.pause)
-                answer = ask(spec.url, task, args.n_predict, extra)
-                answer.server, answer.task = spec.name, i
-                answers.append(answer)
-                speed = ratio(answer.n * 1e3, answer.decode_ms)
-                line.append(f"{spec.name} {fmt(speed, '.0f')}")
-            print(f"[{i + 1}/{len(tasks)}] {task.kind:<12} {task.where:<36} tok/s: "
-                  + ", ".join(line), file=sys.stderr, flush=True)  # fmt: skip
+        with anchor.serving(specs, log_dir, args.load_timeout, _progress):
+            for i, task in enumerate(tasks):
+                order = specs[i % len(specs) :] + specs[: i % len(specs)]
+                line = []
+                for spec in order:
+                    extra = args.request if spec.name.startswith("localspec") else {}
+                    time.sleep(args.pause)
+                    answer = ask(spec.url, task, args.n_predict, extra)
+                    answer.server, answer.task = spec.name, i
+                    answers.append(answer)
+                    speed = ratio(answer.n * 1e3, answer.decode_ms)
+                    line.append(f"{spec.name} {fmt(speed, '.0f')}")
+                print(f"[{i + 1}/{len(tasks)}] {task.kind:<12} {task.where:<36} tok/s: "
+                      + ", ".join(line), file=sys.stderr, flush=True)  # fmt: skip
     except (anchor.ServerError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    finally:
-        for server in started:
-            server.stop()
     rows = summarize(answers, [s.name for s in specs])
     print()
     print(table(rows))

@@ -328,39 +328,35 @@ def _main(args: argparse.Namespace) -> int:
         print(f"  {msg}", file=sys.stderr, flush=True)
 
     cells: list[Cell] = []
-    started: list[anchor.ManagedServer] = []
     try:
-        started = anchor.start_all(specs, log_dir, args.load_timeout, progress)
-        reference: dict[str, list[str]] = {}
-        if not args.no_alone:
-            for server in started:
-                progress(f"{server.spec.name}: each prompt alone, for the agreement column")
-                reference[server.spec.name] = alone(server.spec.url, texts, args)
-        n_round = 0
-        for _ in range(args.repeats):
-            for load in loads:
-                with busy_loops(load):
-                    for clients in client_counts:
-                        order = started if n_round % 2 == 0 else started[::-1]
-                        n_round += 1
-                        for server in order:
-                            cell = measure(
-                                server.spec.url, server.spec.name, texts,
-                                background=load, clients=clients, args=args,
-                                reference=reference.get(server.spec.name, ()),
-                            )  # fmt: skip
-                            cells.append(cell)
-                            progress(
-                                f"{cell.server} bg {load} clients {clients}: "
-                                f"{fmt(cell.aggregate_tps, '.1f')} tok/s, "
-                                f"p50 {fmt(cell.latency(50), '.2f')} s, {cell.errors} errors"
-                            )
+        with anchor.serving(specs, log_dir, args.load_timeout, progress) as started:
+            reference: dict[str, list[str]] = {}
+            if not args.no_alone:
+                for server in started:
+                    progress(f"{server.spec.name}: each prompt alone, for the agreement column")
+                    reference[server.spec.name] = alone(server.spec.url, texts, args)
+            n_round = 0
+            for _ in range(args.repeats):
+                for load in loads:
+                    with busy_loops(load):
+                        for clients in client_counts:
+                            order = started if n_round % 2 == 0 else started[::-1]
+                            n_round += 1
+                            for server in order:
+                                cell = measure(
+                                    server.spec.url, server.spec.name, texts,
+                                    background=load, clients=clients, args=args,
+                                    reference=reference.get(server.spec.name, ()),
+                                )  # fmt: skip
+                                cells.append(cell)
+                                progress(
+                                    f"{cell.server} bg {load} clients {clients}: "
+                                    f"{fmt(cell.aggregate_tps, '.1f')} tok/s, "
+                                    f"p50 {fmt(cell.latency(50), '.2f')} s, {cell.errors} errors"
+                                )
     except (anchor.ServerError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    finally:
-        for server in started:
-            server.stop()
     merged = merge(cells)
     print()
     print(table(merged))
