@@ -253,6 +253,99 @@ def test_the_draft_model_drafts_for_several_sequences_in_one_batch(
         scorer.close()
 
 
+@pytest.mark.parametrize(
+    ("verify_ms", "shared_drafts"),
+    [
+        ({1: 10.0, 64: 10.5}, True),  # a bigger step costs little more: drafts pay
+        ({1: 10.0, 2: 11.0, 3: 40.0, 64: 900.0}, False),  # pay alone, not beside another
+    ],
+    ids=["flat", "steep"],
+)
+def test_a_shared_step_runs_the_draft_model_only_where_its_tokens_pay(
+    qwen_follow: Path,
+    qwen_follow_draft: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    verify_ms: dict[int, float],
+    shared_drafts: bool,
+) -> None:
+    """In auto mode the draft model's tokens for a shared step are weighed before they are
+    made: where a step with them would yield less per ms (a CPU, where every token in a step
+    costs), the draft model neither drafts nor evaluates its prompt window for that step,
+    though alone the same draft would pay; where a bigger step is nearly free, it drafts for
+    both sequences in one draft batch. Outputs are the target's either way. (The draft's
+    cache already holds both prompts, as at an editor's next keystroke: a shared step never
+    pays a draft prompt prefill, ``test_..._without_a_draft_prefill`` below.)"""
+    fixed_costs(monkeypatch, verify_ms, draft_ms=1.0)
+    s = EngineSettings(
+        target=model_settings(qwen_follow),
+        draft=model_settings(qwen_follow_draft),
+        n_slots=2,
+        spec=SpecSettings(mode="auto", n_max=4, p_min=0.0, pipeline=False),
+        follow_load=False,
+    )
+    with Engine.load(s) as engine:
+        # a draft model a tenth of the target's size (0.5B beside 7B), as the prior for its
+        # cost before it has drafted (the fixtures are the same size)
+        engine.draft_size_ratio = 0.1
+        a, b = prompts(engine, 2, lines=40)
+        for slot, prompt in ((0, a), (1, b)):  # the draft's cache holds each prompt
+            engine.prefill_draft(slot, prompt)
+        dctx, tctx = engine._dctx, engine._tctx
+        assert dctx is not None
+        events: list[tuple[str, int]] = []  # (which model, decoding sequences in the batch)
+        for name, ctx in (("draft", dctx), ("target", tctx)):
+
+            def record(segments: Sequence[Segment], name: str = name, real=ctx.decode_many):
+                events.append((name, len({seg.seq for seg in segments})))
+                return real(segments)
+
+            monkeypatch.setattr(ctx, "decode_many", record)
+        tasks = [
+            Task([GenerationRequest(slot=s, prompt=p, n_predict=20, sampling=GREEDY)])
+            for s, p in ((0, a), (1, b))
+        ]
+        run(engine, *tasks)
+        for task, prompt in zip(tasks, (a, b), strict=True):
+            assert task.results[0].tokens == follow_chain(prompt[-1], 20)
+    # the target step each draft batch served: the next target batch after it
+    served = [
+        next(n for kind, n in events[i + 1 :] if kind == "target")
+        for i, (kind, _) in enumerate(events)
+        if kind == "draft"
+    ]
+    assert any(n >= 2 for n in served) == shared_drafts
+
+
+def test_a_shared_step_drafts_without_a_draft_prefill(
+    qwen_follow: Path, qwen_follow_draft: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two new prompts decoding together, on costs where a draft would pay: the draft
+    model's cache holds neither prompt, and a shared step does not evaluate hundreds of
+    prompt tokens of the draft model on the path of both sequences for the few tokens it
+    keeps, so neither request evaluates its draft window."""
+    fixed_costs(monkeypatch, {1: 10.0, 64: 10.5}, draft_ms=1.0)
+    s = EngineSettings(
+        target=model_settings(qwen_follow),
+        draft=model_settings(qwen_follow_draft),
+        n_slots=2,
+        spec=SpecSettings(mode="auto", n_max=4, p_min=0.0, pipeline=False),
+        follow_load=False,
+    )
+    with Engine.load(s) as engine:
+        engine.draft_size_ratio = 0.1
+        a, b = prompts(engine, 2, lines=40)  # 150 tokens each
+        tasks = [
+            Task([GenerationRequest(slot=s, prompt=p, n_predict=12, sampling=GREEDY)])
+            for s, p in ((0, a), (1, b))
+        ]
+        run(engine, *tasks)
+        for task, prompt in zip(tasks, (a, b), strict=True):
+            (res,) = task.results
+            assert res.tokens == follow_chain(prompt[-1], 12)
+            assert res.draft_n_evaluated == 0
+            assert "draft" not in res.drafted
+
+
 def test_prompts_that_arrive_together_are_evaluated_together(
     engine: Engine, scorer: Scorer, batches: list[list[Segment]]
 ) -> None:

@@ -360,6 +360,22 @@ def test_a_shared_step_keeps_the_likeliest_drafted_tokens_across_sequences() -> 
     assert share_step([sure], VerifyCost()) == [0]  # nothing measured: a plain step first
 
 
+def test_a_shared_step_prices_the_draft_models_tokens_before_they_are_made() -> None:
+    from localspec.engine.policy import VerifyCost, share_step
+
+    gpu_like = VerifyCost(ms={1: 10.0, 64: 11.0})
+    sure = [0.95, 0.9, 0.85, 0.8]
+    # free draft batches: the model's offer is weighed as a made draft's would be
+    assert share_step([sure, sure], gpu_like, made=[True, False]) == share_step(
+        [sure, sure], gpu_like
+    )
+    # each depth of the model's tokens costs a draft batch: dear ones are not made at all,
+    # while the n-gram draft beside them, free to make, keeps its tokens
+    assert share_step([sure, sure], gpu_like, made=[True, False], draft_ms=30.0) == [0, 4]
+    # one draft batch serves every sequence the model drafts for: cheap enough, both keep
+    assert share_step([sure, sure], gpu_like, made=[True, True], draft_ms=1.0) == [4, 4]
+
+
 def test_a_shared_step_counts_the_fixed_drafts_of_other_sequences() -> None:
     from localspec.engine.policy import VerifyCost, share_step
 

@@ -381,8 +381,8 @@ class Completion:
                     if k >= n_min and self.dbase is None and not self._draft_prefill_pays():
                         self.draft_ok = False  # for this request: n-grams or plain steps
                         k = 0
-                if k >= n_min and self._defer and self._sync_draft():
-                    self.model_k = k  # drafted with the others (draft_together)
+                if k >= n_min and self._defer:
+                    self.model_k = k  # asked; the step decides (draft_together makes them)
                 elif k >= n_min:
                     draft = self._draft_with_fallback(k)
                     source = key = "draft"
@@ -429,6 +429,13 @@ class Completion:
         if len(base) + len(self.out) + self.n_max + 2 > e.draft_n_ctx:
             base = base[-max(1, e.draft_n_ctx - len(self.out) - self.n_max - 2) :]
         return base
+
+    def model_ready(self) -> bool:
+        """Whether this step's draft-model tokens cost only their draft batches: asked for,
+        and the draft's cache holds (nearly) all of the request's window. A shared step does
+        not pay a draft prompt prefill (on the path of every sequence in it) for the few
+        tokens it keeps; alone, ``_draft_prefill_pays`` weighs that prefill instead."""
+        return self.model_k > 0 and (self.dbase is not None or self._draft_prefill_is_cheap())
 
     def _draft_probe_is_cheap(self) -> bool:
         """A probe of a switched-off draft model must not first pay for a prompt prefill
@@ -567,6 +574,13 @@ def draft_together(wants: list[Completion]) -> None:
     """The draft model's drafts for several sequences in one draft batch per token: each
     first catches up on what it emitted since it last drafted, then all draft greedily side
     by side, each while it is at least ``p_min`` sure, up to its ``model_k`` tokens."""
+    synced = []
+    for c in wants:  # the window's prefill first, where the draft's cache lags
+        if c._sync_draft():
+            synced.append(c)
+        else:
+            c.model_k = 0
+    wants = synced
     if not wants:
         return
     e = wants[0].e

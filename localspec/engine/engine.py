@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 from localspec.engine.cache import PrefillPolicy, SlotCaches
 from localspec.engine.completion import Completion, draft_window_start
@@ -97,6 +98,13 @@ class Engine:
         self.model_path = self._target.path
         self.draft_path = self._draft.path if self._draft is not None else None
         self.draft_n_ctx = settings.draft.n_ctx if settings.draft is not None else 0
+        # a draft decode's cost relative to the target's before either is measured: both read
+        # their weights once per decode
+        self.draft_size_ratio = (
+            Path(settings.draft.path).stat().st_size / Path(settings.target.path).stat().st_size
+            if settings.draft is not None
+            else 0.0
+        )
         self._tcache = SlotCaches(self._tctx, self.n_slots, n_aux=self.n_aux)
         self._dcache = SlotCaches(self._dctx, self.n_slots) if self._dctx is not None else None
         # speeds and acceptance carry over from request to request (same machine, same code

@@ -248,7 +248,13 @@ class SpecPolicy:
 
 
 def share_step(
-    offers: list[list[float]], cost: VerifyCost, *, others: int = 0, min_gain: float = 1.05
+    offers: list[list[float]],
+    cost: VerifyCost,
+    *,
+    others: int = 0,
+    min_gain: float = 1.05,
+    made: list[bool] | None = None,
+    draft_ms: float = 0.0,
 ) -> list[int]:
     """Draft lengths for the sequences of one step, from the measured cost of a step of that
     many tokens.
@@ -261,10 +267,16 @@ def share_step(
     time grows with its tokens, that keeps the few sure ones; on a GPU, nearly all. A single
     sequence gets the length the single-sequence rule would pick (the same curve).
     ``others``: tokens of the step's other sequences (whose drafts are fixed), counted as
-    one emitted token each in the step's yield."""
+    one emitted token each in the step's yield.
+
+    ``made[i]``: sequence i's offer is the draft model's, not made yet (its survivals are the
+    model's record). Its tokens cost a draft batch each, for every such sequence at once, so
+    keeping them to depth d adds ``d * draft_ms`` to the step: a draft model is only run for
+    the tokens the step keeps, and not at all where its tokens do not pay for themselves."""
     n = len(offers)
     if n == 0:
         return []
+    made = made or [False] * n
     items = sorted(
         ((s, i, j) for i, survival in enumerate(offers) for j, s in enumerate(survival)),
         key=lambda x: (-x[0], x[2]),
@@ -274,17 +286,22 @@ def share_step(
     if t_plain <= 0:
         return [0] * n
     plain = base / t_plain
-    best, take = plain, 0
-    produced = float(base)
-    for k, (s, _, _) in enumerate(items, start=1):
-        produced += s
-        rate = produced / cost.cost(base + k)
-        if rate > best:
-            best, take = rate, k
+    best, kept = plain, []
+    # the model's tokens to depth d cost d draft batches whichever sequences they are for:
+    # for each depth, the likeliest tokens that fit it, as many as maximise the yield per ms
+    depths = max((len(o) for o, m in zip(offers, made, strict=True) if m), default=0)
+    for depth in range(depths + 1):
+        fits = [it for it in items if not made[it[1]] or it[2] < depth]
+        produced, extra = float(base), depth * draft_ms
+        for k, (s, _, _) in enumerate(fits, start=1):
+            produced += s
+            rate = produced / (cost.cost(base + k) + extra)
+            if rate > best:
+                best, kept = rate, fits[:k]
     if best < plain * min_gain:
         return [0] * n
     lengths = [0] * n
-    for _, i, _ in items[:take]:
+    for _, i, _ in kept:
         lengths[i] += 1
     return lengths
 

@@ -141,7 +141,8 @@ class Scheduler:
         if len(live) + len(self.prefilling) > 1:
             for c in live:
                 c.unpipe()  # the draft thread drafts for one sequence alone
-        self._drafts(live)
+        pending = sum(len(r.piece.tokens) for r in self.prefilling if r.piece is not None)
+        self._drafts(live, min(pending, self.e.n_batch))
         segments = [c.segment() for c in live]
         n_tokens = sum(len(s.tokens) for s in segments)
         pieces: list[tuple[_Running, Segment]] = []
@@ -171,27 +172,50 @@ class Scheduler:
         self._retire()
         return self.busy
 
-    def _drafts(self, live: list[Completion]) -> None:
+    def _drafts(self, live: list[Completion], n_pieces: int) -> None:
         """Each sequence's draft for this step. Alone, it follows its own cost model; beside
-        others, the draft model drafts for all of them in one draft batch, and the lengths
-        come from the measured cost of a step of that many tokens (``share_step``)."""
-        if len(live) == 1:
-            live[0].propose(live[0].room())
+        others or prompt pieces (``n_pieces`` tokens), the lengths come from the measured
+        cost of a step of that many tokens (``share_step``), the draft model's cost included,
+        and the draft model then drafts only the kept tokens, for all its sequences in one
+        draft batch per token."""
+        if len(live) + (n_pieces > 0) <= 1:
+            for c in live:
+                c.propose(c.room())
             return
         for c in live:
             c.propose(c.room(), defer_model=True)
-        draft_together([c for c in live if c.model_k])
-        # fixed modes (llama-server's rule) keep their drafts; the cost model shares the rest
+        # fixed modes (llama-server's rule) keep their drafts; the cost model shares the rest.
+        # A prompt piece's tokens are work done by the step as much as an emitted token.
         adaptive = [c for c in live if c.auto]
-        fixed = sum(1 + len(c.draft) for c in live if not c.auto)
+        fixed = n_pieces + sum(1 + len(c.draft) + c.model_k for c in live if not c.auto)
+        for c in adaptive:
+            if not c.model_ready():
+                c.model_k = 0
         offers = [
-            c.policy.source(c.key).survival(len(c.draft)) if c.draft else [] for c in adaptive
+            c.policy.source(c.key if c.draft else "draft").survival(len(c.draft) or c.model_k)
+            for c in adaptive
         ]
-        lengths = share_step(offers, self.e.step_costs(False), others=fixed)
-        for c, k in zip(adaptive, lengths, strict=True):
-            c.draft = c.draft[:k]
+        made = [not c.draft for c in adaptive]
+        lengths = share_step(
+            offers, self.e.step_costs(False), others=fixed, made=made, draft_ms=self._draft_ms(live)
+        )
+        for c, k, by_model in zip(adaptive, lengths, made, strict=True):
+            if by_model:
+                c.model_k = k
+            else:
+                c.draft = c.draft[:k]
+        draft_together([c for c in live if c.model_k])
+        for c in live:
             if not c.draft:
                 c.source = c.key = ""
+
+    def _draft_ms(self, live: list[Completion]) -> float:
+        """One draft batch's ms: measured, or, before that, the target's step scaled by the
+        models' sizes (a draft model's decode is bound by reading its weights too)."""
+        known = [c.policy.source("draft").cost_ms for c in live]
+        if max(known) >= 0:
+            return max(known)
+        return self.e.step_costs(False).t1 * self.e.draft_size_ratio
 
     # --- starting ------------------------------------------------------------------------------
     def _admit(self) -> None:
