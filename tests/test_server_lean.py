@@ -20,6 +20,7 @@ from localspec.engine.vocab import FimTokens
 from localspec.server import ServerSettings, create_app, logs
 from localspec.server.direct import LeanRoute
 from localspec.server.errors import InvalidRequest
+from localspec.server.prompts import TokenCache
 from localspec.server.results import dumps
 from localspec.server.schemas import (
     CompletionRequest,
@@ -28,7 +29,6 @@ from localspec.server.schemas import (
     TokenizeRequest,
     parse_body,
 )
-from localspec.server.tokcache import TokenCache
 from tests.fake_engine import StepEngine
 
 

@@ -200,7 +200,7 @@ class CountingVocab:
 
 
 def test_token_cache_is_exact_and_bounded() -> None:
-    from localspec.server.tokcache import TokenCache
+    from localspec.server.prompts import TokenCache
 
     vocab = CountingVocab()
     cache = TokenCache(max_tokens=10, max_texts=3)
@@ -214,7 +214,7 @@ def test_token_cache_is_exact_and_bounded() -> None:
 
 
 def test_token_cache_detokenizes_blocks_like_the_vocab() -> None:
-    from localspec.server.tokcache import BLOCK, TokenCache
+    from localspec.server.prompts import BLOCK, TokenCache
 
     vocab = CountingVocab()
     cache = TokenCache()

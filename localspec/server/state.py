@@ -20,9 +20,8 @@ from localspec.server.errors import ApiError, Unavailable
 from localspec.server.metrics import Metrics, Probes
 from localspec.server.options import ServerSettings
 from localspec.server.params import TaskParams, task_params
-from localspec.server.prompts import Prepare
+from localspec.server.prompts import Prepare, TokenCache
 from localspec.server.schemas import GenerationFields
-from localspec.server.tokcache import TokenCache
 from localspec.server.worker import Job, JobResult, Worker
 
 log = logging.getLogger("localspec.server")
