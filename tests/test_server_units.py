@@ -15,8 +15,8 @@ from localspec.engine.types import (
     SamplingParams,
     TokenProbs,
 )
-from localspec.server.auth import key_matches, presented_key
 from localspec.server.errors import InvalidRequest
+from localspec.server.gate import key_matches, presented_key
 from localspec.server.options import ServerSettings
 from localspec.server.params import RANDOM_SEED, sampler_chain, task_params
 from localspec.server.results import (

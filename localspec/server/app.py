@@ -23,10 +23,9 @@ from localspec import __version__
 from localspec.engine.types import EngineSettings, ModelSettings
 from localspec.server import chat, prompts
 from localspec.server.chatmodel import reading_chat_model
-from localspec.server.direct import Direct, LeanRoute, route_paths
 from localspec.server.dispatch import error_response
 from localspec.server.errors import ApiError, InvalidRequest, NotSupported
-from localspec.server.gate import Gate
+from localspec.server.gate import Direct, Gate, LeanRoute, route_paths
 from localspec.server.metrics import CONTENT_TYPE
 from localspec.server.options import ServerSettings
 from localspec.server.results import CompactJSONResponse
