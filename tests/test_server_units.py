@@ -7,7 +7,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from localspec.engine.cache_plan import common_prefix
+from localspec.engine.cache_plan import choose_slot, common_prefix
 from localspec.engine.types import (
     DraftStats,
     GenerationResult,
@@ -22,6 +22,7 @@ from localspec.server.params import RANDOM_SEED, sampler_chain, task_params
 from localspec.server.results import (
     LOWEST_LOGPROB,
     Completion,
+    SlotInfo,
     completion_probabilities,
     dumps,
     final_object,
@@ -29,7 +30,6 @@ from localspec.server.results import (
     timings,
 )
 from localspec.server.schemas import InfillRequest
-from localspec.server.slots import SlotInfo, choose_slot
 
 
 def test_compact_json_has_no_spaces_and_keeps_utf8() -> None:
