@@ -21,14 +21,14 @@ from localspec.server import ServerSettings, create_app, logs
 from localspec.server.errors import InvalidRequest
 from localspec.server.gate import LeanRoute
 from localspec.server.prompts import TokenCache
-from localspec.server.results import dumps
-from localspec.server.schemas import (
+from localspec.server.requests import (
     CompletionRequest,
     InfillRequest,
     OpenAICompletionRequest,
     TokenizeRequest,
     parse_body,
 )
+from localspec.server.results import dumps
 from tests.fake_engine import StepEngine
 
 

@@ -18,7 +18,7 @@ from localspec.engine.types import (
 from localspec.server.errors import InvalidRequest
 from localspec.server.gate import key_matches, presented_key
 from localspec.server.options import ServerSettings
-from localspec.server.params import RANDOM_SEED, sampler_chain, task_params
+from localspec.server.requests import RANDOM_SEED, InfillRequest, sampler_chain, task_params
 from localspec.server.results import (
     LOWEST_LOGPROB,
     Completion,
@@ -29,7 +29,6 @@ from localspec.server.results import (
     pick_fields,
     timings,
 )
-from localspec.server.schemas import InfillRequest
 
 
 def test_compact_json_has_no_spaces_and_keeps_utf8() -> None:

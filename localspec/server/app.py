@@ -28,8 +28,7 @@ from localspec.server.errors import ApiError, InvalidRequest, NotSupported
 from localspec.server.gate import Direct, Gate, LeanRoute, route_paths
 from localspec.server.metrics import CONTENT_TYPE
 from localspec.server.options import ServerSettings
-from localspec.server.results import CompactJSONResponse
-from localspec.server.schemas import (
+from localspec.server.requests import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -38,6 +37,7 @@ from localspec.server.schemas import (
     TokenizeRequest,
     validation_message,
 )
+from localspec.server.results import CompactJSONResponse
 from localspec.server.state import Service
 from localspec.server.upstream.backend import Upstream
 from localspec.server.upstream.config import UpstreamSettings

@@ -26,8 +26,8 @@ from localspec.engine.types import TokenEvent
 from localspec.server import chatresults, dispatch, prompts
 from localspec.server.chatmodel import ChatModel, chat_model
 from localspec.server.errors import InvalidRequest, NotSupported, Unavailable
+from localspec.server.requests import N_PROBS_LIMIT, ChatCompletionRequest
 from localspec.server.results import CompactJSONResponse, completion_probabilities, timings
-from localspec.server.schemas import N_PROBS_LIMIT, ChatCompletionRequest
 from localspec.server.worker import Job, JobResult
 
 if TYPE_CHECKING:

@@ -40,8 +40,8 @@ from localspec import __version__
 from localspec.server import logs
 from localspec.server.dispatch import LOG_KEY, T0_KEY, error_response
 from localspec.server.errors import ApiError, error_body
+from localspec.server.requests import parse_body
 from localspec.server.results import dumps
-from localspec.server.schemas import parse_body
 
 # What the gate needs to know of the daemon's state: None when ready, else the error to answer.
 StateProbe = Callable[[], ApiError | None]
@@ -228,7 +228,7 @@ class LeanRoute(APIRoute):
     but does not serve: FastAPI's generic handler (content-type sniffing, ``json.loads``,
     dependency solving, exit stacks, validating the dicts) cost ≈0.2 ms of every request.
 
-    Here the body is validated straight from the raw bytes (``schemas.parse_body``: same
+    Here the body is validated straight from the raw bytes (``requests.parse_body``: same
     models, same 400s) and the endpoint gets ``body``, ``request`` and ``svc`` by name; every
     endpoint returns a ready ``Response``, so there is no response model to apply either.
     """

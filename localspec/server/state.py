@@ -19,9 +19,8 @@ from localspec.server.chatmodel import chat_model
 from localspec.server.errors import ApiError, Unavailable
 from localspec.server.metrics import Metrics, Probes
 from localspec.server.options import ServerSettings
-from localspec.server.params import TaskParams, task_params
 from localspec.server.prompts import Prepare, TokenCache
-from localspec.server.schemas import GenerationFields
+from localspec.server.requests import GenerationFields, TaskParams, task_params
 from localspec.server.worker import Job, JobResult, Worker
 
 log = logging.getLogger("localspec.server")

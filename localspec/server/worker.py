@@ -24,8 +24,8 @@ from localspec.engine.scheduler import Task
 from localspec.engine.types import GenerationResult, PromptLayout, TokenEvent
 from localspec.server.errors import ContextExceeded, Unavailable
 from localspec.server.logs import REQUESTS
-from localspec.server.params import TaskParams
 from localspec.server.prompts import truncate
+from localspec.server.requests import TaskParams
 from localspec.server.results import Completion, SlotInfo
 
 log = logging.getLogger("localspec.server")
