@@ -22,16 +22,15 @@ BENCHES = ("speculative", "replay", "edit", "throughput", "steps", "load", "over
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    p = c.add_command(
+        sub,
         "bench",
-        help="run a benchmark (speculative, replay, edit, throughput, steps, load, overhead)",
-        epilog=EPILOG,
-        formatter_class=c.Formatter,
-        add_help=True,
+        "run a benchmark (speculative, replay, edit, throughput, steps, load, overhead)",
+        EPILOG,
+        func=run,
     )
     p.add_argument("bench", choices=BENCHES, help="which benchmark")
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

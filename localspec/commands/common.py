@@ -37,6 +37,35 @@ class Formatter(argparse.RawDescriptionHelpFormatter):
     """Keep the examples in epilogs as written."""
 
 
+def add_command(
+    sub: argparse._SubParsersAction,
+    name: str,
+    help: str,
+    epilog: str,
+    *,
+    func: Handler | None = None,
+    description: str | None = None,
+    exit_codes: bool = False,
+) -> argparse.ArgumentParser:
+    """A command's (or an action's) parser: its examples kept as written, the exit codes after
+    them where the command ends with more than success, and its handler."""
+    p = sub.add_parser(
+        name,
+        help=help,
+        description=description,
+        epilog=f"{epilog}\n{EXIT_CODES_HELP}" if exit_codes else epilog,
+        formatter_class=Formatter,
+    )
+    if func is not None:
+        p.set_defaults(func=func)
+    return p
+
+
+def add_actions(parser: argparse.ArgumentParser, dest: str) -> argparse._SubParsersAction:
+    """The actions of a command group (``profile show``, ``service install``): one is required."""
+    return parser.add_subparsers(dest=dest, metavar="ACTION", required=True)
+
+
 # --- settings flags --------------------------------------------------------------------------
 
 

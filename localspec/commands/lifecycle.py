@@ -37,39 +37,41 @@ examples:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    p = c.add_command(
+        sub,
         "down",
-        help="stop the running daemon",
+        "stop the running daemon",
+        DOWN_EPILOG,
+        func=run_down,
         description="Stop the daemon gracefully (SIGTERM): requests end, models are freed.",
-        epilog=DOWN_EPILOG + "\n" + c.EXIT_CODES_HELP,
-        formatter_class=c.Formatter,
+        exit_codes=True,
     )
     p.add_argument("--timeout", type=float, default=60.0, metavar="S", help="wait this long")
     p.add_argument("--force", action="store_true", help="kill it if it does not stop in time")
     c.add_settings_flags(p)
-    p.set_defaults(func=run_down)
 
-    p = sub.add_parser(
+    p = c.add_command(
+        sub,
         "status",
-        help="what the daemon is serving and how it is doing",
+        "what the daemon is serving and how it is doing",
+        STATUS_EPILOG,
+        func=run_status,
         description="Read /health, /props, /slots and /metrics of the running daemon.",
-        epilog=STATUS_EPILOG + "\n" + c.EXIT_CODES_HELP,
-        formatter_class=c.Formatter,
+        exit_codes=True,
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     c.add_settings_flags(p)
-    p.set_defaults(func=run_status)
 
-    p = sub.add_parser(
+    p = c.add_command(
+        sub,
         "logs",
-        help="show the daemon's log",
+        "show the daemon's log",
+        LOGS_EPILOG,
+        func=run_logs,
         description=f"Show the log of a detached daemon or login service ({daemon.log_file()}).",
-        epilog=LOGS_EPILOG,
-        formatter_class=c.Formatter,
     )
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
     p.add_argument("-n", "--lines", type=int, default=50, metavar="N", help="lines to show")
-    p.set_defaults(func=run_logs)
 
 
 def _address(args: argparse.Namespace) -> tuple[str, int, str | None]:

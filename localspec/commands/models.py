@@ -46,34 +46,27 @@ Extra catalog files: *.toml in <system config dir>/models and <user config dir>/
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    p = c.add_command(
+        sub,
         "models",
-        help="list catalog models and which are downloaded",
-        epilog=MODELS_EPILOG,
-        formatter_class=c.Formatter,
+        "list catalog models and which are downloaded",
+        MODELS_EPILOG,
+        func=run_models,
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     c.add_settings_flags(p, address=False)
-    p.set_defaults(func=run_models)
 
-    p = sub.add_parser(
-        "pull",
-        help="download and verify model files",
-        epilog=PULL_EPILOG + "\n" + c.EXIT_CODES_HELP,
-        formatter_class=c.Formatter,
+    p = c.add_command(
+        sub, "pull", "download and verify model files", PULL_EPILOG, func=run_pull, exit_codes=True
     )
     p.add_argument("model", nargs="?", help="catalog model id, or owner/repo[@rev]/file.gguf")
     p.add_argument("--quant", help="quantization (default Q8_0, or the only one)")
     p.add_argument("--pair", dest="pull_pair", metavar="PAIR", help="pull both models of a pair")
     p.add_argument("--force", action="store_true", help="download again even if verified")
     c.add_settings_flags(p, address=False)
-    p.set_defaults(func=run_pull)
 
-    p = sub.add_parser(
-        "plan",
-        help="show what `up` would run on this machine, and why",
-        epilog=PLAN_EPILOG,
-        formatter_class=c.Formatter,
+    p = c.add_command(
+        sub, "plan", "show what `up` would run on this machine, and why", PLAN_EPILOG, func=run_plan
     )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--hardware", metavar="NAME|FILE", help="plan for a hardware profile")
@@ -91,27 +84,20 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--server-url", metavar="URL", help="the server's URL, for the workstation profile"
     )
     c.add_settings_flags(p, serve=True)
-    p.set_defaults(func=run_plan)
 
-    p = sub.add_parser(
-        "catalog",
-        help="maintain the model catalog",
-        epilog=CATALOG_EPILOG,
-        formatter_class=c.Formatter,
-    )
-    actions = p.add_subparsers(dest="catalog_command", metavar="ACTION", required=True)
-    q = actions.add_parser(
+    p = c.add_command(sub, "catalog", "maintain the model catalog", CATALOG_EPILOG)
+    q = c.add_command(
+        c.add_actions(p, "catalog_command"),
         "refresh",
-        help="pin revisions, sizes and sha256 from the hub",
-        epilog=CATALOG_EPILOG,
-        formatter_class=c.Formatter,
+        "pin revisions, sizes and sha256 from the hub",
+        CATALOG_EPILOG,
+        func=run_catalog_refresh,
     )
     q.add_argument("files", nargs="*", type=Path, metavar="FILE", help="catalog files or dirs")
     q.add_argument("--dry-run", action="store_true", help="show the changes, write nothing")
     q.add_argument("--update-revisions", action="store_true", help="move pins to current main")
     q.add_argument("--json", action="store_true", help="print JSON")
     c.add_settings_flags(q, address=False)
-    q.set_defaults(func=run_catalog_refresh)
 
 
 def catalog_dirs() -> list[Path]:

@@ -27,35 +27,32 @@ your config.toml, LOCALSPEC_* environment, flags. A system profile may lock keys
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    p = c.add_command(
+        sub,
         "profile",
-        help="show, explain and validate settings and IT profiles",
+        "show, explain and validate settings and IT profiles",
+        EPILOG,
         description="Inspect the layered settings.",
-        epilog=EPILOG + "\n" + c.EXIT_CODES_HELP,
-        formatter_class=c.Formatter,
+        exit_codes=True,
     )
-    actions = p.add_subparsers(dest="profile_command", metavar="ACTION", required=True)
+    actions = c.add_actions(p, "profile_command")
     for name, helptext, func in (
         ("show", "print the effective settings as TOML", run_show),
         ("explain", "print every value and the file/env/flag it came from", run_explain),
     ):
-        q = actions.add_parser(name, help=helptext, epilog=EPILOG, formatter_class=c.Formatter)
+        q = c.add_command(actions, name, helptext, EPILOG, func=func)
         q.add_argument("--json", action="store_true", help="print JSON")
         c.add_settings_flags(q, serve=True)
-        q.set_defaults(func=func)
-    q = actions.add_parser(
+    q = c.add_command(
+        actions,
         "validate",
-        help="check profile files (default: every layer on this machine)",
-        epilog=EPILOG,
-        formatter_class=c.Formatter,
+        "check profile files (default: every layer on this machine)",
+        EPILOG,
+        func=run_validate,
     )
     q.add_argument("files", nargs="*", type=Path, metavar="FILE", help="profile files to check")
     q.add_argument("--user", action="store_true", help="check FILEs as user config files")
-    q.set_defaults(func=run_validate)
-    q = actions.add_parser(
-        "keys", help="list every settings key", epilog=EPILOG, formatter_class=c.Formatter
-    )
-    q.set_defaults(func=run_keys)
+    c.add_command(actions, "keys", "list every settings key", EPILOG, func=run_keys)
 
 
 def _load(args: argparse.Namespace) -> st.ResolvedSettings:

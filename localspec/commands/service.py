@@ -26,20 +26,21 @@ with the settings of your config.toml and the system profiles.
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    p = c.add_command(
+        sub,
         "service",
-        help="install, remove or inspect the login service",
+        "install, remove or inspect the login service",
+        EPILOG,
         description="Start localspec when you log in: a per-user service, no root needed.",
-        epilog=EPILOG + "\n" + c.EXIT_CODES_HELP,
-        formatter_class=c.Formatter,
+        exit_codes=True,
     )
-    actions = p.add_subparsers(dest="service_command", metavar="ACTION", required=True)
+    actions = c.add_actions(p, "service_command")
     for name, helptext, func in (
         ("install", "render, check, install and start the service", run_install),
         ("uninstall", "stop the service and remove its file", run_uninstall),
         ("status", "is the service installed, enabled, running", run_status),
     ):
-        q = actions.add_parser(name, help=helptext, epilog=EPILOG, formatter_class=c.Formatter)
+        q = c.add_command(actions, name, helptext, EPILOG, func=func)
         q.add_argument(
             "--os",
             dest="os_name",
@@ -52,7 +53,6 @@ def register(sub: argparse._SubParsersAction) -> None:
             q.add_argument("--no-start", action="store_true", help="do not enable or start it")
         if name == "status":
             q.add_argument("--json", action="store_true", help="print JSON")
-        q.set_defaults(func=func)
 
 
 def run_install(args: argparse.Namespace) -> int:

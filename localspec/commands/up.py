@@ -43,12 +43,14 @@ class UpError(RuntimeError):
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    p = c.add_command(
+        sub,
         "up",
-        help="plan, fetch and serve the completion endpoint",
+        "plan, fetch and serve the completion endpoint",
+        EPILOG,
+        func=run,
         description="Start the completion daemon (llama-server compatible /infill, /completion).",
-        epilog=EPILOG + "\n" + c.EXIT_CODES_HELP,
-        formatter_class=c.Formatter,
+        exit_codes=True,
     )
     p.add_argument("--target", type=Path, metavar="GGUF", help="serve this local target model")
     p.add_argument("--draft", type=Path, metavar="GGUF", help="local draft model (with --target)")
@@ -86,7 +88,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--log-file", type=Path, metavar="FILE", help="append all output to FILE")
     c.add_settings_flags(p, serve=True)
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
