@@ -97,10 +97,7 @@ def _find_pid(host: str, port: int, api_key: str | None) -> int | None:
 
 
 def run_down(args: argparse.Namespace) -> int:
-    try:
-        host, port, api_key = _address(args)
-    except st.SettingsError as exc:
-        return c.settings_error(exc)
+    host, port, api_key = _address(args)
     pid = _find_pid(host, port, api_key)
     if pid is None:
         print(f"no localspec daemon is running on port {port}")
@@ -338,10 +335,7 @@ def _backend_lines(backend: dict[str, Any]) -> list[str]:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    try:
-        host, port, api_key = _address(args)
-    except st.SettingsError as exc:
-        return c.settings_error(exc)
+    host, port, api_key = _address(args)
     report = gather_status(host, port, api_key)
     if args.json:
         c.print_json(report)

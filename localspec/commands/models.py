@@ -115,11 +115,9 @@ def run_models(args: argparse.Namespace) -> int:
     from localspec import fetch
     from localspec.catalog import CatalogError
 
+    settings = c.load_settings(args).settings
     try:
-        settings = c.load_settings(args).settings
         catalog = load_catalog()
-    except st.SettingsError as exc:
-        return c.settings_error(exc)
     except CatalogError as exc:
         c.error(str(exc))
         return c.EXIT_USAGE
@@ -194,8 +192,8 @@ def run_pull(args: argparse.Namespace) -> int:
         settings = c.load_settings(args).settings
         specs = _pull_specs(args, settings, load_catalog())
         options = fetch.hub_options(settings)
-    except st.SettingsError as exc:
-        return c.settings_error(exc)
+    except st.SettingsError:  # a ValueError too: bad settings are told as such (cli.main)
+        raise
     except (CatalogError, ValueError) as exc:
         c.error(str(exc))
         return c.EXIT_USAGE
@@ -243,8 +241,8 @@ def run_plan(args: argparse.Namespace) -> int:
             return c.EXIT_OK
         asked = settings_to.plan_inputs(settings)
         chosen = plan.make_plan(catalog, facts, asked, step_costs=measured)
-    except st.SettingsError as exc:
-        return c.settings_error(exc)
+    except st.SettingsError:  # a ValueError too: bad settings are told as such (cli.main)
+        raise
     except ValueError as exc:  # CatalogError, HardwareError, PlanError are ValueErrors
         c.error(str(exc))
         return c.EXIT_USAGE
@@ -259,11 +257,8 @@ def run_catalog_refresh(args: argparse.Namespace) -> int:
     from localspec.catalog import CatalogError
     from localspec.fetch import hub_options, refresh_catalog
 
-    try:
-        settings = c.load_settings(args).settings
-        options = hub_options(settings)
-    except st.SettingsError as exc:
-        return c.settings_error(exc)
+    settings = c.load_settings(args).settings
+    options = hub_options(settings)
     if options["offline"]:
         c.error("hub.offline is set: refreshing the catalog needs the hub")
         return c.EXIT_USAGE

@@ -55,15 +55,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_command(actions, "keys", "list every settings key", EPILOG, func=run_keys)
 
 
-def _load(args: argparse.Namespace) -> st.ResolvedSettings:
-    return c.load_settings(args, quiet=True)
-
-
 def run_show(args: argparse.Namespace) -> int:
-    try:
-        resolved = _load(args)
-    except st.SettingsError as exc:
-        return c.settings_error(exc)
+    resolved = c.load_settings(args, quiet=True)
     table = st.to_toml_dict(resolved.settings)
     if args.json:
         c.print_json(table)
@@ -99,10 +92,7 @@ def render_explain(resolved: st.ResolvedSettings) -> str:
 
 
 def run_explain(args: argparse.Namespace) -> int:
-    try:
-        resolved = _load(args)
-    except st.SettingsError as exc:
-        return c.settings_error(exc)
+    resolved = c.load_settings(args, quiet=True)
     if args.json:
         c.print_json(
             {
@@ -125,10 +115,7 @@ def run_explain(args: argparse.Namespace) -> int:
 
 def run_validate(args: argparse.Namespace) -> int:
     if not args.files:
-        try:
-            resolved = st.load()
-        except st.SettingsError as exc:
-            return c.settings_error(exc)
+        resolved = st.load()
         files = [
             layer.origin for layer in resolved.layers if layer.origin.kind in ("system", "user")
         ]

@@ -91,13 +91,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        resolved = c.load_settings(args)
-        settings = resolved.settings
-        api_key = st.check_security(settings)
-        upstream_key = st.check_backend(settings)
-    except st.SettingsError as exc:
-        return c.settings_error(exc)
+    resolved = c.load_settings(args)
+    settings = resolved.settings
+    api_key = st.check_security(settings)
+    upstream_key = st.check_backend(settings)
     _warn_readable_inline_key(resolved)
     if args.draft is not None and args.target is None:
         c.error("--draft needs --target (a catalog pair brings its own draft: use --pair)")
