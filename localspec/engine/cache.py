@@ -338,7 +338,7 @@ class SlotCaches:
             return False
         return not spans or len(st.tokens) >= spans[-1][1]
 
-    def _place_blocks(
+    def _blocks_first(
         self,
         st: SeqState,
         prompt: Sequence[int],
@@ -349,8 +349,19 @@ class SlotCaches:
         cancel: Cancel | None,
         policy: PrefillPolicy,
     ) -> Generator[Segment, float | None, _Placed]:
-        """Leave ``st`` holding ``prompt``'s blocks, exact, and nothing after them, unless
-        they are in place already (then the cache is untouched)."""
+        """Put the prompt's blocks in place (none: undo an earlier request's blocks): leave
+        ``st`` holding them, exact, and nothing after them, unless they are in place already
+        (then the cache is untouched)."""
+        blocks = list(blocks)
+        while blocks and sum(blocks) >= len(prompt):  # the last token is evaluated with logits
+            blocks.pop()
+        if not blocks:
+            if st.spans:
+                self._unblock(st)
+            return _Placed()
+        if st.iso is None:
+            raise ValueError("blocks need a context with a sequence for them (n_seq)")
+        move = move and self.ctx.can_shift  # min_chunk 0: no KV shift at all, as asked
         spans = block_spans(blocks)
         end = spans[-1][1]
         ctx, seq, iso = self.ctx, st.seq, st.iso
@@ -471,34 +482,6 @@ class SlotCaches:
         st.spans = []
         self.truncate(st, min(len(st.tokens), first))
         st.exact = min(st.exact, len(st.tokens))
-
-    def _blocks_first(
-        self,
-        st: SeqState,
-        prompt: Sequence[int],
-        blocks: Sequence[int],
-        *,
-        sink: bool,
-        move: bool,
-        cancel: Cancel | None,
-        policy: PrefillPolicy,
-    ) -> Generator[Segment, float | None, _Placed]:
-        """Put the prompt's blocks in place (none: undo an earlier request's blocks)."""
-        blocks = list(blocks)
-        while blocks and sum(blocks) >= len(prompt):  # the last token is evaluated with logits
-            blocks.pop()
-        if not blocks:
-            if st.spans:
-                self._unblock(st)
-            return _Placed()
-        if st.iso is None:
-            raise ValueError("blocks need a context with a sequence for them (n_seq)")
-        move = move and self.ctx.can_shift  # min_chunk 0: no KV shift at all, as asked
-        return (
-            yield from self._place_blocks(
-                st, prompt, blocks, sink=sink, move=move, cancel=cancel, policy=policy
-            )
-        )
 
     def affordable(self, n_tokens: int, budget_ms: float) -> bool:
         """Whether evaluating ``n_tokens`` more fits ``budget_ms`` at the measured price
