@@ -21,7 +21,7 @@ from starlette.responses import Response, StreamingResponse
 
 from localspec.engine.types import TokenEvent
 from localspec.server.errors import ApiError, InvalidRequest, Unavailable
-from localspec.server.results import CompactJSONResponse, dumps, sse
+from localspec.server.results import CompactJSONResponse, Completion, dumps, sse
 from localspec.server.worker import Job, JobResult, Worker
 
 log = logging.getLogger("localspec.server")
@@ -193,6 +193,13 @@ class Pending:
         if self.watcher in done:
             return None
         raise self._timed_out()
+
+
+def answered(result: JobResult) -> list[Completion]:
+    """The job's completions; a 503 when it was dropped before any (superseded, shut down)."""
+    if result.cancelled and not result.completions:
+        raise Unavailable(f"Request dropped: {result.cancelled}")
+    return result.completions
 
 
 async def respond(

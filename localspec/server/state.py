@@ -227,6 +227,41 @@ class Service:
 
         return record
 
+    async def respond(
+        self, request: Request, endpoint: str, job: Job, render: Callable[[JobResult], Any]
+    ) -> Response:
+        """Run ``job`` on this service's worker within its timeout, answer ``render(result)``
+        as JSON, then log and count it under ``endpoint``."""
+        return await dispatch.respond(
+            request,
+            self.worker,
+            job,
+            timeout_s=self.settings.request_timeout_s,
+            render=render,
+            on_result=self._recorder(endpoint, request),
+        )
+
+    async def stream(
+        self,
+        request: Request,
+        endpoint: str,
+        job: Job,
+        partial: Callable[[int, TokenEvent], Any],
+        final: Callable[[JobResult], list[Any]],
+        done_marker: bytes = b"",
+    ) -> Response:
+        """``respond`` for ``stream: true``: an event per ``partial``, then ``final``'s."""
+        return await dispatch.respond_stream(
+            request,
+            self.worker,
+            job,
+            timeout_s=self.settings.request_timeout_s,
+            partial=partial,
+            final=final,
+            done_marker=done_marker,
+            on_result=self._recorder(endpoint, request),
+        )
+
     async def native(self, request: Request, endpoint: str, job: Job) -> Response:
         """llama-server's own answer shape (/infill, /completion), streamed or not."""
         params = job.params
@@ -236,8 +271,6 @@ class Service:
             return results.pick_fields(fields, obj) if fields else obj
 
         def finals(result: JobResult, *, stream: bool) -> list[dict[str, Any]]:
-            if result.cancelled and not result.completions:
-                raise Unavailable(f"Request dropped: {result.cancelled}")
             return [
                 shape(
                     results.final_object(
@@ -248,20 +281,16 @@ class Service:
                         piece=self.engine.vocab.piece,
                     )
                 )
-                for done in result.completions
+                for done in dispatch.answered(result)
             ]
 
-        timeout = self.settings.request_timeout_s
-        record = self._recorder(endpoint, request)
         if not params.stream:
 
             def render(result: JobResult) -> Any:
                 objs = finals(result, stream=False)
                 return objs[0] if len(objs) == 1 else objs
 
-            return await dispatch.respond(
-                request, self.worker, job, timeout_s=timeout, render=render, on_result=record
-            )
+            return await self.respond(request, endpoint, job, render)
 
         counts: dict[int, int] = {}
 
@@ -281,37 +310,22 @@ class Service:
                 else None,
             )
 
-        return await dispatch.respond_stream(
-            request,
-            self.worker,
-            job,
-            timeout_s=timeout,
-            partial=partial,
-            final=lambda result: finals(result, stream=True),
-            on_result=record,
+        return await self.stream(
+            request, endpoint, job, partial, lambda result: finals(result, stream=True)
         )
 
     async def openai(self, request: Request, job: Job) -> Response:
         """OpenAI's text_completion shape (/v1/completions)."""
         cmpl_id = results.openai_id()
-        timeout = self.settings.request_timeout_s
-        record = self._recorder("v1/completions", request)
-
-        def check(result: JobResult) -> JobResult:
-            if result.cancelled and not result.completions:
-                raise Unavailable(f"Request dropped: {result.cancelled}")
-            return result
-
+        endpoint = "v1/completions"
         if not job.params.stream:
 
             def render(result: JobResult) -> Any:
                 return results.openai_completion(
-                    check(result).completions, model=self.model_name, cmpl_id=cmpl_id
+                    dispatch.answered(result), model=self.model_name, cmpl_id=cmpl_id
                 )
 
-            return await dispatch.respond(
-                request, self.worker, job, timeout_s=timeout, render=render, on_result=record
-            )
+            return await self.respond(request, endpoint, job, render)
 
         def partial(index: int, event: TokenEvent) -> dict[str, Any]:
             return results.openai_chunk(
@@ -327,19 +341,10 @@ class Service:
                     cmpl_id=cmpl_id,
                     finish=results.finish_reason(done.result),
                 )
-                for done in check(result).completions
+                for done in dispatch.answered(result)
             ]
 
-        return await dispatch.respond_stream(
-            request,
-            self.worker,
-            job,
-            timeout_s=timeout,
-            partial=partial,
-            final=final,
-            done_marker=b"data: [DONE]\n\n",
-            on_result=record,
-        )
+        return await self.stream(request, endpoint, job, partial, final, b"data: [DONE]\n\n")
 
     # ------------------------------------------------------------------ info
 
