@@ -7,7 +7,10 @@ import importlib
 
 from localspec.commands import common as c
 
-EPILOG = """\
+BENCH = c.Command(
+    "bench",
+    "run a benchmark (speculative, replay, edit, throughput, steps, load, overhead)",
+    epilog="""\
 examples:
   localspec bench speculative --help     speculative vs plain decoding, draft vs n-gram
   localspec bench replay --help          replay an editor session against the daemon
@@ -17,18 +20,13 @@ examples:
   localspec bench load --help            editor-like clients hammering a running daemon
   localspec bench overhead --help        the server's own time per request, in-process
 Benchmarks print a table and write JSON; every argument after the name is theirs.
-"""
+""",
+)
 BENCHES = ("speculative", "replay", "edit", "throughput", "steps", "load", "overhead")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = c.add_command(
-        sub,
-        "bench",
-        "run a benchmark (speculative, replay, edit, throughput, steps, load, overhead)",
-        EPILOG,
-        func=run,
-    )
+    p = c.add_command(sub, BENCH, run)
     p.add_argument("bench", choices=BENCHES, help="which benchmark")
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
 

@@ -37,23 +37,42 @@ class Formatter(argparse.RawDescriptionHelpFormatter):
     """Keep the examples in epilogs as written."""
 
 
+@dataclass(frozen=True)
+class Command:
+    """A command's (or an action's) texts, declared at the top of its module: its name, the
+    one-line help, the description and examples ``--help`` shows, and whether the exit codes
+    follow the examples (where the command can end with more than success)."""
+
+    name: str
+    help: str
+    epilog: str
+    description: str | None = None
+    exit_codes: bool = False
+
+    def action(self, name: str, help: str) -> Command:
+        """An action of this command group (``profile show``): its own help, the group's
+        examples."""
+        return Command(name, help, self.epilog)
+
+
 def add_command(
     sub: argparse._SubParsersAction,
-    name: str,
-    help: str,
-    epilog: str,
-    *,
+    command: Command,
     func: Handler | None = None,
-    description: str | None = None,
-    exit_codes: bool = False,
+    **fill: object,
 ) -> argparse.ArgumentParser:
-    """A command's (or an action's) parser: its examples kept as written, the exit codes after
-    them where the command ends with more than success, and its handler."""
+    """A command's parser: its examples kept as written, the exit codes after them where the
+    command asks for them, and its handler. ``fill`` completes the description where it names a
+    value known only when the parser is built (``{log_file}``)."""
+    description = command.description
+    if fill and description is not None:
+        description = description.format(**fill)
+    epilog = command.epilog
     p = sub.add_parser(
-        name,
-        help=help,
+        command.name,
+        help=command.help,
         description=description,
-        epilog=f"{epilog}\n{EXIT_CODES_HELP}" if exit_codes else epilog,
+        epilog=f"{epilog}\n{EXIT_CODES_HELP}" if command.exit_codes else epilog,
         formatter_class=Formatter,
     )
     if func is not None:

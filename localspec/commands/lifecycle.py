@@ -18,58 +18,52 @@ from localspec import settings as st
 from localspec.commands import common as c
 from localspec.units import human_bytes
 
-DOWN_EPILOG = """\
+DOWN = c.Command(
+    "down",
+    "stop the running daemon",
+    description="Stop the daemon gracefully (SIGTERM): requests end, models are freed.",
+    exit_codes=True,
+    epilog="""\
 examples:
   localspec down                 stop the daemon on the configured port (SIGTERM, then wait)
   localspec down --port 8013 --force   kill it if it has not stopped after --timeout
-"""
-STATUS_EPILOG = """\
+""",
+)
+STATUS = c.Command(
+    "status",
+    "what the daemon is serving and how it is doing",
+    description="Read /health, /props, /slots and /metrics of the running daemon.",
+    exit_codes=True,
+    epilog="""\
 examples:
   localspec status               health, loaded pair, memory, requests, acceptance, uptime
   localspec status --json        the same as JSON (for scripts and IT inventory)
-"""
-LOGS_EPILOG = """\
+""",
+)
+LOGS = c.Command(
+    "logs",
+    "show the daemon's log",
+    description="Show the log of a detached daemon or login service ({log_file}).",
+    epilog="""\
 examples:
   localspec logs                 the last 50 lines of the daemon log
   localspec logs -f              follow it (Ctrl-C to stop)
   localspec logs -n 200
-"""
+""",
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = c.add_command(
-        sub,
-        "down",
-        "stop the running daemon",
-        DOWN_EPILOG,
-        func=run_down,
-        description="Stop the daemon gracefully (SIGTERM): requests end, models are freed.",
-        exit_codes=True,
-    )
+    p = c.add_command(sub, DOWN, run_down)
     p.add_argument("--timeout", type=float, default=60.0, metavar="S", help="wait this long")
     p.add_argument("--force", action="store_true", help="kill it if it does not stop in time")
     c.add_settings_flags(p)
 
-    p = c.add_command(
-        sub,
-        "status",
-        "what the daemon is serving and how it is doing",
-        STATUS_EPILOG,
-        func=run_status,
-        description="Read /health, /props, /slots and /metrics of the running daemon.",
-        exit_codes=True,
-    )
+    p = c.add_command(sub, STATUS, run_status)
     p.add_argument("--json", action="store_true", help="print JSON")
     c.add_settings_flags(p)
 
-    p = c.add_command(
-        sub,
-        "logs",
-        "show the daemon's log",
-        LOGS_EPILOG,
-        func=run_logs,
-        description=f"Show the log of a detached daemon or login service ({daemon.log_file()}).",
-    )
+    p = c.add_command(sub, LOGS, run_logs, log_file=daemon.log_file())
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
     p.add_argument("-n", "--lines", type=int, default=50, metavar="N", help="lines to show")
 

@@ -11,7 +11,12 @@ from localspec import paths
 from localspec import settings as st
 from localspec.commands import common as c
 
-EPILOG = """\
+PROFILE = c.Command(
+    "profile",
+    "show, explain and validate settings and IT profiles",
+    description="Inspect the layered settings.",
+    exit_codes=True,
+    epilog="""\
 examples:
   localspec profile explain              every key: value, where it was set, what locks it
   localspec profile explain --port 9000  with flags applied, as `up` would see them
@@ -23,36 +28,24 @@ examples:
 layers, lowest first: defaults, system profiles (*.toml in the system config dir, sorted),
 your config.toml, LOCALSPEC_* environment, flags. A system profile may lock keys:
   locked = ["models.allowed", "hub.endpoint", "server.host", "telemetry"]
-"""
+""",
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = c.add_command(
-        sub,
-        "profile",
-        "show, explain and validate settings and IT profiles",
-        EPILOG,
-        description="Inspect the layered settings.",
-        exit_codes=True,
-    )
-    actions = c.add_actions(p, "profile_command")
+    actions = c.add_actions(c.add_command(sub, PROFILE), "profile_command")
     for name, helptext, func in (
         ("show", "print the effective settings as TOML", run_show),
         ("explain", "print every value and the file/env/flag it came from", run_explain),
     ):
-        q = c.add_command(actions, name, helptext, EPILOG, func=func)
+        q = c.add_command(actions, PROFILE.action(name, helptext), func)
         q.add_argument("--json", action="store_true", help="print JSON")
         c.add_settings_flags(q, serve=True)
-    q = c.add_command(
-        actions,
-        "validate",
-        "check profile files (default: every layer on this machine)",
-        EPILOG,
-        func=run_validate,
-    )
+    validate = "check profile files (default: every layer on this machine)"
+    q = c.add_command(actions, PROFILE.action("validate", validate), run_validate)
     q.add_argument("files", nargs="*", type=Path, metavar="FILE", help="profile files to check")
     q.add_argument("--user", action="store_true", help="check FILEs as user config files")
-    c.add_command(actions, "keys", "list every settings key", EPILOG, func=run_keys)
+    c.add_command(actions, PROFILE.action("keys", "list every settings key"), run_keys)
 
 
 def run_show(args: argparse.Namespace) -> int:

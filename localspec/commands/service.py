@@ -8,7 +8,12 @@ import sys
 from localspec import daemon, login_service
 from localspec.commands import common as c
 
-EPILOG = """\
+SERVICE = c.Command(
+    "service",
+    "install, remove or inspect the login service",
+    description="Start localspec when you log in: a per-user service, no root needed.",
+    exit_codes=True,
+    epilog="""\
 examples:
   localspec service install              systemd user unit / LaunchAgent / logon task, started now
   localspec service install --no-start   write and check the file only
@@ -22,25 +27,18 @@ files:
   Windows  %LOCALAPPDATA%\\localspec\\localspec-task.xml   (schtasks task "localspec")
 The service runs `python -m localspec up --log-file <state dir>/localspec.log`
 with the settings of your config.toml and the system profiles.
-"""
+""",
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = c.add_command(
-        sub,
-        "service",
-        "install, remove or inspect the login service",
-        EPILOG,
-        description="Start localspec when you log in: a per-user service, no root needed.",
-        exit_codes=True,
-    )
-    actions = c.add_actions(p, "service_command")
+    actions = c.add_actions(c.add_command(sub, SERVICE), "service_command")
     for name, helptext, func in (
         ("install", "render, check, install and start the service", run_install),
         ("uninstall", "stop the service and remove its file", run_uninstall),
         ("status", "is the service installed, enabled, running", run_status),
     ):
-        q = c.add_command(actions, name, helptext, EPILOG, func=func)
+        q = c.add_command(actions, SERVICE.action(name, helptext), func)
         q.add_argument(
             "--os",
             dest="os_name",

@@ -24,7 +24,12 @@ if TYPE_CHECKING:  # the engine's and the server's modules load llama.cpp and Fa
 
 log = logging.getLogger("localspec.up")
 
-EPILOG = """\
+UP = c.Command(
+    "up",
+    "plan, fetch and serve the completion endpoint",
+    description="Start the completion daemon (llama-server compatible /infill, /completion).",
+    exit_codes=True,
+    epilog="""\
 examples:
   localspec up                                  plan, download and serve on localhost:8012
   localspec up --detach                         the same in the background; returns when ready
@@ -35,7 +40,8 @@ examples:
 
 A localspec daemon already answering on the port is reported and `up` exits 0.
 Ctrl-C or SIGTERM shut down gracefully: in-flight requests finish or are cancelled.
-"""
+""",
+)
 
 
 class UpError(RuntimeError):
@@ -43,15 +49,7 @@ class UpError(RuntimeError):
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = c.add_command(
-        sub,
-        "up",
-        "plan, fetch and serve the completion endpoint",
-        EPILOG,
-        func=run,
-        description="Start the completion daemon (llama-server compatible /infill, /completion).",
-        exit_codes=True,
-    )
+    p = c.add_command(sub, UP, run)
     p.add_argument("--target", type=Path, metavar="GGUF", help="serve this local target model")
     p.add_argument("--draft", type=Path, metavar="GGUF", help="local draft model (with --target)")
     p.add_argument(
