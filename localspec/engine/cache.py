@@ -25,8 +25,9 @@ sequences, so the prefills of several slots can be in progress at once.
 from __future__ import annotations
 
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Concatenate, ParamSpec
 
 from localspec.engine.cache_plan import ReusePlan, Run, plan_reuse, refresh_window
 from localspec.engine.errors import DecodeError
@@ -45,6 +46,7 @@ PRICE_MIN_PIECE = 32
 # what a prefill generator yields (a piece to evaluate) and is sent back (the piece's decode
 # time in ms when it ran alone, None when it shared a batch: then it prices nothing)
 PrefillSteps = Generator[Segment, "float | None", "PrefillResult"]
+P = ParamSpec("P")
 
 
 @dataclass(frozen=True)
@@ -142,6 +144,18 @@ def drive(ctx: Context, steps: PrefillSteps) -> PrefillResult:
         return done.value
 
 
+def driven(
+    steps: Callable[Concatenate[SlotCaches, P], PrefillSteps],
+) -> Callable[Concatenate[SlotCaches, P], PrefillResult]:
+    """A prefill method run to its end (``drive``), taking the same arguments as ``steps``."""
+
+    def run_to_end(self: SlotCaches, /, *args: P.args, **kwargs: P.kwargs) -> PrefillResult:
+        return drive(self.ctx, steps(self, *args, **kwargs))
+
+    run_to_end.__doc__ = f"``{steps.__name__}`` run to the end, each piece in a batch of its own."
+    return run_to_end
+
+
 class SlotCaches:
     """The sequences of one context: ``n_slots`` slots (each with its scratch sequence, and its
     iso sequence when the context has room for one per slot), then ``n_aux`` sequences for
@@ -181,19 +195,6 @@ class SlotCaches:
             tail_refresh=policy.tail_refresh,
             can_shift=self.ctx.can_shift,
         )
-
-    def prefill(
-        self,
-        st: SeqState,
-        prompt: Sequence[int],
-        policy: PrefillPolicy,
-        *,
-        blocks: Sequence[int] = (),
-        sink: bool = False,
-        cancel: Cancel | None = None,
-    ) -> PrefillResult:
-        """``prefill_steps`` run to the end, each piece in a batch of its own."""
-        return drive(self.ctx, self.prefill_steps(st, prompt, policy, blocks, sink, cancel))
 
     def prefill_steps(
         self,
@@ -282,6 +283,8 @@ class SlotCaches:
         return placed.added_to(
             PrefillResult(plan.n_reused, plan.n_evaluated, n_shifted, n_exact=st.exact)
         )
+
+    prefill = driven(prefill_steps)
 
     def _step(self, policy: PrefillPolicy) -> int:
         n_batch = self.ctx.n_batch
