@@ -163,7 +163,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, svc: S
                 done, messages, model=name, cmpl_id=cmpl_id, piece=piece
             )
 
-        return await side.respond(request, ENDPOINT, job, render_answer)
+        return await dispatch.respond(side.pending(request, ENDPOINT, job), render_answer)
 
     parsers: dict[int, StreamParser] = {}
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -220,4 +220,4 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, svc: S
             out[-1]["timings"] = timings(done[0].result)
         return out
 
-    return await side.stream(request, ENDPOINT, job, partial, final, DONE)
+    return await dispatch.respond_stream(side.pending(request, ENDPOINT, job), partial, final, DONE)

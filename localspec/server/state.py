@@ -227,39 +227,12 @@ class Service:
 
         return record
 
-    async def respond(
-        self, request: Request, endpoint: str, job: Job, render: Callable[[JobResult], Any]
-    ) -> Response:
-        """Run ``job`` on this service's worker within its timeout, answer ``render(result)``
-        as JSON, then log and count it under ``endpoint``."""
-        return await dispatch.respond(
-            request,
-            self.worker,
-            job,
-            timeout_s=self.settings.request_timeout_s,
-            render=render,
-            on_result=self._recorder(endpoint, request),
-        )
-
-    async def stream(
-        self,
-        request: Request,
-        endpoint: str,
-        job: Job,
-        partial: Callable[[int, TokenEvent], Any],
-        final: Callable[[JobResult], list[Any]],
-        done_marker: bytes = b"",
-    ) -> Response:
-        """``respond`` for ``stream: true``: an event per ``partial``, then ``final``'s."""
-        return await dispatch.respond_stream(
-            request,
-            self.worker,
-            job,
-            timeout_s=self.settings.request_timeout_s,
-            partial=partial,
-            final=final,
-            done_marker=done_marker,
-            on_result=self._recorder(endpoint, request),
+    def pending(self, request: Request, endpoint: str, job: Job) -> dispatch.Pending:
+        """``job`` for ``request`` on this service's worker, within its timeout, logged and
+        counted under ``endpoint`` once it ends (``dispatch.respond`` runs it)."""
+        recorder = self._recorder(endpoint, request)
+        return dispatch.Pending(
+            request, self.worker, job, self.settings.request_timeout_s, recorder
         )
 
     async def native(self, request: Request, endpoint: str, job: Job) -> Response:
@@ -290,7 +263,7 @@ class Service:
                 objs = finals(result, stream=False)
                 return objs[0] if len(objs) == 1 else objs
 
-            return await self.respond(request, endpoint, job, render)
+            return await dispatch.respond(self.pending(request, endpoint, job), render)
 
         counts: dict[int, int] = {}
 
@@ -310,8 +283,9 @@ class Service:
                 else None,
             )
 
-        return await self.stream(
-            request, endpoint, job, partial, lambda result: finals(result, stream=True)
+        pending = self.pending(request, endpoint, job)
+        return await dispatch.respond_stream(
+            pending, partial, lambda result: finals(result, stream=True)
         )
 
     async def openai(self, request: Request, job: Job) -> Response:
@@ -325,7 +299,7 @@ class Service:
                     dispatch.answered(result), model=self.model_name, cmpl_id=cmpl_id
                 )
 
-            return await self.respond(request, endpoint, job, render)
+            return await dispatch.respond(self.pending(request, endpoint, job), render)
 
         def partial(index: int, event: TokenEvent) -> dict[str, Any]:
             return results.openai_chunk(
@@ -344,7 +318,8 @@ class Service:
                 for done in dispatch.answered(result)
             ]
 
-        return await self.stream(request, endpoint, job, partial, final, b"data: [DONE]\n\n")
+        pending = self.pending(request, endpoint, job)
+        return await dispatch.respond_stream(pending, partial, final, b"data: [DONE]\n\n")
 
     # ------------------------------------------------------------------ info
 
