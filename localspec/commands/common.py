@@ -1,4 +1,5 @@
-"""What every command shares: exit codes, settings flags, error printing, progress display."""
+"""What every command shares: its texts and parser, exit codes, settings flags, error printing,
+progress display."""
 
 from __future__ import annotations
 
