@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from localspec import __version__
 from localspec.commands import bench, common, lifecycle, models, profile, service, up
+from localspec.settings import SettingsError
 
 EPILOG = f"""\
 examples:
@@ -46,6 +47,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return common.EXIT_OK
     try:
         return int(args.func(args))
+    except SettingsError as exc:  # bad settings: every problem named, whichever command met them
+        return common.settings_error(exc)
     except KeyboardInterrupt:
         print("localspec: interrupted", file=sys.stderr)
         return 130

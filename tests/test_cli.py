@@ -291,6 +291,20 @@ def localspec_help(command: list[str]) -> str:
     return out.getvalue()
 
 
+def test_help_lists_exit_codes_where_a_command_ends_with_more_than_success(
+    monkeypatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("LOCALSPEC_STATE_DIR", str(tmp_path))
+    helps = {path: parser.format_help() for path, parser in _parsers(cli.build_parser())}
+    for path in [("up",), ("down",), ("status",), ("pull",), ("profile",), ("service",)]:
+        assert helps[path].rstrip().endswith("4  the port is held by another program (up)"), path
+    for path in [("logs",), ("models",), ("plan",), ("bench",), ("profile", "show")]:
+        assert "exit codes:" not in helps[path], path
+    # an action shows its group's examples; the logs description names the file of this run
+    assert "localspec profile validate corp.toml" in helps[("profile", "keys")]
+    assert f"login service ({tmp_path / 'localspec.log'})." in helps[("logs",)]
+
+
 def test_top_level_help_documents_exit_codes(capsys) -> None:
     assert cli.main([]) == 0
     out = capsys.readouterr().out

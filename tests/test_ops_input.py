@@ -20,7 +20,7 @@ from starlette.testclient import TestClient
 
 from localspec.server import ServerSettings, create_app, logs
 from localspec.server.prompts import truncate
-from localspec.server.schemas import MAX_EXTRA_CHUNKS
+from localspec.server.requests import MAX_EXTRA_CHUNKS
 from tests.fake_engine import StepEngine
 from tests.ops_support import (
     AUTH,

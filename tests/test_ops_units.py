@@ -13,8 +13,7 @@ import pytest
 from localspec.engine.types import GenerationResult, PromptLayout
 from localspec.server import logs
 from localspec.server.errors import Unavailable
-from localspec.server.params import task_params
-from localspec.server.schemas import CompletionRequest
+from localspec.server.requests import CompletionRequest, task_params
 from localspec.server.worker import MIN_CALL_QUEUE, Job, Worker
 from tests.fake_engine import StepEngine
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from localspec.engine.vocab import FimTokens
-from localspec.server.fim import (
+from localspec.server.prompts import (
     SNIPPET_SEPARATOR,
     Extra,
     budgets,

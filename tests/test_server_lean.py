@@ -18,17 +18,17 @@ from starlette.testclient import TestClient
 from localspec.engine.types import EngineSettings, GenerationResult, ModelSettings
 from localspec.engine.vocab import FimTokens
 from localspec.server import ServerSettings, create_app, logs
-from localspec.server.direct import LeanRoute
 from localspec.server.errors import InvalidRequest
-from localspec.server.results import dumps
-from localspec.server.schemas import (
+from localspec.server.gate import LeanRoute
+from localspec.server.prompts import TokenCache
+from localspec.server.requests import (
     CompletionRequest,
     InfillRequest,
     OpenAICompletionRequest,
     TokenizeRequest,
     parse_body,
 )
-from localspec.server.tokcache import TokenCache
+from localspec.server.results import dumps
 from tests.fake_engine import StepEngine
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from localspec.engine.cache_plan import common_prefix
+from localspec.engine.cache_plan import choose_slot, common_prefix
 from localspec.engine.types import (
     DraftStats,
     GenerationResult,
@@ -15,21 +15,20 @@ from localspec.engine.types import (
     SamplingParams,
     TokenProbs,
 )
-from localspec.server.auth import key_matches, presented_key
 from localspec.server.errors import InvalidRequest
+from localspec.server.gate import key_matches, presented_key
 from localspec.server.options import ServerSettings
-from localspec.server.params import RANDOM_SEED, sampler_chain, task_params
+from localspec.server.requests import RANDOM_SEED, InfillRequest, sampler_chain, task_params
 from localspec.server.results import (
     LOWEST_LOGPROB,
     Completion,
+    SlotInfo,
     completion_probabilities,
     dumps,
     final_object,
     pick_fields,
     timings,
 )
-from localspec.server.schemas import InfillRequest
-from localspec.server.slots import SlotInfo, choose_slot
 
 
 def test_compact_json_has_no_spaces_and_keeps_utf8() -> None:
@@ -200,7 +199,7 @@ class CountingVocab:
 
 
 def test_token_cache_is_exact_and_bounded() -> None:
-    from localspec.server.tokcache import TokenCache
+    from localspec.server.prompts import TokenCache
 
     vocab = CountingVocab()
     cache = TokenCache(max_tokens=10, max_texts=3)
@@ -214,7 +213,7 @@ def test_token_cache_is_exact_and_bounded() -> None:
 
 
 def test_token_cache_detokenizes_blocks_like_the_vocab() -> None:
-    from localspec.server.tokcache import BLOCK, TokenCache
+    from localspec.server.prompts import BLOCK, TokenCache
 
     vocab = CountingVocab()
     cache = TokenCache()

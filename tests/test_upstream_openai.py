@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from localspec.server.fim import Extra
+from localspec.server.prompts import Extra
 from localspec.server.upstream.fim_text import infill_text
 from tests.upstream_support import (
     QWEN_FIM,

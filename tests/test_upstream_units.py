@@ -13,9 +13,8 @@ import pytest
 from localspec import settings as st
 from localspec.catalog import load_catalog
 from localspec.engine.vocab import FimTokens
-from localspec.server.fim import Extra, infill_prompt
-from localspec.server.params import task_params
-from localspec.server.schemas import InfillRequest
+from localspec.server.prompts import Extra, infill_prompt
+from localspec.server.requests import InfillRequest, task_params
 from localspec.server.upstream.answer import upstream_error, upstream_message
 from localspec.server.upstream.config import UpstreamSettings
 from localspec.server.upstream.fim_text import CHARS_PER_TOKEN, infill_text

@@ -25,7 +25,7 @@ from typing import Any
 
 from localspec.bench import anchor, editor, proxy, report
 from localspec.bench.background import busy_loops
-from localspec.bench.command import interruptible
+from localspec.bench.command import bench_parser, interruptible
 from localspec.bench.driver import Outcome, Target, replay
 from localspec.bench.stats import fmt, percentile, ratio
 
@@ -58,12 +58,7 @@ def _range(text: str) -> tuple[float, float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="localspec bench replay",
-        description=__doc__.split("\n\n")[1] if __doc__ else None,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = bench_parser("localspec bench replay", __doc__, EPILOG)
     srv = p.add_argument_group("servers")
     srv.add_argument("--target", type=Path, metavar="GGUF", help="target model file")
     srv.add_argument("--draft", type=Path, metavar="GGUF", help="draft model file")

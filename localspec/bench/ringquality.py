@@ -44,7 +44,7 @@ from localspec.engine.cache import PrefillPolicy, SlotCaches
 from localspec.engine.llama import Clock, Context, Model
 from localspec.engine.types import ModelSettings
 from localspec.engine.vocab import Vocab
-from localspec.server.fim import Extra, extra_blocks
+from localspec.server.prompts import Extra, extra_blocks
 
 MODES = (
     "no ring", "causal ring", "causal, rotated", "block ring", "block, rotated", "sink blocks",

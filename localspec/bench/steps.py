@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from localspec.bench.background import levels
+from localspec.bench.command import bench_parser
 from localspec.bench.corpus import code_prompts
 from localspec.engine.llama import Clock, Context, Model, Segment
 from localspec.engine.types import ModelSettings
@@ -32,12 +33,7 @@ examples:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="localspec bench steps",
-        description=__doc__.split("\n\n")[1] if __doc__ else None,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = bench_parser("localspec bench steps", __doc__, EPILOG)
     p.add_argument("--target", type=Path, required=True, metavar="GGUF", help="model file")
     p.add_argument("--model", help="catalog model id (default: found by the file's name)")
     p.add_argument("--quant", help="its quantization (default: found by the file's name)")

@@ -28,7 +28,7 @@ import httpx
 
 from localspec.bench import anchor
 from localspec.bench.background import busy_loops, levels
-from localspec.bench.command import interruptible
+from localspec.bench.command import bench_parser, interruptible
 from localspec.bench.corpus import code_prompts
 from localspec.bench.replay import machine
 from localspec.bench.stats import fmt, mean, percentile, ratio
@@ -117,12 +117,7 @@ class Cell:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="localspec bench throughput",
-        description=__doc__.split("\n\n")[1] if __doc__ else None,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = bench_parser("localspec bench throughput", __doc__, EPILOG)
     p.add_argument("--target", type=Path, required=True, metavar="GGUF", help="target model")
     p.add_argument("--draft", type=Path, metavar="GGUF", help="draft model (both servers)")
     p.add_argument("--clients", default="1", help="client counts to measure, e.g. 1,4,8")

@@ -7,7 +7,10 @@ import importlib
 
 from localspec.commands import common as c
 
-EPILOG = """\
+BENCH = c.Command(
+    "bench",
+    "run a benchmark (speculative, replay, edit, throughput, steps, load, overhead)",
+    epilog="""\
 examples:
   localspec bench speculative --help     speculative vs plain decoding, draft vs n-gram
   localspec bench replay --help          replay an editor session against the daemon
@@ -17,21 +20,15 @@ examples:
   localspec bench load --help            editor-like clients hammering a running daemon
   localspec bench overhead --help        the server's own time per request, in-process
 Benchmarks print a table and write JSON; every argument after the name is theirs.
-"""
+""",
+)
 BENCHES = ("speculative", "replay", "edit", "throughput", "steps", "load", "overhead")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "bench",
-        help="run a benchmark (speculative, replay, edit, throughput, steps, load, overhead)",
-        epilog=EPILOG,
-        formatter_class=c.Formatter,
-        add_help=True,
-    )
+    p = c.add_command(sub, BENCH, run)
     p.add_argument("bench", choices=BENCHES, help="which benchmark")
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

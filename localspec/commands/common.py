@@ -1,4 +1,5 @@
-"""What every command shares: exit codes, settings flags, error printing, progress display."""
+"""What every command shares: its texts and parser, exit codes, settings flags, error printing,
+progress display."""
 
 from __future__ import annotations
 
@@ -35,6 +36,54 @@ Handler = Callable[[argparse.Namespace], int]
 
 class Formatter(argparse.RawDescriptionHelpFormatter):
     """Keep the examples in epilogs as written."""
+
+
+@dataclass(frozen=True)
+class Command:
+    """A command's (or an action's) texts, declared at the top of its module: its name, the
+    one-line help, the description and examples ``--help`` shows, and whether the exit codes
+    follow the examples (where the command can end with more than success)."""
+
+    name: str
+    help: str
+    epilog: str
+    description: str | None = None
+    exit_codes: bool = False
+
+    def action(self, name: str, help: str) -> Command:
+        """An action of this command group (``profile show``): its own help, the group's
+        examples."""
+        return Command(name, help, self.epilog)
+
+
+def add_command(
+    sub: argparse._SubParsersAction,
+    command: Command,
+    func: Handler | None = None,
+    **fill: object,
+) -> argparse.ArgumentParser:
+    """A command's parser: its examples kept as written, the exit codes after them where the
+    command asks for them, and its handler. ``fill`` completes the description where it names a
+    value known only when the parser is built (``{log_file}``)."""
+    description = command.description
+    if fill and description is not None:
+        description = description.format(**fill)
+    epilog = command.epilog
+    p = sub.add_parser(
+        command.name,
+        help=command.help,
+        description=description,
+        epilog=f"{epilog}\n{EXIT_CODES_HELP}" if command.exit_codes else epilog,
+        formatter_class=Formatter,
+    )
+    if func is not None:
+        p.set_defaults(func=func)
+    return p
+
+
+def add_actions(parser: argparse.ArgumentParser, dest: str) -> argparse._SubParsersAction:
+    """The actions of a command group (``profile show``, ``service install``): one is required."""
+    return parser.add_subparsers(dest=dest, metavar="ACTION", required=True)
 
 
 # --- settings flags --------------------------------------------------------------------------

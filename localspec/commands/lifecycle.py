@@ -18,58 +18,54 @@ from localspec import settings as st
 from localspec.commands import common as c
 from localspec.units import human_bytes
 
-DOWN_EPILOG = """\
+DOWN = c.Command(
+    "down",
+    "stop the running daemon",
+    description="Stop the daemon gracefully (SIGTERM): requests end, models are freed.",
+    exit_codes=True,
+    epilog="""\
 examples:
   localspec down                 stop the daemon on the configured port (SIGTERM, then wait)
   localspec down --port 8013 --force   kill it if it has not stopped after --timeout
-"""
-STATUS_EPILOG = """\
+""",
+)
+STATUS = c.Command(
+    "status",
+    "what the daemon is serving and how it is doing",
+    description="Read /health, /props, /slots and /metrics of the running daemon.",
+    exit_codes=True,
+    epilog="""\
 examples:
   localspec status               health, loaded pair, memory, requests, acceptance, uptime
   localspec status --json        the same as JSON (for scripts and IT inventory)
-"""
-LOGS_EPILOG = """\
+""",
+)
+LOGS = c.Command(
+    "logs",
+    "show the daemon's log",
+    description="Show the log of a detached daemon or login service ({log_file}).",
+    epilog="""\
 examples:
   localspec logs                 the last 50 lines of the daemon log
   localspec logs -f              follow it (Ctrl-C to stop)
   localspec logs -n 200
-"""
+""",
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "down",
-        help="stop the running daemon",
-        description="Stop the daemon gracefully (SIGTERM): requests end, models are freed.",
-        epilog=DOWN_EPILOG + "\n" + c.EXIT_CODES_HELP,
-        formatter_class=c.Formatter,
-    )
+    p = c.add_command(sub, DOWN, run_down)
     p.add_argument("--timeout", type=float, default=60.0, metavar="S", help="wait this long")
     p.add_argument("--force", action="store_true", help="kill it if it does not stop in time")
     c.add_settings_flags(p)
-    p.set_defaults(func=run_down)
 
-    p = sub.add_parser(
-        "status",
-        help="what the daemon is serving and how it is doing",
-        description="Read /health, /props, /slots and /metrics of the running daemon.",
-        epilog=STATUS_EPILOG + "\n" + c.EXIT_CODES_HELP,
-        formatter_class=c.Formatter,
-    )
+    p = c.add_command(sub, STATUS, run_status)
     p.add_argument("--json", action="store_true", help="print JSON")
     c.add_settings_flags(p)
-    p.set_defaults(func=run_status)
 
-    p = sub.add_parser(
-        "logs",
-        help="show the daemon's log",
-        description=f"Show the log of a detached daemon or login service ({daemon.log_file()}).",
-        epilog=LOGS_EPILOG,
-        formatter_class=c.Formatter,
-    )
+    p = c.add_command(sub, LOGS, run_logs, log_file=daemon.log_file())
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
     p.add_argument("-n", "--lines", type=int, default=50, metavar="N", help="lines to show")
-    p.set_defaults(func=run_logs)
 
 
 def _address(args: argparse.Namespace) -> tuple[str, int, str | None]:
@@ -95,10 +91,7 @@ def _find_pid(host: str, port: int, api_key: str | None) -> int | None:
 
 
 def run_down(args: argparse.Namespace) -> int:
-    try:
-        host, port, api_key = _address(args)
-    except st.SettingsError as exc:
-        return c.settings_error(exc)
+    host, port, api_key = _address(args)
     pid = _find_pid(host, port, api_key)
     if pid is None:
         print(f"no localspec daemon is running on port {port}")
@@ -336,10 +329,7 @@ def _backend_lines(backend: dict[str, Any]) -> list[str]:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    try:
-        host, port, api_key = _address(args)
-    except st.SettingsError as exc:
-        return c.settings_error(exc)
+    host, port, api_key = _address(args)
     report = gather_status(host, port, api_key)
     if args.json:
         c.print_json(report)

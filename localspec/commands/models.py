@@ -11,12 +11,20 @@ from localspec import settings as st
 from localspec.commands import common as c
 from localspec.units import human_bytes
 
-MODELS_EPILOG = """\
+MODELS = c.Command(
+    "models",
+    "list catalog models and which are downloaded",
+    epilog="""\
 examples:
   localspec models               every catalog model and quant, its size, whether it is here
   localspec models --json
-"""
-PULL_EPILOG = """\
+""",
+)
+PULL = c.Command(
+    "pull",
+    "download and verify model files",
+    exit_codes=True,
+    epilog="""\
 examples:
   localspec pull qwen2.5-coder-1.5b                  download (or verify) the Q8_0 files
   localspec pull qwen2.5-coder-7b --quant Q4_K_M
@@ -24,8 +32,12 @@ examples:
   HF_ENDPOINT=http://mirror.local localspec pull qwen2.5-coder-0.5b
   localspec pull ggml-org/Qwen2.5-Coder-0.5B-Q8_0-GGUF/qwen2.5-coder-0.5b-q8_0.gguf
 Files already verified on disk cost no network request; hub.offline forbids the network.
-"""
-PLAN_EPILOG = """\
+""",
+)
+PLAN = c.Command(
+    "plan",
+    "show what `up` would run on this machine, and why",
+    epilog="""\
 examples:
   localspec plan                         the pair, quants, GPU layers, context for this machine
   localspec plan --json                      the same plan with its arithmetic, as JSON
@@ -35,46 +47,34 @@ examples:
                       a shared server for 50 developers: the vLLM launch command, the capacity
                       arithmetic behind it, and the profile that points workstations at it
   localspec plan --team 500 --hardware 2xh100-80gb --emit llama-server --server-url https://llm.corp:8012
-"""
-CATALOG_EPILOG = """\
+""",
+)
+CATALOG = c.Command(
+    "catalog",
+    "maintain the model catalog",
+    epilog="""\
 examples:
   localspec catalog refresh --dry-run        what would change in the catalog files
   localspec catalog refresh models/          pin sizes and sha256 of these files from the hub
 
 Extra catalog files: *.toml in <system config dir>/models and <user config dir>/models.
-"""
+""",
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "models",
-        help="list catalog models and which are downloaded",
-        epilog=MODELS_EPILOG,
-        formatter_class=c.Formatter,
-    )
+    p = c.add_command(sub, MODELS, run_models)
     p.add_argument("--json", action="store_true", help="print JSON")
     c.add_settings_flags(p, address=False)
-    p.set_defaults(func=run_models)
 
-    p = sub.add_parser(
-        "pull",
-        help="download and verify model files",
-        epilog=PULL_EPILOG + "\n" + c.EXIT_CODES_HELP,
-        formatter_class=c.Formatter,
-    )
+    p = c.add_command(sub, PULL, run_pull)
     p.add_argument("model", nargs="?", help="catalog model id, or owner/repo[@rev]/file.gguf")
     p.add_argument("--quant", help="quantization (default Q8_0, or the only one)")
     p.add_argument("--pair", dest="pull_pair", metavar="PAIR", help="pull both models of a pair")
     p.add_argument("--force", action="store_true", help="download again even if verified")
     c.add_settings_flags(p, address=False)
-    p.set_defaults(func=run_pull)
 
-    p = sub.add_parser(
-        "plan",
-        help="show what `up` would run on this machine, and why",
-        epilog=PLAN_EPILOG,
-        formatter_class=c.Formatter,
-    )
+    p = c.add_command(sub, PLAN, run_plan)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--hardware", metavar="NAME|FILE", help="plan for a hardware profile")
     team = p.add_argument_group(
@@ -91,27 +91,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--server-url", metavar="URL", help="the server's URL, for the workstation profile"
     )
     c.add_settings_flags(p, serve=True)
-    p.set_defaults(func=run_plan)
 
-    p = sub.add_parser(
-        "catalog",
-        help="maintain the model catalog",
-        epilog=CATALOG_EPILOG,
-        formatter_class=c.Formatter,
-    )
-    actions = p.add_subparsers(dest="catalog_command", metavar="ACTION", required=True)
-    q = actions.add_parser(
-        "refresh",
-        help="pin revisions, sizes and sha256 from the hub",
-        epilog=CATALOG_EPILOG,
-        formatter_class=c.Formatter,
-    )
+    actions = c.add_actions(c.add_command(sub, CATALOG), "catalog_command")
+    refresh = CATALOG.action("refresh", "pin revisions, sizes and sha256 from the hub")
+    q = c.add_command(actions, refresh, run_catalog_refresh)
     q.add_argument("files", nargs="*", type=Path, metavar="FILE", help="catalog files or dirs")
     q.add_argument("--dry-run", action="store_true", help="show the changes, write nothing")
     q.add_argument("--update-revisions", action="store_true", help="move pins to current main")
     q.add_argument("--json", action="store_true", help="print JSON")
     c.add_settings_flags(q, address=False)
-    q.set_defaults(func=run_catalog_refresh)
 
 
 def catalog_dirs() -> list[Path]:
@@ -129,11 +117,9 @@ def run_models(args: argparse.Namespace) -> int:
     from localspec import fetch
     from localspec.catalog import CatalogError
 
+    settings = c.load_settings(args).settings
     try:
-        settings = c.load_settings(args).settings
         catalog = load_catalog()
-    except st.SettingsError as exc:
-        return c.settings_error(exc)
     except CatalogError as exc:
         c.error(str(exc))
         return c.EXIT_USAGE
@@ -208,8 +194,8 @@ def run_pull(args: argparse.Namespace) -> int:
         settings = c.load_settings(args).settings
         specs = _pull_specs(args, settings, load_catalog())
         options = fetch.hub_options(settings)
-    except st.SettingsError as exc:
-        return c.settings_error(exc)
+    except st.SettingsError:  # a ValueError too: bad settings are told as such (cli.main)
+        raise
     except (CatalogError, ValueError) as exc:
         c.error(str(exc))
         return c.EXIT_USAGE
@@ -257,8 +243,8 @@ def run_plan(args: argparse.Namespace) -> int:
             return c.EXIT_OK
         asked = settings_to.plan_inputs(settings)
         chosen = plan.make_plan(catalog, facts, asked, step_costs=measured)
-    except st.SettingsError as exc:
-        return c.settings_error(exc)
+    except st.SettingsError:  # a ValueError too: bad settings are told as such (cli.main)
+        raise
     except ValueError as exc:  # CatalogError, HardwareError, PlanError are ValueErrors
         c.error(str(exc))
         return c.EXIT_USAGE
@@ -273,11 +259,8 @@ def run_catalog_refresh(args: argparse.Namespace) -> int:
     from localspec.catalog import CatalogError
     from localspec.fetch import hub_options, refresh_catalog
 
-    try:
-        settings = c.load_settings(args).settings
-        options = hub_options(settings)
-    except st.SettingsError as exc:
-        return c.settings_error(exc)
+    settings = c.load_settings(args).settings
+    options = hub_options(settings)
     if options["offline"]:
         c.error("hub.offline is set: refreshing the catalog needs the hub")
         return c.EXIT_USAGE

@@ -11,7 +11,12 @@ from localspec import paths
 from localspec import settings as st
 from localspec.commands import common as c
 
-EPILOG = """\
+PROFILE = c.Command(
+    "profile",
+    "show, explain and validate settings and IT profiles",
+    description="Inspect the layered settings.",
+    exit_codes=True,
+    epilog="""\
 examples:
   localspec profile explain              every key: value, where it was set, what locks it
   localspec profile explain --port 9000  with flags applied, as `up` would see them
@@ -23,50 +28,28 @@ examples:
 layers, lowest first: defaults, system profiles (*.toml in the system config dir, sorted),
 your config.toml, LOCALSPEC_* environment, flags. A system profile may lock keys:
   locked = ["models.allowed", "hub.endpoint", "server.host", "telemetry"]
-"""
+""",
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "profile",
-        help="show, explain and validate settings and IT profiles",
-        description="Inspect the layered settings.",
-        epilog=EPILOG + "\n" + c.EXIT_CODES_HELP,
-        formatter_class=c.Formatter,
-    )
-    actions = p.add_subparsers(dest="profile_command", metavar="ACTION", required=True)
+    actions = c.add_actions(c.add_command(sub, PROFILE), "profile_command")
     for name, helptext, func in (
         ("show", "print the effective settings as TOML", run_show),
         ("explain", "print every value and the file/env/flag it came from", run_explain),
     ):
-        q = actions.add_parser(name, help=helptext, epilog=EPILOG, formatter_class=c.Formatter)
+        q = c.add_command(actions, PROFILE.action(name, helptext), func)
         q.add_argument("--json", action="store_true", help="print JSON")
         c.add_settings_flags(q, serve=True)
-        q.set_defaults(func=func)
-    q = actions.add_parser(
-        "validate",
-        help="check profile files (default: every layer on this machine)",
-        epilog=EPILOG,
-        formatter_class=c.Formatter,
-    )
+    validate = "check profile files (default: every layer on this machine)"
+    q = c.add_command(actions, PROFILE.action("validate", validate), run_validate)
     q.add_argument("files", nargs="*", type=Path, metavar="FILE", help="profile files to check")
     q.add_argument("--user", action="store_true", help="check FILEs as user config files")
-    q.set_defaults(func=run_validate)
-    q = actions.add_parser(
-        "keys", help="list every settings key", epilog=EPILOG, formatter_class=c.Formatter
-    )
-    q.set_defaults(func=run_keys)
-
-
-def _load(args: argparse.Namespace) -> st.ResolvedSettings:
-    return c.load_settings(args, quiet=True)
+    c.add_command(actions, PROFILE.action("keys", "list every settings key"), run_keys)
 
 
 def run_show(args: argparse.Namespace) -> int:
-    try:
-        resolved = _load(args)
-    except st.SettingsError as exc:
-        return c.settings_error(exc)
+    resolved = c.load_settings(args, quiet=True)
     table = st.to_toml_dict(resolved.settings)
     if args.json:
         c.print_json(table)
@@ -102,10 +85,7 @@ def render_explain(resolved: st.ResolvedSettings) -> str:
 
 
 def run_explain(args: argparse.Namespace) -> int:
-    try:
-        resolved = _load(args)
-    except st.SettingsError as exc:
-        return c.settings_error(exc)
+    resolved = c.load_settings(args, quiet=True)
     if args.json:
         c.print_json(
             {
@@ -128,10 +108,7 @@ def run_explain(args: argparse.Namespace) -> int:
 
 def run_validate(args: argparse.Namespace) -> int:
     if not args.files:
-        try:
-            resolved = st.load()
-        except st.SettingsError as exc:
-            return c.settings_error(exc)
+        resolved = st.load()
         files = [
             layer.origin for layer in resolved.layers if layer.origin.kind in ("system", "user")
         ]

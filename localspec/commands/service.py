@@ -8,7 +8,12 @@ import sys
 from localspec import daemon, login_service
 from localspec.commands import common as c
 
-EPILOG = """\
+SERVICE = c.Command(
+    "service",
+    "install, remove or inspect the login service",
+    description="Start localspec when you log in: a per-user service, no root needed.",
+    exit_codes=True,
+    epilog="""\
 examples:
   localspec service install              systemd user unit / LaunchAgent / logon task, started now
   localspec service install --no-start   write and check the file only
@@ -22,24 +27,18 @@ files:
   Windows  %LOCALAPPDATA%\\localspec\\localspec-task.xml   (schtasks task "localspec")
 The service runs `python -m localspec up --log-file <state dir>/localspec.log`
 with the settings of your config.toml and the system profiles.
-"""
+""",
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "service",
-        help="install, remove or inspect the login service",
-        description="Start localspec when you log in: a per-user service, no root needed.",
-        epilog=EPILOG + "\n" + c.EXIT_CODES_HELP,
-        formatter_class=c.Formatter,
-    )
-    actions = p.add_subparsers(dest="service_command", metavar="ACTION", required=True)
+    actions = c.add_actions(c.add_command(sub, SERVICE), "service_command")
     for name, helptext, func in (
         ("install", "render, check, install and start the service", run_install),
         ("uninstall", "stop the service and remove its file", run_uninstall),
         ("status", "is the service installed, enabled, running", run_status),
     ):
-        q = actions.add_parser(name, help=helptext, epilog=EPILOG, formatter_class=c.Formatter)
+        q = c.add_command(actions, SERVICE.action(name, helptext), func)
         q.add_argument(
             "--os",
             dest="os_name",
@@ -52,7 +51,6 @@ def register(sub: argparse._SubParsersAction) -> None:
             q.add_argument("--no-start", action="store_true", help="do not enable or start it")
         if name == "status":
             q.add_argument("--json", action="store_true", help="print JSON")
-        q.set_defaults(func=func)
 
 
 def run_install(args: argparse.Namespace) -> int:

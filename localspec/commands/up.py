@@ -24,7 +24,12 @@ if TYPE_CHECKING:  # the engine's and the server's modules load llama.cpp and Fa
 
 log = logging.getLogger("localspec.up")
 
-EPILOG = """\
+UP = c.Command(
+    "up",
+    "plan, fetch and serve the completion endpoint",
+    description="Start the completion daemon (llama-server compatible /infill, /completion).",
+    exit_codes=True,
+    epilog="""\
 examples:
   localspec up                                  plan, download and serve on localhost:8012
   localspec up --detach                         the same in the background; returns when ready
@@ -35,7 +40,8 @@ examples:
 
 A localspec daemon already answering on the port is reported and `up` exits 0.
 Ctrl-C or SIGTERM shut down gracefully: in-flight requests finish or are cancelled.
-"""
+""",
+)
 
 
 class UpError(RuntimeError):
@@ -43,13 +49,7 @@ class UpError(RuntimeError):
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "up",
-        help="plan, fetch and serve the completion endpoint",
-        description="Start the completion daemon (llama-server compatible /infill, /completion).",
-        epilog=EPILOG + "\n" + c.EXIT_CODES_HELP,
-        formatter_class=c.Formatter,
-    )
+    p = c.add_command(sub, UP, run)
     p.add_argument("--target", type=Path, metavar="GGUF", help="serve this local target model")
     p.add_argument("--draft", type=Path, metavar="GGUF", help="local draft model (with --target)")
     p.add_argument(
@@ -86,17 +86,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--log-file", type=Path, metavar="FILE", help="append all output to FILE")
     c.add_settings_flags(p, serve=True)
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        resolved = c.load_settings(args)
-        settings = resolved.settings
-        api_key = st.check_security(settings)
-        upstream_key = st.check_backend(settings)
-    except st.SettingsError as exc:
-        return c.settings_error(exc)
+    resolved = c.load_settings(args)
+    settings = resolved.settings
+    api_key = st.check_security(settings)
+    upstream_key = st.check_backend(settings)
     _warn_readable_inline_key(resolved)
     if args.draft is not None and args.target is None:
         c.error("--draft needs --target (a catalog pair brings its own draft: use --pair)")

@@ -25,8 +25,9 @@ sequences, so the prefills of several slots can be in progress at once.
 from __future__ import annotations
 
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Concatenate, ParamSpec
 
 from localspec.engine.cache_plan import ReusePlan, Run, plan_reuse, refresh_window
 from localspec.engine.errors import DecodeError
@@ -45,6 +46,7 @@ PRICE_MIN_PIECE = 32
 # what a prefill generator yields (a piece to evaluate) and is sent back (the piece's decode
 # time in ms when it ran alone, None when it shared a batch: then it prices nothing)
 PrefillSteps = Generator[Segment, "float | None", "PrefillResult"]
+P = ParamSpec("P")
 
 
 @dataclass(frozen=True)
@@ -142,6 +144,18 @@ def drive(ctx: Context, steps: PrefillSteps) -> PrefillResult:
         return done.value
 
 
+def driven(
+    steps: Callable[Concatenate[SlotCaches, P], PrefillSteps],
+) -> Callable[Concatenate[SlotCaches, P], PrefillResult]:
+    """A prefill method run to its end (``drive``), taking the same arguments as ``steps``."""
+
+    def run_to_end(self: SlotCaches, /, *args: P.args, **kwargs: P.kwargs) -> PrefillResult:
+        return drive(self.ctx, steps(self, *args, **kwargs))
+
+    run_to_end.__doc__ = f"``{steps.__name__}`` run to the end, each piece in a batch of its own."
+    return run_to_end
+
+
 class SlotCaches:
     """The sequences of one context: ``n_slots`` slots (each with its scratch sequence, and its
     iso sequence when the context has room for one per slot), then ``n_aux`` sequences for
@@ -181,19 +195,6 @@ class SlotCaches:
             tail_refresh=policy.tail_refresh,
             can_shift=self.ctx.can_shift,
         )
-
-    def prefill(
-        self,
-        st: SeqState,
-        prompt: Sequence[int],
-        policy: PrefillPolicy,
-        *,
-        blocks: Sequence[int] = (),
-        sink: bool = False,
-        cancel: Cancel | None = None,
-    ) -> PrefillResult:
-        """``prefill_steps`` run to the end, each piece in a batch of its own."""
-        return drive(self.ctx, self.prefill_steps(st, prompt, policy, blocks, sink, cancel))
 
     def prefill_steps(
         self,
@@ -283,6 +284,8 @@ class SlotCaches:
             PrefillResult(plan.n_reused, plan.n_evaluated, n_shifted, n_exact=st.exact)
         )
 
+    prefill = driven(prefill_steps)
+
     def _step(self, policy: PrefillPolicy) -> int:
         n_batch = self.ctx.n_batch
         return max(1, min(policy.chunk or n_batch, n_batch))
@@ -338,7 +341,7 @@ class SlotCaches:
             return False
         return not spans or len(st.tokens) >= spans[-1][1]
 
-    def _place_blocks(
+    def _blocks_first(
         self,
         st: SeqState,
         prompt: Sequence[int],
@@ -349,8 +352,19 @@ class SlotCaches:
         cancel: Cancel | None,
         policy: PrefillPolicy,
     ) -> Generator[Segment, float | None, _Placed]:
-        """Leave ``st`` holding ``prompt``'s blocks, exact, and nothing after them, unless
-        they are in place already (then the cache is untouched)."""
+        """Put the prompt's blocks in place (none: undo an earlier request's blocks): leave
+        ``st`` holding them, exact, and nothing after them, unless they are in place already
+        (then the cache is untouched)."""
+        blocks = list(blocks)
+        while blocks and sum(blocks) >= len(prompt):  # the last token is evaluated with logits
+            blocks.pop()
+        if not blocks:
+            if st.spans:
+                self._unblock(st)
+            return _Placed()
+        if st.iso is None:
+            raise ValueError("blocks need a context with a sequence for them (n_seq)")
+        move = move and self.ctx.can_shift  # min_chunk 0: no KV shift at all, as asked
         spans = block_spans(blocks)
         end = spans[-1][1]
         ctx, seq, iso = self.ctx, st.seq, st.iso
@@ -471,34 +485,6 @@ class SlotCaches:
         st.spans = []
         self.truncate(st, min(len(st.tokens), first))
         st.exact = min(st.exact, len(st.tokens))
-
-    def _blocks_first(
-        self,
-        st: SeqState,
-        prompt: Sequence[int],
-        blocks: Sequence[int],
-        *,
-        sink: bool,
-        move: bool,
-        cancel: Cancel | None,
-        policy: PrefillPolicy,
-    ) -> Generator[Segment, float | None, _Placed]:
-        """Put the prompt's blocks in place (none: undo an earlier request's blocks)."""
-        blocks = list(blocks)
-        while blocks and sum(blocks) >= len(prompt):  # the last token is evaluated with logits
-            blocks.pop()
-        if not blocks:
-            if st.spans:
-                self._unblock(st)
-            return _Placed()
-        if st.iso is None:
-            raise ValueError("blocks need a context with a sequence for them (n_seq)")
-        move = move and self.ctx.can_shift  # min_chunk 0: no KV shift at all, as asked
-        return (
-            yield from self._place_blocks(
-                st, prompt, blocks, sink=sink, move=move, cancel=cancel, policy=policy
-            )
-        )
 
     def affordable(self, n_tokens: int, budget_ms: float) -> bool:
         """Whether evaluating ``n_tokens`` more fits ``budget_ms`` at the measured price

@@ -1,4 +1,5 @@
-"""Which cached KV a new prompt can keep: pure planning over two token lists.
+"""Which cached KV a new prompt can keep, and which slot keeps the most: pure planning over token
+lists.
 
 A slot's cache holds ``cached`` (tokens with KV at positions 0..n-1). For a new ``prompt`` the
 plan keeps the longest common prefix in place, then (chunk reuse, like llama-server's
@@ -25,6 +26,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 ANCHOR = 4  # tokens hashed to find candidate runs; shorter runs are never worth a shift
 MAX_CANDIDATES = 32  # cache positions tried per prompt position (bounds repetitive input)
@@ -67,6 +69,35 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+class CachedSlot(Protocol):
+    """What slot choice reads of a slot (the server's record of it)."""
+
+    @property
+    def id(self) -> int: ...
+    @property
+    def tokens(self) -> Sequence[int]: ...  # the slot's cached tokens after its last request
+    @property
+    def last_used(self) -> float: ...  # monotonic time of its last request; 0 = never
+    @property
+    def is_processing(self) -> bool: ...
+
+
+def pinned_slot(id_slot: int, n_slots: int) -> int | None:
+    """llama-server's rule: a non-negative id wraps around the slot count; -1 means any."""
+    return None if id_slot < 0 else id_slot % n_slots
+
+
+def choose_slot(prompt: Sequence[int], slots: Sequence[CachedSlot], id_slot: int = -1) -> int:
+    """The slot whose cache keeps most of ``prompt``: the pinned slot, else the idle slot
+    sharing the longest prefix (ties: the least recently used)."""
+    pinned = pinned_slot(id_slot, len(slots))
+    if pinned is not None:
+        return pinned
+    candidates = [s for s in slots if not s.is_processing] or list(slots)
+    best = max(candidates, key=lambda s: (common_prefix(prompt, s.tokens), -s.last_used))
+    return best.id
 
 
 def _fresh_spans(n_prefix: int, runs: Sequence[Run], n_prompt: int) -> tuple[tuple[int, int], ...]:

@@ -61,6 +61,23 @@ class SearchContext:
     def ctx_max(self, m: ModelFacts) -> int:
         return min(self.ctx_max_setting, m.n_ctx_train)
 
+    def layout(
+        self,
+        n_ctx: int,
+        type_kv: str,
+        n_ubatch: int,
+        target_ngl: int,
+        draft_device: int | None,
+        flash_attn: bool = True,
+    ) -> Layout:
+        """A layout to try, with the asked slots and draft length (its GPU split comes later,
+        from what fits)."""
+        n_slots = self.settings.n_slots or 1
+        spec_n_max = self.settings.spec_n_max
+        return Layout(
+            n_ctx, n_slots, type_kv, n_ubatch, target_ngl, (), draft_device, spec_n_max, flash_attn
+        )
+
 
 def draft_placements(c: SearchContext, cand: Candidate) -> list[int | None]:
     """The draft goes on the fastest GPU first, then the next, then the host."""

@@ -119,21 +119,11 @@ def _search_whole(c: SearchContext, group: Sequence[Candidate], found: _Search) 
     draft on the fastest device, the full context at f16 KV, then quantized KV, then a
     shorter context; within each, the biggest ubatch, then the highest quant."""
     head = group[0]
-    slots = c.settings.n_slots or 1
     for draft_dev in draft_placements(c, head):
         for kv, ctx in ladder(c, head.target):
             for ubatch in sorted({c.n_ubatch_full, 512}, reverse=True):
                 for cand in group:
-                    layout = Layout(
-                        ctx,
-                        slots,
-                        kv,
-                        ubatch,
-                        c.full_ngl(cand.target),
-                        (),
-                        draft_dev,
-                        c.settings.spec_n_max,
-                    )
+                    layout = c.layout(ctx, kv, ubatch, c.full_ngl(cand.target), draft_dev)
                     fitted = fit_first_attention(c, cand, layout)
                     if fitted is None:
                         continue
@@ -171,17 +161,8 @@ def _why_not(c: SearchContext, group: Sequence[Candidate], found: _Search) -> st
         return f"fits only with the draft on {where}, where it would not pay ({speedup:.2f}x)"
     smallest = group[-1]
     kv, ctx = ladder(c, smallest.target)[-1]
-    layout = Layout(
-        ctx,
-        c.settings.n_slots or 1,
-        kv,
-        512,
-        c.full_ngl(smallest.target),
-        (),
-        draft_placements(c, smallest)[0],
-        c.settings.spec_n_max,
-        c.attention(kv)[-1],
-    )
+    draft_dev = draft_placements(c, smallest)[0]
+    layout = c.layout(ctx, kv, 512, c.full_ngl(smallest.target), draft_dev, c.attention(kv)[-1])
     _, rows = fit_rows(c, smallest, layout)
     over = [r for r in rows if not r.fits]
     if not over:
@@ -207,16 +188,7 @@ def _search_spill(c: SearchContext, candidates: Sequence[Candidate]) -> _Fit | N
             kv, ctx = ladder(c, group[0].target)[-1]
             for cand in reversed(group):  # the smallest quant spills the fewest layers
                 for ngl in range(c.full_ngl(cand.target) - 1, -1, -1):
-                    layout = Layout(
-                        ctx,
-                        c.settings.n_slots or 1,
-                        kv,
-                        512,
-                        ngl,
-                        (),
-                        draft_dev,
-                        c.settings.spec_n_max,
-                    )
+                    layout = c.layout(ctx, kv, 512, ngl, draft_dev)
                     fitted = fit_first_attention(c, cand, layout)
                     if fitted is None:
                         continue

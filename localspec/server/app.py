@@ -23,14 +23,12 @@ from localspec import __version__
 from localspec.engine.types import EngineSettings, ModelSettings
 from localspec.server import chat, prompts
 from localspec.server.chatmodel import reading_chat_model
-from localspec.server.direct import Direct, LeanRoute, route_paths
 from localspec.server.dispatch import error_response
 from localspec.server.errors import ApiError, InvalidRequest, NotSupported
-from localspec.server.gate import Gate
+from localspec.server.gate import Direct, Gate, LeanRoute, route_paths
 from localspec.server.metrics import CONTENT_TYPE
 from localspec.server.options import ServerSettings
-from localspec.server.results import CompactJSONResponse
-from localspec.server.schemas import (
+from localspec.server.requests import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -39,6 +37,7 @@ from localspec.server.schemas import (
     TokenizeRequest,
     validation_message,
 )
+from localspec.server.results import CompactJSONResponse
 from localspec.server.state import Service
 from localspec.server.upstream.backend import Upstream
 from localspec.server.upstream.config import UpstreamSettings

@@ -25,9 +25,9 @@ from localspec.chat import (
 from localspec.engine.types import TokenEvent
 from localspec.server import chatresults, dispatch, prompts
 from localspec.server.chatmodel import ChatModel, chat_model
-from localspec.server.errors import InvalidRequest, NotSupported, Unavailable
+from localspec.server.errors import InvalidRequest, NotSupported
+from localspec.server.requests import N_PROBS_LIMIT, ChatCompletionRequest
 from localspec.server.results import CompactJSONResponse, completion_probabilities, timings
-from localspec.server.schemas import N_PROBS_LIMIT, ChatCompletionRequest
 from localspec.server.worker import Job, JobResult
 
 if TYPE_CHECKING:
@@ -152,27 +152,18 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, svc: S
     schemas = chat.tool_schemas()
     cmpl_id = chatresults.chat_id()
     name = side.model_name
-    timeout = side.settings.request_timeout_s
-    record = side._recorder(ENDPOINT, request)
     piece = side.engine.vocab.piece
-
-    def check(result: JobResult) -> JobResult:
-        if result.cancelled and not result.completions:
-            raise Unavailable(f"Request dropped: {result.cancelled}")
-        return result
 
     if not params.stream:
 
         def render_answer(result: JobResult) -> Any:
-            done = check(result).completions
+            done = dispatch.answered(result)
             messages = [parse_message(d.result.text, fmt, schemas) for d in done]
             return chatresults.chat_completion(
                 done, messages, model=name, cmpl_id=cmpl_id, piece=piece
             )
 
-        return await dispatch.respond(
-            request, side.worker, job, timeout_s=timeout, render=render_answer, on_result=record
-        )
+        return await dispatch.respond(side.pending(request, ENDPOINT, job), render_answer)
 
     parsers: dict[int, StreamParser] = {}
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -207,7 +198,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, svc: S
         return head + events(index, delta, probs)
 
     def final(result: JobResult) -> list[Any]:
-        done = check(result).completions
+        done = dispatch.answered(result)
         out: list[Any] = []
         for d in done:
             head = events(d.index, None, None) if d.index not in parsers else []
@@ -229,13 +220,4 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, svc: S
             out[-1]["timings"] = timings(done[0].result)
         return out
 
-    return await dispatch.respond_stream(
-        request,
-        side.worker,
-        job,
-        timeout_s=timeout,
-        partial=partial,
-        final=final,
-        done_marker=DONE,
-        on_result=record,
-    )
+    return await dispatch.respond_stream(side.pending(request, ENDPOINT, job), partial, final, DONE)

@@ -21,7 +21,7 @@ from starlette.responses import Response, StreamingResponse
 
 from localspec.engine.types import TokenEvent
 from localspec.server.errors import ApiError, InvalidRequest, Unavailable
-from localspec.server.results import CompactJSONResponse, dumps, sse
+from localspec.server.results import CompactJSONResponse, Completion, dumps, sse
 from localspec.server.worker import Job, JobResult, Worker
 
 log = logging.getLogger("localspec.server")
@@ -99,14 +99,24 @@ async def _watch_disconnect(request: Request, on_gone: Callable[[], None]) -> No
 
 
 class Pending:
-    """A submitted job as the event loop sees it: its future, its token queue, its watcher."""
+    """A job for a request as the event loop sees it: the worker it runs on within
+    ``timeout_s``, its future, its token queue, its watcher, and ``on_result`` (log fields,
+    metrics) to run with its result."""
 
-    def __init__(self, request: Request, worker: Worker, job: Job, timeout_s: float) -> None:
+    def __init__(
+        self,
+        request: Request,
+        worker: Worker,
+        job: Job,
+        timeout_s: float,
+        on_result: Callable[[JobResult], None] | None = None,
+    ) -> None:
         self.request = request
         self.worker = worker
         self.job = job
         self.deadline = time.monotonic() + timeout_s
         self.timeout_s = timeout_s
+        self.on_result = on_result
         self.client_gone = False
         self.tokens: asyncio.Queue[Any] | None = None
         self.future: asyncio.Future[JobResult] | None = None  # streaming only
@@ -195,21 +205,20 @@ class Pending:
         raise self._timed_out()
 
 
-async def respond(
-    request: Request,
-    worker: Worker,
-    job: Job,
-    *,
-    timeout_s: float,
-    render: Callable[[JobResult], Any],
-    on_result: Callable[[JobResult], None] | None = None,
-) -> Response:
+def answered(result: JobResult) -> list[Completion]:
+    """The job's completions; a 503 when it was dropped before any (superseded, shut down)."""
+    if result.cancelled and not result.completions:
+        raise Unavailable(f"Request dropped: {result.cancelled}")
+    return result.completions
+
+
+async def respond(pending: Pending, render: Callable[[JobResult], Any]) -> Response:
     """Run a job and answer with ``render(result)`` as compact JSON.
 
-    ``on_result`` (log fields, metrics) runs once the answer is written: the client does not
-    wait for the bookkeeping, and it still ends before the gate writes the request's log line.
+    ``pending.on_result`` runs once the answer is written: the client does not wait for the
+    bookkeeping, and it still ends before the gate writes the request's log line.
     """
-    pending = Pending(request, worker, job, timeout_s)
+    request, job, on_result = pending.request, pending.job, pending.on_result
     result: JobResult | None = None
     try:
         pending.submit()
@@ -245,26 +254,22 @@ async def _after_async(on_result: Callable[[JobResult], None], result: JobResult
 
 
 async def respond_stream(
-    request: Request,
-    worker: Worker,
-    job: Job,
-    *,
-    timeout_s: float,
+    pending: Pending,
     partial: Callable[[int, TokenEvent], Any],
     final: Callable[[JobResult], list[Any]],
     done_marker: bytes = b"",
-    on_result: Callable[[JobResult], None] | None = None,
 ) -> Response:
-    """Stream ``data: {...}`` events; an error before the first event is a plain error answer.
-    ``partial`` gives one event per token, or a list of events (possibly empty)."""
-    pending = Pending(request, worker, job, timeout_s)
+    """``respond`` for ``stream: true``: ``data: {...}`` events, one per token from ``partial``
+    (or a list of them, possibly empty), then ``final``'s; an error before the first event is a
+    plain error answer."""
+    request = pending.request
     pending.enable_streaming()
 
     def finish() -> list[bytes]:
         assert pending.future is not None
         result = pending.future.result()
-        if on_result is not None:
-            on_result(result)
+        if pending.on_result is not None:
+            pending.on_result(result)
         return [sse(obj) for obj in final(result)]
 
     early_tail: list[bytes] = []

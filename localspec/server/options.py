@@ -28,7 +28,7 @@ class ServerSettings:
     model_alias: str | None = None  # the "model" name in answers; default: the GGUF file name
     spm_infill: bool = _SERVER.spm_infill  # llama-server's --spm-infill: suffix before prefix
     # the cursor line goes behind FIM_MID (each keystroke appends to the cached prompt);
-    # False: llama-server's layout, the line ends the prefix (see server/fim.py)
+    # False: llama-server's layout, the line ends the prefix (see server/prompts.py)
     typed_in_middle: bool = _CACHE.infill_layout == "typed-in-middle"
     # /infill's extra-context chunks evaluated each on its own (engine blocks, docs/engine.md);
     # with typed_in_middle only (llama-server's layout stays token for token and causal)

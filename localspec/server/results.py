@@ -1,4 +1,5 @@
-"""The answers, shaped like llama-server's (final, stream partial, OpenAI), as compact JSON.
+"""The answers, shaped like llama-server's (final, stream partial, OpenAI, /slots), as compact
+JSON.
 
 llama.vim matches ``"content"\\s*:"`` on the raw body, so every answer is serialized without
 spaces (``separators=(",", ":")``), UTF-8 as is.
@@ -68,6 +69,33 @@ def pick_fields(paths: Sequence[str], obj: dict[str, Any]) -> dict[str, Any]:
         else:
             out[path] = current
     return out
+
+
+@dataclass
+class SlotInfo:
+    """What the server knows of a slot without touching the engine: the worker keeps it, /slots
+    shows it (``to_json``), the metrics count it."""
+
+    id: int
+    n_ctx: int
+    tokens: list[int]  # the slot's cached tokens after its last request
+    last_used: float = 0.0  # monotonic time of its last request; 0 = never
+    is_processing: bool = False
+    n_requests: int = 0
+    last_prompt_n: int = 0
+    last_cache_n: int = 0
+
+    def to_json(self, *, speculative: bool) -> dict[str, object]:
+        return {
+            "id": self.id,
+            "n_ctx": self.n_ctx,
+            "speculative": speculative,
+            "is_processing": self.is_processing,
+            "n_prompt_tokens": len(self.tokens),
+            "n_prompt_tokens_processed": self.last_prompt_n,
+            "n_prompt_tokens_cache": self.last_cache_n,
+            "n_requests": self.n_requests,
+        }
 
 
 @dataclass

@@ -19,10 +19,8 @@ from localspec.server.chatmodel import chat_model
 from localspec.server.errors import ApiError, Unavailable
 from localspec.server.metrics import Metrics, Probes
 from localspec.server.options import ServerSettings
-from localspec.server.params import TaskParams, task_params
-from localspec.server.prompts import Prepare
-from localspec.server.schemas import GenerationFields
-from localspec.server.tokcache import TokenCache
+from localspec.server.prompts import Prepare, TokenCache
+from localspec.server.requests import GenerationFields, TaskParams, task_params
 from localspec.server.worker import Job, JobResult, Worker
 
 log = logging.getLogger("localspec.server")
@@ -229,6 +227,14 @@ class Service:
 
         return record
 
+    def pending(self, request: Request, endpoint: str, job: Job) -> dispatch.Pending:
+        """``job`` for ``request`` on this service's worker, within its timeout, logged and
+        counted under ``endpoint`` once it ends (``dispatch.respond`` runs it)."""
+        recorder = self._recorder(endpoint, request)
+        return dispatch.Pending(
+            request, self.worker, job, self.settings.request_timeout_s, recorder
+        )
+
     async def native(self, request: Request, endpoint: str, job: Job) -> Response:
         """llama-server's own answer shape (/infill, /completion), streamed or not."""
         params = job.params
@@ -238,8 +244,6 @@ class Service:
             return results.pick_fields(fields, obj) if fields else obj
 
         def finals(result: JobResult, *, stream: bool) -> list[dict[str, Any]]:
-            if result.cancelled and not result.completions:
-                raise Unavailable(f"Request dropped: {result.cancelled}")
             return [
                 shape(
                     results.final_object(
@@ -250,20 +254,16 @@ class Service:
                         piece=self.engine.vocab.piece,
                     )
                 )
-                for done in result.completions
+                for done in dispatch.answered(result)
             ]
 
-        timeout = self.settings.request_timeout_s
-        record = self._recorder(endpoint, request)
         if not params.stream:
 
             def render(result: JobResult) -> Any:
                 objs = finals(result, stream=False)
                 return objs[0] if len(objs) == 1 else objs
 
-            return await dispatch.respond(
-                request, self.worker, job, timeout_s=timeout, render=render, on_result=record
-            )
+            return await dispatch.respond(self.pending(request, endpoint, job), render)
 
         counts: dict[int, int] = {}
 
@@ -283,37 +283,23 @@ class Service:
                 else None,
             )
 
+        pending = self.pending(request, endpoint, job)
         return await dispatch.respond_stream(
-            request,
-            self.worker,
-            job,
-            timeout_s=timeout,
-            partial=partial,
-            final=lambda result: finals(result, stream=True),
-            on_result=record,
+            pending, partial, lambda result: finals(result, stream=True)
         )
 
     async def openai(self, request: Request, job: Job) -> Response:
         """OpenAI's text_completion shape (/v1/completions)."""
         cmpl_id = results.openai_id()
-        timeout = self.settings.request_timeout_s
-        record = self._recorder("v1/completions", request)
-
-        def check(result: JobResult) -> JobResult:
-            if result.cancelled and not result.completions:
-                raise Unavailable(f"Request dropped: {result.cancelled}")
-            return result
-
+        endpoint = "v1/completions"
         if not job.params.stream:
 
             def render(result: JobResult) -> Any:
                 return results.openai_completion(
-                    check(result).completions, model=self.model_name, cmpl_id=cmpl_id
+                    dispatch.answered(result), model=self.model_name, cmpl_id=cmpl_id
                 )
 
-            return await dispatch.respond(
-                request, self.worker, job, timeout_s=timeout, render=render, on_result=record
-            )
+            return await dispatch.respond(self.pending(request, endpoint, job), render)
 
         def partial(index: int, event: TokenEvent) -> dict[str, Any]:
             return results.openai_chunk(
@@ -329,19 +315,11 @@ class Service:
                     cmpl_id=cmpl_id,
                     finish=results.finish_reason(done.result),
                 )
-                for done in check(result).completions
+                for done in dispatch.answered(result)
             ]
 
-        return await dispatch.respond_stream(
-            request,
-            self.worker,
-            job,
-            timeout_s=timeout,
-            partial=partial,
-            final=final,
-            done_marker=b"data: [DONE]\n\n",
-            on_result=record,
-        )
+        pending = self.pending(request, endpoint, job)
+        return await dispatch.respond_stream(pending, partial, final, b"data: [DONE]\n\n")
 
     # ------------------------------------------------------------------ info
 

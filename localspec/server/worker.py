@@ -19,14 +19,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from localspec.engine.cache_plan import choose_slot, pinned_slot
 from localspec.engine.scheduler import Task
 from localspec.engine.types import GenerationResult, PromptLayout, TokenEvent
 from localspec.server.errors import ContextExceeded, Unavailable
 from localspec.server.logs import REQUESTS
-from localspec.server.params import TaskParams
 from localspec.server.prompts import truncate
-from localspec.server.results import Completion
-from localspec.server.slots import SlotInfo, choose_slot, pinned_slot
+from localspec.server.requests import TaskParams
+from localspec.server.results import Completion, SlotInfo
 
 log = logging.getLogger("localspec.server")
 # a request cut short is logged by its route when the client leaves, before the engine has

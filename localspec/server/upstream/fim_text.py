@@ -1,6 +1,6 @@
 """The fill-in-the-middle prompt as text, for an upstream that tokenizes it itself (``openai``).
 
-The layout is local serving's own (:func:`localspec.server.fim.infill_prompt`, the typed
+The layout is local serving's own (:func:`localspec.server.prompts.infill_prompt`, the typed
 cursor line behind the middle token so each keystroke only appends to the prompt the
 upstream's prefix cache holds), run over characters instead of tokens: a text piece becomes
 its code points, each FIM token one sentinel code point, and the budgets (in tokens) become
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from localspec.catalog import FimText
 from localspec.engine.vocab import FimTokens
-from localspec.server.fim import ExtraText, infill_prompt
+from localspec.server.prompts import ExtraText, infill_prompt
 
 # Code characters per token, the 5th percentile over 4,000-character windows of the Python
 # standard library with Qwen's tokenizer (median 4.4): 95 % of windows take no more tokens

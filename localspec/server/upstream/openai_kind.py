@@ -19,14 +19,14 @@ import httpx
 import pydantic_core
 
 from localspec.server.errors import ApiError, InvalidRequest, NotSupported
-from localspec.server.params import task_params
-from localspec.server.results import dumps, sse
-from localspec.server.schemas import (
+from localspec.server.requests import (
     CompletionRequest,
     GenerationFields,
     InfillRequest,
     parse_body,
+    task_params,
 )
+from localspec.server.results import dumps, sse
 from localspec.server.upstream.answer import SSE, Answer, error_answer, json_answer, upstream_error
 from localspec.server.upstream.client import UpstreamFailure, failure
 from localspec.server.upstream.config import UpstreamSettings

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from localspec.server.params import RANDOM_SEED, TaskParams
+from localspec.server.requests import RANDOM_SEED, TaskParams
 
 UNBOUNDED_MAX_TOKENS = 256  # n_predict -1 ("until a stop rule"): OpenAI servers need a number
 

@@ -17,7 +17,7 @@ from typing import Any
 from localspec.engine.stops import StopRules
 from localspec.engine.types import GenerationResult, StopType
 from localspec.server import results
-from localspec.server.params import TaskParams
+from localspec.server.requests import TaskParams
 from localspec.server.results import Completion
 
 Clock = Callable[[], float]
