@@ -29,7 +29,9 @@ from localspec.bench.driver import (
     replay,
     run_burst,
 )
+from localspec.bench.replay import build_parser as replay_parser
 from localspec.bench.replay import main as replay_main
+from localspec.bench.replay import server_specs
 from localspec.bench.stats import percentile
 
 KEYSTROKE_FIELDS = {
@@ -693,6 +695,16 @@ def test_llama_server_modes_take_a_flash_attention_off_variant() -> None:
     assert off.argv[off.argv.index("--flash-attn") + 1] == "off" and "-md" in off.argv
     with pytest.raises(ValueError, match=r"\+fa-on"):
         anchor.llama_server_spec(Path("llama-server"), serve, "plain+fa-on", port=1)
+
+
+def test_replay_sets_localspecs_flash_attention_only_when_asked(tmp_path: Path) -> None:
+    target = tmp_path / "t.gguf"
+    target.write_bytes(b"GGUF")
+    for extra, want in (([], None), (["--flash-attn", "on"], "on")):
+        args = replay_parser().parse_args(["--target", str(target), *extra])
+        (spec,) = server_specs(args)
+        got = spec.argv[spec.argv.index("--flash-attn") + 1] if want else None
+        assert got == want and ("--flash-attn" in spec.argv) == (want is not None)
 
 
 def test_localspec_takes_the_exact_kv_budget_only_when_given() -> None:

@@ -7,6 +7,7 @@ a shared batch must answer what the target answers, whatever its neighbours in t
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
@@ -253,6 +254,26 @@ def test_the_draft_model_drafts_for_several_sequences_in_one_batch(
         scorer.close()
 
 
+@contextlib.contextmanager
+def follow_auto_engine(
+    target: Path, draft: Path, monkeypatch: pytest.MonkeyPatch, verify_ms: dict[int, float]
+) -> Iterator[Engine]:
+    """Two slots in auto mode on the follow pair, on a machine with these step costs and a
+    draft model a tenth of the target's size (0.5B beside 7B: the prior for a draft batch's
+    cost before the model has drafted; the fixtures are the same size)."""
+    fixed_costs(monkeypatch, verify_ms, draft_ms=1.0)
+    s = EngineSettings(
+        target=model_settings(target),
+        draft=model_settings(draft),
+        n_slots=2,
+        spec=SpecSettings(mode="auto", n_max=4, p_min=0.0, pipeline=False),
+        follow_load=False,
+    )
+    with Engine.load(s) as engine:
+        engine.draft_size_ratio = 0.1
+        yield engine
+
+
 @pytest.mark.parametrize(
     ("verify_ms", "shared_drafts"),
     [
@@ -275,18 +296,7 @@ def test_a_shared_step_runs_the_draft_model_only_where_its_tokens_pay(
     both sequences in one draft batch. Outputs are the target's either way. (The draft's
     cache already holds both prompts, as at an editor's next keystroke: a shared step never
     pays a draft prompt prefill, ``test_..._without_a_draft_prefill`` below.)"""
-    fixed_costs(monkeypatch, verify_ms, draft_ms=1.0)
-    s = EngineSettings(
-        target=model_settings(qwen_follow),
-        draft=model_settings(qwen_follow_draft),
-        n_slots=2,
-        spec=SpecSettings(mode="auto", n_max=4, p_min=0.0, pipeline=False),
-        follow_load=False,
-    )
-    with Engine.load(s) as engine:
-        # a draft model a tenth of the target's size (0.5B beside 7B), as the prior for its
-        # cost before it has drafted (the fixtures are the same size)
-        engine.draft_size_ratio = 0.1
+    with follow_auto_engine(qwen_follow, qwen_follow_draft, monkeypatch, verify_ms) as engine:
         a, b = prompts(engine, 2, lines=40)
         for slot, prompt in ((0, a), (1, b)):  # the draft's cache holds each prompt
             engine.prefill_draft(slot, prompt)
@@ -323,16 +333,8 @@ def test_a_shared_step_drafts_without_a_draft_prefill(
     model's cache holds neither prompt, and a shared step does not evaluate hundreds of
     prompt tokens of the draft model on the path of both sequences for the few tokens it
     keeps, so neither request evaluates its draft window."""
-    fixed_costs(monkeypatch, {1: 10.0, 64: 10.5}, draft_ms=1.0)
-    s = EngineSettings(
-        target=model_settings(qwen_follow),
-        draft=model_settings(qwen_follow_draft),
-        n_slots=2,
-        spec=SpecSettings(mode="auto", n_max=4, p_min=0.0, pipeline=False),
-        follow_load=False,
-    )
-    with Engine.load(s) as engine:
-        engine.draft_size_ratio = 0.1
+    flat = {1: 10.0, 64: 10.5}
+    with follow_auto_engine(qwen_follow, qwen_follow_draft, monkeypatch, flat) as engine:
         a, b = prompts(engine, 2, lines=40)  # 150 tokens each
         tasks = [
             Task([GenerationRequest(slot=s, prompt=p, n_predict=12, sampling=GREEDY)])

@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("causal", "blocks"),
         help="how localspec's ring chunks attend (default: its settings)",
     )
+    srv.add_argument(
+        "--flash-attn", choices=("on", "off"), help="localspec's flash attention (default: its own)"
+    )
     srv.add_argument("--api-key", default=os.environ.get("LOCALSPEC_API_KEY"), help="for --url")
     srv.add_argument(
         "--load-timeout", type=float, default=600.0, help="seconds to wait for a server to load"
@@ -207,6 +210,7 @@ def server_specs(args: argparse.Namespace) -> list[anchor.ServerSpec]:
         cache_reuse=args.cache_reuse,
         cache_exact_ms=args.cache_exact_ms,
         ring_attention=args.ring_attention,
+        flash_attn=args.flash_attn,
         slots=args.clients,
         n_cmpl=args.n_cmpl,
     )
