@@ -287,6 +287,7 @@ def share_step(
         return [0] * n
     plain = base / t_plain
     best, kept = plain, []
+    step_ms = [cost.cost(base + k) for k in range(len(items) + 1)]  # once: every depth reads it
     # the model's tokens to depth d cost d draft batches whichever sequences they are for:
     # for each depth, the likeliest tokens that fit it, as many as maximise the yield per ms
     depths = max((len(o) for o, m in zip(offers, made, strict=True) if m), default=0)
@@ -295,7 +296,7 @@ def share_step(
         produced, extra = float(base), depth * draft_ms
         for k, (s, _, _) in enumerate(fits, start=1):
             produced += s
-            rate = produced / (cost.cost(base + k) + extra)
+            rate = produced / (step_ms[k] + extra)
             if rate > best:
                 best, kept = rate, fits[:k]
     if best < plain * min_gain:
