@@ -83,27 +83,90 @@ def run(engine: Engine, *tasks: Task) -> None:
         assert task.done and task.error is None, task.error
 
 
-def test_n_cmpl_evaluates_the_prompt_once_and_the_completions_decode_together(
+def test_n_cmpl_evaluates_the_prompt_once_and_agreeing_completions_share_a_sequence(
     engine: Engine, scorer: Scorer, batches: list[list[Segment]]
 ) -> None:
+    """Completions whose draws agree (greedy ones always do) decode as one sequence: the
+    others draw from its rows, so the request costs what one completion does."""
     (prompt,) = prompts(engine, 1)
     engine.clear_slot(0)
     reqs = [
         GenerationRequest(slot=0, prompt=prompt, n_predict=12, sampling=GREEDY, spec_n_max=k)
-        for k in (4, 0, 2)  # the same prompt, drafting or not: each its own sequence
+        for k in (4, 0, 2)
     ]
     results = engine.generate_many(reqs)
     assert [r.n_evaluated for r in results] == [len(prompt), 0, 0]
     assert all(r.n_cached == len(prompt) for r in results[1:])
     prompt_rows = sum(len(s.tokens) for b in batches for s in b if s.pos0 < len(prompt))
     assert prompt_rows == len(prompt)  # evaluated once, not once per completion
-    assert max(len({s.seq for s in b}) for b in batches) == 3  # all three in one step
+    assert {s.seq for b in batches for s in b} == {0}  # one sequence decoded for all three
+    assert [r.n_followed for r in results] == [0, 11, 11]  # all but the prompt's first draw
     for r in results:
         assert len(r.tokens) == 12 and exact(scorer, prompt, r.tokens)
     # the slot keeps the first completion, as with one; the others' sequences are freed
     assert engine.slot_tokens(0) == prompt + results[0].tokens[:-1]
     for aux in engine._tcache.aux:
         assert aux.tokens == [] and engine._tctx.seq_pos_max(aux.seq) == -1
+
+
+def test_completions_that_part_decode_in_sequences_of_their_own(
+    qwen_follow: Path, qwen_follow_draft: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sampled completion follows the first while its draws equal the first's tokens (the
+    draft model's drafts verified once for both), gets its own sequence where they part, and
+    answers exactly what it answers alone with its seed; a third with the same seed parts the
+    same way and follows the second. The follow pair's drafts are rejected at known places and
+    the cost model keeps them (fixed costs), so followers draw at several rows per step."""
+    fixed_costs(monkeypatch, {1: 10.0, 64: 10.5})
+    s = EngineSettings(
+        target=model_settings(qwen_follow),
+        draft=model_settings(qwen_follow_draft),
+        spec=SpecSettings(mode="draft", n_max=4, p_min=0.0, pipeline=False),
+        follow_load=False,
+    )
+    n = 24
+    with Engine.load(s) as engine:
+        (prompt,) = prompts(engine, 1)
+        first = GenerationRequest(slot=0, prompt=prompt, n_predict=n, sampling=GREEDY)
+
+        def sampled(seed: int) -> GenerationRequest:
+            hot = SamplingParams(samplers=("top_k", "temperature"), top_k=2, temperature=20.0)
+            return replace(first, sampling=replace(hot, seed=seed))
+
+        def alone(req: GenerationRequest) -> list[int]:
+            engine.clear_slot(0)
+            (res,) = engine.generate_many([req])
+            return res.tokens
+
+        def agreed(a: list[int], b: list[int]) -> int:
+            return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), n)
+
+        greedy = alone(first)
+        # a seed whose draws part from the greedy tokens after a few, on this CPU
+        seed, own = next(
+            (seed, toks)
+            for seed, toks in ((sd, alone(sampled(sd))) for sd in range(1, 500))
+            if 3 <= agreed(toks, greedy) <= n - 4
+        )
+        k = agreed(own, greedy)
+        seen: list[set[int]] = []
+        decode_many = engine._tctx.decode_many
+
+        def record(segments: Sequence[Segment]) -> list[int]:
+            seen.append({s.seq for s in segments if s.pos0 >= len(prompt)})
+            return decode_many(segments)
+
+        monkeypatch.setattr(engine._tctx, "decode_many", record)
+        engine.clear_slot(0)
+        lead, part, twin = engine.generate_many([first, sampled(seed), sampled(seed)])
+    assert lead.tokens == greedy and part.tokens == own and twin.tokens == own
+    assert any(n_drafted > 0 for _, n_drafted, _ in lead.spec_steps)
+    assert lead.n_followed == 0 and k <= part.n_followed <= k + 4
+    assert twin.n_followed == n - 1  # the leader's rows, then the second's
+    decoding = [b for b in seen if b]
+    assert decoding[0] == {0}  # all three on the slot's sequence at first
+    # the second parted into a sequence of its own and the third followed it: two in all
+    assert len(set().union(*decoding)) == 2
 
 
 def test_requests_on_two_slots_decode_in_the_same_steps(

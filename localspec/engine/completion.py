@@ -114,6 +114,10 @@ class Completion:
         # this step's draft: source (stats), policy key, tokens
         self.source, self.key, self.draft = "", "", []
         self.model_k = 0  # draft-model tokens asked for, to be drafted in a shared batch
+        # completions of the same request whose tokens so far equal this one's: they draw
+        # from this sequence's rows instead of decoding their own (``lead``)
+        self.followers: list[Completion] = []
+        self.leader: Completion | None = None
         self._defer = False
         self._n_before = 0
         self.t_decode0 = 0.0
@@ -229,11 +233,25 @@ class Completion:
 
     def verify(self, base: int, step_ms: float) -> None:
         """After the step's decode: draw at this sequence's rows (from batch index ``base``),
-        accept drafted tokens while the draw equals them, emit, drop rejected KV."""
-        e, res = self.e, self.result
-        draft, source, key = self.draft, self.source, self.key
-        n_before = self._n_before
+        accept drafted tokens while the draw equals them, emit, drop rejected KV. Followers
+        draw at the same rows before the rejected KV goes (one may accept more of the draft)."""
+        e = self.e
+        draft, n_before = self.draft, self._n_before
         e._tcache.appended(self.st, [self.last, *draft])
+        mine = self._take(base, step_ms, n_before)
+        if self.pipe is not None:
+            self.pipe.confirm(mine)
+        if self.followers:
+            self._lead(base, step_ms, n_before, draft, mine)
+        # KV keeps everything emitted except the newest token (it is not decoded yet)
+        e._tcache.truncate(self.st, n_before + len(mine))
+        self._sync_draft_after_step()
+
+    def _take(self, base: int, step_ms: float, n_before: int) -> list[int]:
+        """Draw at the step's rows for ``[last, *draft]`` (from batch index ``base``) with this
+        completion's sampler, emit through its stop rules; returns the tokens emitted."""
+        res = self.result
+        draft, source, key = self.draft, self.source, self.key
         res.t_verify_ms += step_ms
         ts = time.perf_counter()
         accepted = 0
@@ -265,15 +283,47 @@ class Completion:
             stop = self._emit(tok, n_before + n_emitted, events, probs)
             if stop:
                 break
-        if self.pipe is not None:
-            self.pipe.confirm(new_tokens[:n_emitted])
-        # KV keeps everything emitted except the newest token (it is not decoded yet)
-        e._tcache.truncate(self.st, n_before + n_emitted)
-        self._sync_draft_after_step()
         self.last = self.out[-1]
         self.draft = []
         self._deliver(events)
         self.stopped = self.done = stop
+        return new_tokens[:n_emitted]
+
+    def _lead(
+        self, base: int, step_ms: float, n_before: int, draft: list[int], mine: list[int]
+    ) -> None:
+        """The followers draw at this step's rows, each with its own sampler: the rows' logits
+        are theirs too, as far as their tokens equal the drafted ones. One that emitted what
+        this completion did follows on; one that parted (or outlives it) gets its own
+        sequence, a copy of the KV its tokens have (before this step's rejected KV is
+        dropped); followers that parted the same way follow the first of them."""
+        parted: list[tuple[Completion, list[int]]] = []
+        going: list[Completion] = []
+        for f in self.followers:
+            f.draft, f.source, f.key = draft, self.source, self.key
+            theirs = f._take(base, step_ms, n_before)
+            f.result.n_followed += len(theirs)
+            if f.done:
+                f.leader = None
+            elif theirs == mine and not self.done:
+                going.append(f)
+            else:
+                twin = next((g for g, toks in parted if toks == theirs), None)
+                f.leader = twin
+                if twin is not None:
+                    twin.followers.append(f)
+                else:
+                    self.e._tcache.share_prefix(self.st, f.st, n_before + len(theirs))
+                    parted.append((f, theirs))
+        self.followers = going
+
+    def release_followers(self) -> None:
+        """This completion ends (cancelled) while others follow it: each gets its own copy
+        of the KV (their tokens equal this one's)."""
+        for f in self.followers:
+            f.leader = None
+            self.e._tcache.share_prefix(self.st, f.st, len(self.st.tokens))
+        self.followers = []
 
     def finish(self) -> GenerationResult:
         """The result, once the completion stopped (or was cancelled)."""

@@ -237,7 +237,7 @@ class Scheduler:
             if not first.cache_prompt:
                 e.clear_slot(task.slot)
             c = self._completion(run, 0, st)
-            alone = len(self.running) == 1 and len(task.requests) == 1
+            alone = len(self.running) == 1  # (extra completions follow it while they agree)
             if alone and first.n_predict != 0 and c.draft_ok and e.pipeline_enabled():
                 # the draft's window prefill runs on its thread beside the target's prefill
                 c.start_pipeline()
@@ -335,6 +335,23 @@ class Scheduler:
             self._fill_prompt_stats(run, self._completion(run, index, aux).result, index)
         for c in run.completions:
             c.begin(logits_index)
+        self._group(run.completions)
+
+    @staticmethod
+    def _group(completions: list[Completion]) -> None:
+        """Completions that drew the same first token follow the first of them: one sequence
+        decodes for all until their draws part (``Completion._lead``), so a request whose
+        completions agree costs what one completion does."""
+        leaders: list[Completion] = []
+        for c in completions:
+            if c.done:
+                continue
+            lead = next((ld for ld in leaders if ld.out == c.out), None)
+            if lead is None:
+                leaders.append(c)
+            else:
+                c.leader = lead
+                lead.followers.append(c)
 
     def _fill_prompt_stats(self, run: _Running, res: GenerationResult, index: int) -> None:
         pre = run.pre
@@ -353,7 +370,12 @@ class Scheduler:
         live: list[Completion] = []
         for run in self.running:
             for c in run.completions:
-                if c.stops is not None and not c.done and not c.cancelled():
+                if c.stops is None or c.done or c.cancelled():
+                    continue
+                if c.leader is None:
+                    live.append(c)
+                elif c.leader.done:  # it ended without a step to part them
+                    c.leader.release_followers()
                     live.append(c)
         return live
 

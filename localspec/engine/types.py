@@ -207,6 +207,9 @@ class GenerationResult:
     threads: tuple[int, int] = (0, 0)  # the target's threads at the end: single tokens, batches
     probs: list[TokenProbs] = field(default_factory=list)  # per token, when n_probs > 0
     draft_n_decoded: int = 0  # draft tokens the draft model decoded (pipelined: incl. wasted)
+    # tokens drawn from another completion's rows while its tokens equalled this one's (a
+    # request's completions share one sequence until they part: no batch rows of their own)
+    n_followed: int = 0
     # one entry per speculative step: (source, drafted, accepted); for stats and tests
     spec_steps: list[tuple[str, int, int]] = field(default_factory=list)
 
