@@ -9,6 +9,7 @@ sensible text for stop rules).
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import threading
 import time
@@ -23,7 +24,7 @@ import pytest
 import uvicorn
 
 from localspec.engine.types import EngineSettings, ModelSettings, SpecSettings
-from localspec.server import ServerSettings, create_app
+from localspec.server import ServerSettings, create_app, logs
 from localspec.server.run import bind_sockets
 from localspec.server.state import Service
 from tests.ops_support import wait_until
@@ -698,6 +699,20 @@ def test_streaming_several_completions_tags_each_with_its_index(qc: httpx.Client
     for index in (0, 1):
         parts = [e for e in events if not e["stop"] and e["index"] == index]
         assert len(parts) == next(f for f in finals if f["index"] == index)["tokens_predicted"]
+
+
+def test_agreeing_completions_are_counted_in_the_request_log(
+    qc: httpx.Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Greedy completions always agree: the second and third draw at the first's rows."""
+    caplog.set_level(logging.INFO, logger=logs.REQUESTS)
+    body = {"input_prefix": "def f(x):\n", "input_suffix": "\n", "n_predict": 6, "n_cmpl": 3,
+            "top_k": 1, "input_extra": []}  # fmt: skip
+    answers = qc.post("/infill", json=body).json()
+    assert len({a["content"] for a in answers}) == 1
+    n = answers[0]["tokens_predicted"]
+    line = next(r for r in caplog.records if r.name == logs.REQUESTS and "/infill" in r.message)
+    assert line.fields["followed"] == 2 * (n - 1)  # type: ignore[attr-defined]
 
 
 def _shifted_answers(qc: httpx.Client) -> float:

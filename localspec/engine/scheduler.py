@@ -2,7 +2,9 @@
 
 A :class:`Task` is one request on one slot: its prompt is evaluated once, then each of its
 completions decodes in a sequence of its own (the first in the slot's sequence, the others in
-extra sequences that share the prompt's KV). Tasks on different slots run at the same time.
+extra sequences that share the prompt's KV), except that completions whose tokens agree
+share one sequence until they part (``Completion._lead``). Tasks on different slots run at
+the same time.
 
 The policy, step by step:
 

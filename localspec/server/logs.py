@@ -42,6 +42,8 @@ class RequestLog:
     predicted: int | None = None
     drafted: int | None = None
     accepted: int | None = None
+    # n_cmpl > 1: tokens drawn at another completion's rows while their tokens agreed
+    followed: int | None = None
     threads: str | None = None  # the target's threads at the end: "single tokens/batches"
     queue_ms: float | None = None
     prompt_ms: float | None = None

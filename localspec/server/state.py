@@ -199,6 +199,7 @@ class Service:
                 predicted=sum(len(r.tokens) for r in runs),
                 drafted=sum(r.draft_n for r in runs),
                 accepted=sum(r.draft_n_accepted for r in runs),
+                followed=sum(r.n_followed for r in runs) if len(runs) > 1 else None,
                 threads="/".join(map(str, runs[-1].threads)) if runs else None,
                 queue_ms=result.t_queue_ms,
                 prompt_ms=sum(r.prompt_ms for r in runs),
