@@ -109,6 +109,27 @@ def test_n_cmpl_evaluates_the_prompt_once_and_agreeing_completions_share_a_seque
         assert aux.tokens == [] and engine._tctx.seq_pos_max(aux.seq) == -1
 
 
+def test_a_cancel_ends_a_request_whose_completions_share_a_sequence(engine: Engine) -> None:
+    (prompt,) = prompts(engine, 1)
+    engine.clear_slot(0)
+    stop = threading.Event()
+    req = GenerationRequest(slot=0, prompt=prompt, n_predict=40, sampling=GREEDY)
+    task = Task([req, replace(req), replace(req)], cancel=stop)
+    engine.submit(task)
+    while not any(c.followers for r in engine.scheduler.running for c in r.completions):
+        engine.step()
+    engine.step()
+    stop.set()
+    while engine.step():
+        pass
+    assert task.error is None and len(task.results) == 3
+    assert all(r.cancelled and r.tokens == task.results[0].tokens for r in task.results)
+    assert 0 < len(task.results[0].tokens) < 40
+    assert engine.slot_tokens(0) == prompt + task.results[0].tokens[:-1]
+    for aux in engine._tcache.aux:
+        assert aux.tokens == [] and engine._tctx.seq_pos_max(aux.seq) == -1
+
+
 def test_completions_that_part_decode_in_sequences_of_their_own(
     qwen_follow: Path, qwen_follow_draft: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

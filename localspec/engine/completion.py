@@ -317,14 +317,6 @@ class Completion:
                     parted.append((f, theirs))
         self.followers = going
 
-    def release_followers(self) -> None:
-        """This completion ends (cancelled) while others follow it: each gets its own copy
-        of the KV (their tokens equal this one's)."""
-        for f in self.followers:
-            f.leader = None
-            self.e._tcache.share_prefix(self.st, f.st, len(self.st.tokens))
-        self.followers = []
-
     def finish(self) -> GenerationResult:
         """The result, once the completion stopped (or was cancelled)."""
         res, stops = self.result, self.stops

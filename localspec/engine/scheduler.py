@@ -372,12 +372,9 @@ class Scheduler:
         live: list[Completion] = []
         for run in self.running:
             for c in run.completions:
-                if c.stops is None or c.done or c.cancelled():
-                    continue
-                if c.leader is None:
-                    live.append(c)
-                elif c.leader.done:  # it ended without a step to part them
-                    c.leader.release_followers()
+                # a follower rides its leader's rows (they share the cancel, so a follower
+                # never outlives a leader that did not part from it in a step)
+                if c.stops is not None and not c.done and not c.cancelled() and c.leader is None:
                     live.append(c)
         return live
 
