@@ -297,25 +297,20 @@ class Completion:
         this completion did follows on; one that parted (or outlives it) gets its own
         sequence, a copy of the KV its tokens have (before this step's rejected KV is
         dropped); followers that parted the same way follow the first of them."""
-        parted: list[tuple[Completion, list[int]]] = []
+        out0 = len(self.out) - len(mine)  # every follower had this many tokens, as this one
+        parted: list[Completion] = []
         going: list[Completion] = []
         for f in self.followers:
             f.draft, f.source, f.key = draft, self.source, self.key
             theirs = f._take(base, step_ms, n_before)
             f.result.n_followed += len(theirs)
-            if f.done:
-                f.leader = None
-            elif theirs == mine and not self.done:
+            if not f.done and not self.done and theirs == mine:
                 going.append(f)
             else:
-                twin = next((g for g, toks in parted if toks == theirs), None)
-                f.leader = twin
-                if twin is not None:
-                    twin.followers.append(f)
-                else:
-                    self.e._tcache.share_prefix(self.st, f.st, n_before + len(theirs))
-                    parted.append((f, theirs))
+                parted.append(f)
         self.followers = going
+        for g in follow_alike(parted):
+            self.e._tcache.share_prefix(self.st, g.st, n_before + len(g.out) - out0)
 
     def finish(self) -> GenerationResult:
         """The result, once the completion stopped (or was cancelled)."""
@@ -610,6 +605,24 @@ class Completion:
             n += 1
         dcache.truncate(dst, n)
         self._dgood = n
+
+
+def follow_alike(completions: list[Completion]) -> list[Completion]:
+    """Each completion still going follows the first one before it with the same tokens (one
+    sequence decodes for both until their draws part, ``Completion._lead``); returns the
+    ones that follow none, which decode in their own sequences."""
+    leaders: list[Completion] = []
+    for c in completions:
+        c.leader = None
+        if c.done:
+            continue
+        lead = next((ld for ld in leaders if ld.out == c.out), None)
+        if lead is None:
+            leaders.append(c)
+        else:
+            c.leader = lead
+            lead.followers.append(c)
+    return leaders
 
 
 def draft_together(wants: list[Completion]) -> None:

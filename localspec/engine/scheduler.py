@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from localspec.engine.cache import PrefillResult, PrefillSteps, SeqState
-from localspec.engine.completion import Completion, draft_together
+from localspec.engine.completion import Completion, draft_together, follow_alike
 from localspec.engine.errors import DecodeError
 from localspec.engine.llama import Segment
 from localspec.engine.policy import share_step
@@ -337,23 +337,7 @@ class Scheduler:
             self._fill_prompt_stats(run, self._completion(run, index, aux).result, index)
         for c in run.completions:
             c.begin(logits_index)
-        self._group(run.completions)
-
-    @staticmethod
-    def _group(completions: list[Completion]) -> None:
-        """Completions that drew the same first token follow the first of them: one sequence
-        decodes for all until their draws part (``Completion._lead``), so a request whose
-        completions agree costs what one completion does."""
-        leaders: list[Completion] = []
-        for c in completions:
-            if c.done:
-                continue
-            lead = next((ld for ld in leaders if ld.out == c.out), None)
-            if lead is None:
-                leaders.append(c)
-            else:
-                c.leader = lead
-                lead.followers.append(c)
+        follow_alike(run.completions)  # a request whose completions agree costs one's steps
 
     def _fill_prompt_stats(self, run: _Running, res: GenerationResult, index: int) -> None:
         pre = run.pre
