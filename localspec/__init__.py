@@ -10,6 +10,14 @@ from importlib.metadata import PackageNotFoundError, version
 # idle machine and halves that stall in the moments before the thread count follows the load
 # (engine/threads.py, docs/engine.md "Threads follow the load"). A user's own setting stays.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+# Once the process holds more OpenMP threads than the machine has CPUs (a chat model's worker
+# decoding on its own thread beside the completion engine, or a pipelined draft's team on a
+# small machine), libgomp cuts every barrier's spin to its "throttled" count: 100 iterations,
+# or 1 000 under ACTIVE (never more than GOMP_SPINCOUNT). At 100, ggml's threads sleep and wake
+# at nearly every graph node: on 2 cores, completions decoded at half their speed for the rest
+# of the daemon's life after one chat request (docs/engine.md "Threads"). With
+# GOMP_SPINCOUNT set above, ACTIVE changes nothing else.
+os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
 
 try:
     __version__ = version("localspec")

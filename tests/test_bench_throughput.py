@@ -60,3 +60,24 @@ def test_a_real_run_against_localspec(qwen_target: Path, tmp_path: Path) -> None
     assert (c["server"], c["background"], c["clients"]) == ("localspec", 1, 2)
     assert c["requests"] == 2 and c["errors"] == 0 and c["aggregate_tokens_per_s"] > 0
     assert all(r["predicted_n"] == 4 and r["prompt_n"] > 20 for r in doc["requests"])
+
+
+def test_a_chat_model_beside_the_target_answers_before_each_cell(
+    qwen_target: Path, smollm_q4: Path, tmp_path: Path
+) -> None:
+    """``--chat-target``: a second localspec with an instruct model beside the target; its chat
+    model answers one chat request before each cell, and both daemons' completions are counted."""
+    out = tmp_path / "t.json"
+    logs = tmp_path / "logs"
+    argv = ["--target", str(qwen_target), "--chat-target", str(smollm_q4),
+            "--clients", "1", "--requests", "1", "--n-predict", "4", "--prompt-chars", "300",
+            "--vs-llama-server", "", "--threads", "1", "--ctx", "1024", "--repeats", "2",
+            "--log-dir", str(logs), "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert sorted(c["server"] for c in doc["cells"]) == ["localspec", "localspec+chat"]
+    assert all(c["requests"] == 2 and c["errors"] == 0 for c in doc["cells"])
+    (chat_argv,) = [s["argv"] for s in doc["servers"] if s["name"] == "localspec+chat"]
+    assert chat_argv[chat_argv.index("--chat-target") + 1] == str(smollm_q4)
+    chat_log = next(p for p in logs.iterdir() if p.name.startswith("localspec+chat"))
+    assert chat_log.read_text().count("POST /v1/chat/completions 200") == 2  # one per cell

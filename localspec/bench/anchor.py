@@ -54,6 +54,8 @@ class ServeSettings:
     # the editor replay, on for plain /completion throughput
     kv_unified: bool = False
     flash_attn: str | None = None  # localspec only ("on" | "off"); None: its default
+    # localspec only: an instruct model that answers chat beside the target (its own worker)
+    chat_target: Path | None = None
 
 
 @dataclass
@@ -171,7 +173,11 @@ def localspec_spec(
         argv += ["--ring-attention", serve.ring_attention]
     if serve.flash_attn is not None:
         argv += ["--flash-attn", serve.flash_attn]
+    if serve.chat_target is not None:
+        argv += ["--chat-target", str(serve.chat_target)]
     name = "localspec" if not spec_mode else f"localspec/{spec_mode}"
+    if serve.chat_target is not None:
+        name += "+chat"
     return ServerSpec(name, argv, port)
 
 

@@ -9,7 +9,10 @@ answers equal the same prompt's answer alone (decoded in a batch with others, a 
 may differ only where the batch's rounding flips a near tie). The servers start one at a time
 with as many slots as the largest client count (llama-server ``-np N -kvu``, localspec
 ``--slots N``), every cell is measured for each server in turn (the order alternating), and
-each figure is put beside llama-server's from the same run.
+each figure is put beside llama-server's from the same run. ``--chat-target`` adds a second
+localspec serving an instruct model for chat beside the target, as a default ``localspec up``
+does where the machine fits both; its chat model answers one chat request before each cell, so
+the completions are measured after chat has run (its own worker thread and llama.cpp threads).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +43,8 @@ examples:
       --vs-llama-server plain --json busy.json
   # four and eight editors at once (localspec --slots 8, llama-server -np 8 -kvu)
   localspec bench throughput --target t.gguf --draft d.gguf --clients 4,8 --vs-llama-server plain
+  # completions with and without a chat model beside them that has answered a chat request
+  localspec bench throughput --target t.gguf --chat-target instruct.gguf --repeats 2
 
 llama-server comes from $LLAMA_SERVER_BIN (build it with scripts/build-llama-server.sh).
 """
@@ -120,6 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = bench_parser("localspec bench throughput", __doc__, EPILOG)
     p.add_argument("--target", type=Path, required=True, metavar="GGUF", help="target model")
     p.add_argument("--draft", type=Path, metavar="GGUF", help="draft model (both servers)")
+    p.add_argument(
+        "--chat-target",
+        type=Path,
+        metavar="GGUF",
+        help="also measure a localspec that serves this instruct model for chat beside the target",
+    )
     p.add_argument("--clients", default="1", help="client counts to measure, e.g. 1,4,8")
     p.add_argument("--requests", type=int, default=2, help="requests per client (default 2)")
     p.add_argument("--n-predict", type=int, default=64, help="tokens per request (default 64)")
@@ -185,6 +196,18 @@ def _body(text: str, n_predict: int) -> dict[str, Any]:
     # every prompt evaluated in full (no cache reuse between cells): prompt speed is comparable
     return {"prompt": text, "n_predict": n_predict, "top_k": 1, "samplers": ["top_k"],
             "cache_prompt": False, "id_slot": -1}  # fmt: skip
+
+
+def chat_once(url: str, model: str, timeout: float) -> None:
+    """One short chat answer from the chat model ``model`` (its worker evaluates it)."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Name three uses of a hash map."}],
+        "max_tokens": 32,
+    }
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=timeout)
+    if r.status_code != 200:
+        raise anchor.ServerError(f"the chat model did not answer: {r.status_code} {r.text[:200]}")
 
 
 def alone(url: str, texts: Sequence[str], args: Any) -> list[str]:
@@ -293,7 +316,7 @@ def _main(args: argparse.Namespace) -> int:
         loads = levels(args.background)
         if 0 in client_counts or args.requests < 1:
             raise ValueError("--clients and --requests must be at least 1")
-        for path in (args.target, args.draft):
+        for path in (args.target, args.draft, args.chat_target):
             if path is not None and not path.is_file():
                 raise ValueError(f"model file not found: {path}")
         serve = anchor.ServeSettings(
@@ -307,6 +330,9 @@ def _main(args: argparse.Namespace) -> int:
             n_predict=args.n_predict,
         )
         specs = [] if args.no_localspec else [anchor.localspec_spec(serve, args.spec_mode)]
+        if args.chat_target is not None and not args.no_localspec:
+            chat_serve = replace(serve, chat_target=args.chat_target.resolve())
+            specs.append(anchor.localspec_spec(chat_serve, args.spec_mode))
         modes = [m.strip() for m in args.vs_llama_server.split(",") if m.strip()]
         if modes:
             binary = anchor.find_llama_server(args.llama_server_bin)
@@ -338,6 +364,8 @@ def _main(args: argparse.Namespace) -> int:
                             order = started if n_round % 2 == 0 else started[::-1]
                             n_round += 1
                             for server in order:
+                                if server.spec.name.endswith("+chat"):
+                                    chat_once(server.spec.url, args.chat_target.name, args.timeout)
                                 cell = measure(
                                     server.spec.url, server.spec.name, texts,
                                     background=load, clients=clients, args=args,
