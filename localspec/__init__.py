@@ -11,12 +11,12 @@ from importlib.metadata import PackageNotFoundError, version
 # (engine/threads.py, docs/engine.md "Threads follow the load"). A user's own setting stays.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 # Once the process holds more OpenMP threads than the machine has CPUs (a chat model's worker
-# decoding on its own thread beside the completion engine, or a pipelined draft's team on a
-# small machine), libgomp cuts every barrier's spin to its "throttled" count: 100 iterations,
-# or 1 000 under ACTIVE (never more than GOMP_SPINCOUNT). At 100, ggml's threads sleep and wake
-# at nearly every graph node: on 2 cores, completions decoded at half their speed for the rest
-# of the daemon's life after one chat request (docs/engine.md "Threads"). With
-# GOMP_SPINCOUNT set above, ACTIVE changes nothing else.
+# and the completion engine's both working), libgomp cuts every barrier's spin to its
+# "throttled" count: 100 iterations, or 1 000 under ACTIVE (never more than GOMP_SPINCOUNT),
+# and at 100 ggml's threads sleep and wake at nearly every graph node. Idle teams are handed
+# back (engine/openmp.py); ACTIVE is for the moments when two teams do work at once. With
+# GOMP_SPINCOUNT set above, it changes nothing else (docs/engine.md, "One process, several
+# thread teams").
 os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
 
 try:

@@ -144,3 +144,68 @@ def test_llama_cpp_threads_keep_spinning_at_barriers_with_more_threads_than_cpus
     assert ours["OMP_WAIT_POLICY"] == "ACTIVE" and ours["GOMP_SPINCOUNT"] == "10000"
     theirs = _openmp_settings({"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "500"})
     assert theirs["OMP_WAIT_POLICY"] == "PASSIVE" and theirs["GOMP_SPINCOUNT"] == "500"
+
+
+def _threads() -> set[int]:
+    """This process's threads (OpenMP's included, which ``threading`` does not list)."""
+    import os
+
+    return {int(t) for t in os.listdir("/proc/self/task")}
+
+
+def test_an_idle_engine_hands_back_its_llama_cpp_threads(qwen_target: Path) -> None:
+    """Each thread that calls llama.cpp keeps an OpenMP team; idle ones would put a process
+    with a chat model's worker beside the completion engine's over its CPU count, where every
+    team's barriers stop spinning (engine/openmp.py). ``idle()`` ends the calling thread's
+    team; the next decode starts a new one and answers as before."""
+    settings = EngineSettings(
+        target=ModelSettings(str(qwen_target), n_ctx=256, n_threads=2, n_threads_batch=2),
+        follow_load=False,  # two threads whatever the load, so a team is made
+    )
+    seen: dict[str, object] = {}
+
+    def run() -> None:  # a thread of its own, as the daemon's worker: its own team
+        with Engine.load(settings) as eng:
+            prompt = eng.vocab.tokenize("def add(a, b):\n    return a + b\n")
+            before = _threads()
+            first = eng.generate(GenerationRequest(slot=0, prompt=prompt, n_predict=4))
+            team = _threads() - before
+            eng.idle()
+            seen["team"], seen["left"] = team, team & _threads()
+            again = eng.generate(GenerationRequest(slot=0, prompt=prompt, n_predict=4))
+            seen["same"] = again.tokens == first.tokens
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(120)
+    assert len(seen["team"]) == 1  # type: ignore[arg-type]  # llama.cpp's second thread
+    assert seen["left"] == set() and seen["same"]
+
+
+def test_a_worker_that_runs_out_of_work_hands_back_its_llama_cpp_threads(
+    qwen_target: Path,
+) -> None:
+    """The daemon's worker calls ``idle()`` once it finds nothing to do: after a request its
+    process holds no more threads than before it (a chat model's worker, idle, costs the
+    completion engine nothing)."""
+    from localspec.engine.types import PromptLayout
+    from localspec.server.requests import CompletionRequest, task_params
+    from localspec.server.worker import Job, Worker
+    from tests.ops_support import wait_until
+
+    settings = EngineSettings(
+        target=ModelSettings(str(qwen_target), n_ctx=256, n_threads=2, n_threads_batch=2),
+        follow_load=False,
+    )
+    worker = Worker(lambda: Engine.load(settings))
+    worker.start()
+    try:
+        wait_until(lambda: worker.state == "ready", timeout=60.0)
+        before = _threads()
+        body = CompletionRequest(prompt="a", n_predict=4, id_slot=0)
+        job = Job(task_params(body, n_ctx=256, n_cmpl_max=1), lambda _e: PromptLayout([1, 2, 3]))
+        worker.submit(job)
+        assert job.future.result(60).completions[0].result.tokens
+        wait_until(lambda: _threads() <= before, timeout=30.0)
+    finally:
+        worker.stop()

@@ -265,6 +265,7 @@ class Worker:
         """Run queued calls, start the jobs whose slots are free, then one engine step;
         waits while there is nothing to do. False once the worker is stopping."""
         with self._cond:
+            worked = True  # until it first finds nothing to do
             while True:
                 if self.state == "stopping":
                     return False
@@ -273,6 +274,9 @@ class Worker:
                 starts = self._startable()
                 if calls or starts or engine.busy:
                     break
+                if worked and callable(idle := getattr(engine, "idle", None)):
+                    idle()  # hands back llama.cpp's threads while nothing runs here
+                worked = False
                 self._cond.wait()
         for call in calls:
             call.run(engine)
