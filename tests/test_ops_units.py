@@ -192,3 +192,43 @@ def test_answers_on_shifted_kv_are_counted() -> None:
     m.record(GenerationResult(tokens=[1], text="a", stop_type="limit"))  # exact KV
     m.record(GenerationResult(tokens=[], text="", stop_type="limit", n_approx=300))  # a warm-up
     assert b"localspec_answers_on_shifted_kv_total 1.0" in generate_latest(m.registry)
+
+
+class OverlapEngine(StepEngine):
+    """Answers after a few ms inside ``step``, counting how many engines are inside one."""
+
+    inside = 0
+    most = 0
+    lock = threading.Lock()
+
+    def run(self, req: Any, **_: Any) -> GenerationResult:
+        cls = OverlapEngine
+        with cls.lock:
+            cls.inside += 1
+            cls.most = max(cls.most, cls.inside)
+        threading.Event().wait(0.002)
+        with cls.lock:
+            cls.inside -= 1
+        return GenerationResult(tokens=[1], text="x", stop_type="limit")
+
+
+def test_two_workers_engines_take_turns() -> None:
+    """A chat model's worker and the completion engine's never run llama.cpp at the same
+    time (two threads in llama_decode on two models crashed the daemon): their steps take
+    turns."""
+    engines = [OverlapEngine(), OverlapEngine()]
+    workers = [Worker(lambda e=e: e, queue_limit=64) for e in engines]
+    for w in workers:
+        w.start()
+    try:
+        for w in workers:
+            _ready(w)
+        jobs = [(w, _job(1, slot=-1)) for _ in range(40) for w in workers]  # none superseded
+        for w, job in jobs:
+            w.submit(job)
+        for _, job in jobs:
+            assert job.future.result(30).completions
+    finally:
+        for w in workers:
+            w.stop()
+    assert OverlapEngine.most == 1

@@ -104,3 +104,52 @@ def test_up_with_a_local_chat_model_and_with_chat_off(
     assert "models.chat = off" in up._server_settings(settings, None, served).chat_refusal
     usage = localspec(env, "up", "--chat-target", str(smollm_q4))
     assert usage.returncode == 2 and "--chat-target needs --target" in usage.stderr
+
+
+def test_completions_and_chat_at_once_keep_the_daemon_up(
+    env: dict[str, str],  # noqa: F811
+    smollm_f16: Path,
+    smollm_fim_q4: Path,
+    smollm_q4: Path,
+) -> None:
+    """Two workers decoding at once, each handing back its llama.cpp threads whenever it runs
+    out of work: the daemon answers every request. (libgomp's pause of one thread's team while
+    another thread evaluated crashed this daemon within seconds: engine/openmp.py.)"""
+    import random
+    import threading
+
+    port = _free_port()
+    files = ["--target", str(smollm_f16), "--draft", str(smollm_fim_q4), "--threads", "2"]
+    files += ["--chat-target", str(smollm_q4), "--slots", "1"]
+    upped = localspec(env, "up", "--detach", "--port", str(port), "--ctx-size", "1024", *files)
+    base = f"http://127.0.0.1:{port}"
+    rng = random.Random(7)
+    statuses: list[int | str] = []
+
+    def send(path: str, bodies: list[dict[str, object]]) -> None:
+        with httpx.Client(base_url=base, timeout=60) as client:
+            for body in bodies:
+                try:
+                    statuses.append(client.post(path, json=body).status_code)
+                except httpx.HTTPError as exc:  # the daemon went down
+                    statuses.append(repr(exc))
+                    return
+
+    completions = [
+        {"prompt": "def f(x):\n    return x" * rng.randint(1, 20), "n_predict": rng.randint(1, 24)}
+        for _ in range(60)
+    ]
+    chats = [{**ASK, "model": smollm_q4.name, "max_tokens": rng.randint(1, 12)} for _ in range(60)]
+    try:
+        assert upped.returncode == 0, upped.stderr + upped.stdout
+        clients = [
+            threading.Thread(target=send, args=("/completion", completions)),
+            threading.Thread(target=send, args=("/v1/chat/completions", chats)),
+        ]
+        for t in clients:
+            t.start()
+        for t in clients:
+            t.join()
+        assert statuses == [200] * 120
+    finally:
+        assert localspec(env, "down", "--port", str(port)).returncode == 0

@@ -12,6 +12,9 @@ only the teams that are working count (docs/engine.md, "One process, several thr
 from __future__ import annotations
 
 import ctypes
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: free the threads, keep nothing else to restore
@@ -41,9 +44,34 @@ def _libgomp() -> ctypes.CDLL | None:
     return None
 
 
+# libgomp's pause and another thread's parallel region must not overlap: a daemon decoding
+# completions and chat at once crashed (SIGSEGV in llama_decode) within seconds while the
+# idle worker of the moment paused its team. Evaluations count themselves in; a pause happens
+# only while none runs, and evaluations wait for a pause in progress (a few microseconds).
+_gate = threading.Lock()
+_running = 0
+
+
+@contextmanager
+def evaluating() -> Iterator[None]:
+    """Around every llama.cpp evaluation (a llama_decode), on any thread."""
+    global _running
+    with _gate:
+        _running += 1
+    try:
+        yield
+    finally:
+        with _gate:
+            _running -= 1
+
+
 def release_thread_team() -> bool:
-    """Hand back the calling thread's OpenMP threads (libgomp's ``omp_pause_resource_all``);
-    its next llama.cpp call starts a new team (one thread start per team member, microseconds).
-    Returns whether a runtime was there to ask."""
+    """Hand back the calling thread's OpenMP threads (libgomp's ``omp_pause_resource_all``)
+    unless another thread is evaluating now (then they stay until this thread's next idle
+    moment); its next llama.cpp call starts a new team (a thread start per team member).
+    Returns whether the team was handed back."""
     lib = _libgomp()
-    return lib is not None and lib.omp_pause_resource_all(OMP_PAUSE_SOFT) == 0
+    if lib is None:
+        return False
+    with _gate:
+        return _running == 0 and lib.omp_pause_resource_all(OMP_PAUSE_SOFT) == 0

@@ -35,6 +35,14 @@ _requests_log = logging.getLogger(REQUESTS)
 
 MIN_CALL_QUEUE = 16  # tokenize/detokenize calls that may wait (at least; else queue_limit)
 
+# One worker's engine works at a time in this process (a chat model's worker beside the
+# completion engine's take turns, a step each): two threads in llama_decode on two models at
+# once crashed the daemon (SIGSEGV) within seconds of concurrent chat and completions, and on
+# a CPU they only competed for the same cores. A pipelined draft's thread is the engine's own
+# and runs beside its steps, as designed (engine/pipeline.py).
+ENGINE_TURNS = threading.Lock()
+RELEASE_RETRY_S = 0.05  # an idle worker's retry for the turn in which it hands its threads back
+
 
 TokenSink = Callable[[int, TokenEvent], None]  # (completion index, event), on the worker thread
 
@@ -262,10 +270,12 @@ class Worker:
             self._close(engine)
 
     def _turn(self, engine: Any) -> bool:
-        """Run queued calls, start the jobs whose slots are free, then one engine step;
-        waits while there is nothing to do. False once the worker is stopping."""
+        """Run queued calls, start the jobs whose slots are free, then one engine step, while
+        no other worker's engine works; waits while there is nothing to do. False once the
+        worker is stopping."""
         with self._cond:
-            worked = True  # until it first finds nothing to do
+            idle = getattr(engine, "idle", None)
+            unreleased = callable(idle)  # its llama.cpp threads, until handed back
             while True:
                 if self.state == "stopping":
                     return False
@@ -274,20 +284,25 @@ class Worker:
                 starts = self._startable()
                 if calls or starts or engine.busy:
                     break
-                if worked and callable(idle := getattr(engine, "idle", None)):
-                    idle()  # hands back llama.cpp's threads while nothing runs here
-                worked = False
-                self._cond.wait()
-        for call in calls:
-            call.run(engine)
-        for job in starts:
-            self._start(engine, job)
-        if engine.busy:
-            try:
-                engine.step()
-            except Exception as exc:  # a bug: the requests fail, the daemon goes on
-                log.exception("an engine step failed; failing the requests it held")
-                engine.abort(exc)
+                if unreleased and ENGINE_TURNS.acquire(blocking=False):
+                    try:
+                        idle()  # type: ignore[misc]  # hands back llama.cpp's threads
+                    finally:
+                        ENGINE_TURNS.release()
+                    unreleased = False
+                # while another worker's engine works, try again shortly
+                self._cond.wait(RELEASE_RETRY_S if unreleased else None)
+        with ENGINE_TURNS:
+            for call in calls:
+                call.run(engine)
+            for job in starts:
+                self._start(engine, job)
+            if engine.busy:
+                try:
+                    engine.step()
+                except Exception as exc:  # a bug: the requests fail, the daemon goes on
+                    log.exception("an engine step failed; failing the requests it held")
+                    engine.abort(exc)
         return True
 
     def _startable(self) -> list[Job]:
