@@ -44,10 +44,11 @@ def _libgomp() -> ctypes.CDLL | None:
     return None
 
 
-# libgomp's pause and another thread's parallel region must not overlap: a daemon decoding
-# completions and chat at once crashed (SIGSEGV in llama_decode) within seconds while the
-# idle worker of the moment paused its team. Evaluations count themselves in; a pause happens
-# only while none runs, and evaluations wait for a pause in progress (a few microseconds).
+# A pause never overlaps an evaluation on another thread: the daemon crashed (SIGSEGV in
+# llama_decode) in stress runs of concurrent chat and completions, which taking turns ended
+# (server/worker.py), and a pipelined draft's thread still decodes beside its engine's turns.
+# Evaluations count themselves in; a pause happens only while none runs, and evaluations wait
+# for a pause in progress (microseconds).
 _gate = threading.Lock()
 _running = 0
 
