@@ -64,6 +64,7 @@ class ServerSpec:
     argv: list[str]
     port: int
     env: dict[str, str] = field(default_factory=dict)
+    chat_model: str | None = None  # the model name its chat answers under, when it serves one
 
     @property
     def url(self) -> str:
@@ -176,9 +177,10 @@ def localspec_spec(
     if serve.chat_target is not None:
         argv += ["--chat-target", str(serve.chat_target)]
     name = "localspec" if not spec_mode else f"localspec/{spec_mode}"
-    if serve.chat_target is not None:
+    chat_model = serve.chat_target.name if serve.chat_target is not None else None
+    if chat_model is not None:
         name += "+chat"
-    return ServerSpec(name, argv, port)
+    return ServerSpec(name, argv, port, chat_model=chat_model)
 
 
 def twin(spec: ServerSpec) -> ServerSpec:

@@ -364,8 +364,8 @@ def _main(args: argparse.Namespace) -> int:
                             order = started if n_round % 2 == 0 else started[::-1]
                             n_round += 1
                             for server in order:
-                                if server.spec.name.endswith("+chat"):
-                                    chat_once(server.spec.url, args.chat_target.name, args.timeout)
+                                if server.spec.chat_model is not None:
+                                    chat_once(server.spec.url, server.spec.chat_model, args.timeout)
                                 cell = measure(
                                     server.spec.url, server.spec.name, texts,
                                     background=load, clients=clients, args=args,
