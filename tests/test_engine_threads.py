@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -120,8 +121,6 @@ def test_the_load_is_measured_while_the_engine_idles(qwen_target: Path) -> None:
 def _openmp_settings(env: dict[str, str]) -> dict[str, str]:
     """The wait settings libgomp took when llama.cpp's library loaded under ``import localspec``
     in a fresh interpreter (libgomp reads them once, at load)."""
-    import os
-
     base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     out = subprocess.run(
         [sys.executable, "-c", "import localspec.engine.llama"],
@@ -148,8 +147,6 @@ def test_llama_cpp_threads_keep_spinning_at_barriers_with_more_threads_than_cpus
 
 def _threads() -> set[int]:
     """This process's threads (OpenMP's included, which ``threading`` does not list)."""
-    import os
-
     return {int(t) for t in os.listdir("/proc/self/task")}
 
 

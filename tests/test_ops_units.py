@@ -216,6 +216,7 @@ def test_two_workers_engines_take_turns() -> None:
     """A chat model's worker and the completion engine's never run llama.cpp at the same
     time (two threads in llama_decode on two models crashed the daemon): their steps take
     turns."""
+    OverlapEngine.inside = OverlapEngine.most = 0
     engines = [OverlapEngine(), OverlapEngine()]
     workers = [Worker(lambda e=e: e, queue_limit=64) for e in engines]
     for w in workers:

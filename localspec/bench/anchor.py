@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -189,7 +189,7 @@ def twin(spec: ServerSpec) -> ServerSpec:
     port = free_port()
     argv = list(spec.argv)
     argv[argv.index("--port") + 1] = str(port)
-    return ServerSpec(f"{spec.name}.cold", argv, port, dict(spec.env))
+    return replace(spec, name=f"{spec.name}.cold", argv=argv, port=port, env=dict(spec.env))
 
 
 class ServerError(RuntimeError):
