@@ -11,12 +11,11 @@ from importlib.metadata import PackageNotFoundError, version
 # (engine/threads.py, docs/engine.md "Threads follow the load"). A user's own setting stays.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 # Once the process holds more OpenMP threads than the machine has CPUs (a chat model's worker
-# and the completion engine's both working), libgomp cuts every barrier's spin to its
-# "throttled" count: 100 iterations, or 1 000 under ACTIVE (never more than GOMP_SPINCOUNT),
-# and at 100 ggml's threads sleep and wake at nearly every graph node. Idle teams are handed
-# back (engine/openmp.py); ACTIVE is for the moments when two teams do work at once. With
-# GOMP_SPINCOUNT set above, it changes nothing else (docs/engine.md, "One process, several
-# thread teams").
+# keeps its team beside the completion engine's), libgomp cuts every barrier's spin to its
+# "throttled" count: 100 iterations, or 1 000 under ACTIVE (never more than GOMP_SPINCOUNT);
+# at 100 ggml's threads sleep and wake at nearly every graph node, and completions decoded at
+# half speed after one chat request on 2 cores. With GOMP_SPINCOUNT set above, ACTIVE changes
+# nothing else (docs/engine.md, "One process, several thread teams").
 os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
 
 try:

@@ -112,9 +112,9 @@ def test_completions_and_chat_at_once_keep_the_daemon_up(
     smollm_fim_q4: Path,
     smollm_q4: Path,
 ) -> None:
-    """Two workers decoding at once, each handing back its llama.cpp threads whenever it runs
-    out of work: the daemon answers every request. (libgomp's pause of one thread's team while
-    another thread evaluated crashed this daemon within seconds: engine/openmp.py.)"""
+    """Chat and completions at once, each pair on its worker: the workers take turns at
+    llama.cpp and the daemon answers every request (two threads in llama_decode on two models
+    at once crashed it in stress runs: server/worker.py ENGINE_TURNS)."""
     import random
     import threading
 

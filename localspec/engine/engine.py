@@ -19,7 +19,6 @@ from localspec.engine.cache import PrefillPolicy, SlotCaches
 from localspec.engine.completion import Completion, draft_window_start
 from localspec.engine.errors import EngineError
 from localspec.engine.llama import Clock, Context, Model
-from localspec.engine.openmp import release_thread_team
 from localspec.engine.pipeline import DraftPipeline
 from localspec.engine.policy import SpecPolicy, VerifyCost
 from localspec.engine.scheduler import Scheduler, Task
@@ -158,12 +157,6 @@ class Engine:
         self._tcache.clear(self._tcache.slots[slot])
         if self._dcache is not None:
             self._dcache.clear(self._dcache.slots[slot])
-
-    def idle(self) -> None:
-        """The owning thread has nothing to do: it hands back its llama.cpp threads, so that
-        another thread's team (a chat model's worker) is not throttled beside idle ones
-        (engine/openmp.py). A pipelined draft's thread frees its own team when it ends."""
-        release_thread_team()
 
     def close(self) -> None:
         if self._closed:

@@ -19,7 +19,6 @@ import llama_cpp.llama_cpp as C
 import numpy as np
 
 from localspec.engine.errors import DecodeError, ModelLoadError
-from localspec.engine.openmp import evaluating
 from localspec.engine.threads import ThreadGovernor, physical_cores
 from localspec.engine.types import ModelSettings
 from localspec.planning.types import default_flash_attn
@@ -267,8 +266,7 @@ class Context:
         if self.governor is not None:
             self._follow_load(self.governor.threads())
         t0 = time.perf_counter()
-        with evaluating():  # an idle thread's OpenMP team is handed back only between them
-            rc = C.llama_decode(self.handle, b.struct)
+        rc = C.llama_decode(self.handle, b.struct)
         self.clock.inside_ms += (time.perf_counter() - t0) * 1000.0
         if rc != 0:
             where = ", ".join(f"{len(g.tokens)} at {g.pos0} of sequence {g.seq}" for g in segments)

@@ -41,7 +41,6 @@ MIN_CALL_QUEUE = 16  # tokenize/detokenize calls that may wait (at least; else q
 # a CPU they only competed for the same cores. A pipelined draft's thread is the engine's own
 # and runs beside its steps, as designed (engine/pipeline.py).
 ENGINE_TURNS = threading.Lock()
-RELEASE_RETRY_S = 0.05  # an idle worker's retry for the turn in which it hands its threads back
 
 
 TokenSink = Callable[[int, TokenEvent], None]  # (completion index, event), on the worker thread
@@ -274,8 +273,6 @@ class Worker:
         no other worker's engine works; waits while there is nothing to do. False once the
         worker is stopping."""
         with self._cond:
-            idle = getattr(engine, "idle", None)
-            unreleased = callable(idle)  # its llama.cpp threads, until handed back
             while True:
                 if self.state == "stopping":
                     return False
@@ -284,14 +281,7 @@ class Worker:
                 starts = self._startable()
                 if calls or starts or engine.busy:
                     break
-                if unreleased and ENGINE_TURNS.acquire(blocking=False):
-                    try:
-                        idle()  # type: ignore[misc]  # hands back llama.cpp's threads
-                    finally:
-                        ENGINE_TURNS.release()
-                    unreleased = False
-                # while another worker's engine works, try again shortly
-                self._cond.wait(RELEASE_RETRY_S if unreleased else None)
+                self._cond.wait()
         with ENGINE_TURNS:
             for call in calls:
                 call.run(engine)
