@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import threading
@@ -117,29 +116,3 @@ def test_the_load_is_measured_while_the_engine_idles(qwen_target: Path) -> None:
     with Engine.load(quiet) as eng:
         assert eng.governor is None
 
-
-def _openmp_settings(env: dict[str, str]) -> dict[str, str]:
-    """The wait settings libgomp took when llama.cpp's library loaded under ``import localspec``
-    in a fresh interpreter (libgomp reads them once, at load)."""
-    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    out = subprocess.run(
-        [sys.executable, "-c", "import localspec.engine.llama"],
-        env={**base, **env, "OMP_DISPLAY_ENV": "VERBOSE"},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    assert "OPENMP DISPLAY ENVIRONMENT" in out.stderr, "llama.cpp no longer loads libgomp"
-    shown = (line.strip().split(" = ") for line in out.stderr.splitlines() if " = " in line)
-    return {key: value.strip("'") for key, value in shown}
-
-
-def test_llama_cpp_threads_keep_spinning_at_barriers_with_more_threads_than_cpus() -> None:
-    """A chat worker's OpenMP team beside the completion engine's puts the process over its
-    CPU count, where libgomp spins only its throttled count at each barrier: ACTIVE keeps that
-    at 1 000 iterations instead of 100 (docs/engine.md "Threads"). A user's own choice stays."""
-    ours = _openmp_settings({})
-    assert ours["OMP_WAIT_POLICY"] == "ACTIVE" and ours["GOMP_SPINCOUNT"] == "10000"
-    theirs = _openmp_settings({"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "500"})
-    assert theirs["OMP_WAIT_POLICY"] == "PASSIVE" and theirs["GOMP_SPINCOUNT"] == "500"
