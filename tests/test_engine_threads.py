@@ -115,4 +115,3 @@ def test_the_load_is_measured_while_the_engine_idles(qwen_target: Path) -> None:
     quiet = EngineSettings(target=ModelSettings(str(qwen_target), n_ctx=256), follow_load=False)
     with Engine.load(quiet) as eng:
         assert eng.governor is None
-
