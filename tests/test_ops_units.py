@@ -6,7 +6,7 @@ import contextlib
 import threading
 from collections.abc import Iterator
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -14,7 +14,7 @@ from localspec.engine.types import GenerationResult, PromptLayout
 from localspec.server import logs
 from localspec.server.errors import Unavailable
 from localspec.server.requests import CompletionRequest, task_params
-from localspec.server.worker import MIN_CALL_QUEUE, Job, Worker
+from localspec.server.worker import MIN_CALL_QUEUE, EngineThread, Job, Worker
 from tests.fake_engine import StepEngine
 
 
@@ -195,10 +195,12 @@ def test_answers_on_shifted_kv_are_counted() -> None:
 
 
 class OverlapEngine(StepEngine):
-    """Answers after a few ms inside ``step``, counting how many engines are inside one."""
+    """Answers after a few ms inside ``step``, counting how many engines are inside one and
+    noting the threads they ran on."""
 
     inside = 0
     most = 0
+    threads: ClassVar[set[int]] = set()
     lock = threading.Lock()
 
     def run(self, req: Any, **_: Any) -> GenerationResult:
@@ -206,19 +208,23 @@ class OverlapEngine(StepEngine):
         with cls.lock:
             cls.inside += 1
             cls.most = max(cls.most, cls.inside)
+            cls.threads.add(threading.get_ident())
         threading.Event().wait(0.002)
         with cls.lock:
             cls.inside -= 1
         return GenerationResult(tokens=[1], text="x", stop_type="limit")
 
 
-def test_two_workers_engines_take_turns() -> None:
-    """A chat model's worker and the completion engine's never run llama.cpp at the same
-    time (two threads in llama_decode on two models crashed the daemon): their steps take
-    turns."""
+def test_two_workers_share_one_engine_thread() -> None:
+    """A chat model's worker and the completion engine's run llama.cpp on one thread: a
+    second thread keeps a second OpenMP team, which halved the completions' speed once chat
+    had answered, and two threads in llama_decode on two models at once crashed the daemon.
+    Their steps take turns, and the thread ends once both workers have stopped."""
     OverlapEngine.inside = OverlapEngine.most = 0
+    OverlapEngine.threads = set()
+    shared = EngineThread(name="two-workers-engine")
     engines = [OverlapEngine(), OverlapEngine()]
-    workers = [Worker(lambda e=e: e, queue_limit=64) for e in engines]
+    workers = [Worker(lambda e=e: e, queue_limit=64, engine_thread=shared) for e in engines]
     for w in workers:
         w.start()
     try:
@@ -233,3 +239,11 @@ def test_two_workers_engines_take_turns() -> None:
         for w in workers:
             w.stop()
     assert OverlapEngine.most == 1
+    assert len(OverlapEngine.threads) == 1
+    assert [w.state for w in workers] == ["stopped", "stopped"]
+    for _ in range(200):  # the thread leaves right after the last worker's close
+        if not any(t.name == shared.name for t in threading.enumerate()):
+            break
+        threading.Event().wait(0.01)
+    else:
+        raise AssertionError("the engine thread outlived its workers")

@@ -43,6 +43,7 @@ from localspec.server.upstream.backend import Upstream
 from localspec.server.upstream.config import UpstreamSettings
 from localspec.server.upstream.failover import Failover, local_probe, ready_probe
 from localspec.server.upstream.openai_kind import Limits
+from localspec.server.worker import EngineThread
 
 log = logging.getLogger("localspec.server")
 
@@ -324,12 +325,14 @@ def create_app(
     engine_settings = slots(engine_settings)
     on_ready = _once(on_ready)
     ready = _when_all_ready(on_ready, 1 if chat_engine_settings is None else 2)
+    engine_thread = EngineThread()  # both pairs' llama.cpp calls, one after the other
     svc = Service.create(
         server_settings,
         engine_settings,
         reading_chat_model(load or default_loader(engine_settings)),
         on_ready=ready,
         on_failure=on_failure,
+        engine_thread=engine_thread,
     )
     remote = None
     if upstream is not None:
@@ -355,6 +358,7 @@ def create_app(
             reading_chat_model(chat_load or default_loader(chat_engine_settings)),
             on_ready=ready,
             on_failure=_chat_failed(ready),
+            engine_thread=engine_thread,
         )
         svc.chat_service.metrics = svc.metrics  # one registry: requests of both models
     workers = ([svc.worker] if has_local else []) + (

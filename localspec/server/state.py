@@ -21,7 +21,7 @@ from localspec.server.metrics import Metrics, Probes
 from localspec.server.options import ServerSettings
 from localspec.server.prompts import Prepare, TokenCache
 from localspec.server.requests import GenerationFields, TaskParams, task_params
-from localspec.server.worker import Job, JobResult, Worker
+from localspec.server.worker import EngineThread, Job, JobResult, Worker
 
 log = logging.getLogger("localspec.server")
 
@@ -91,9 +91,16 @@ class Service:
         *,
         on_ready: Callable[[], None] | None = None,
         on_failure: Callable[[BaseException], None] | None = None,
+        engine_thread: EngineThread | None = None,
     ) -> Service:
+        """``engine_thread``: the thread that runs this model's llama.cpp calls (a chat pair
+        shares the completion pair's)."""
         worker = Worker(
-            load, queue_limit=settings.queue_limit, on_ready=on_ready, on_failure=on_failure
+            load,
+            queue_limit=settings.queue_limit,
+            on_ready=on_ready,
+            on_failure=on_failure,
+            engine_thread=engine_thread,
         )
         metrics = Metrics(_probes(worker)) if settings.metrics else None
         name = settings.model_alias or Path(engine_settings.target.path).name

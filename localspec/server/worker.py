@@ -1,4 +1,4 @@
-"""The one thread that owns the engine: loads it, then starts jobs and runs the engine's steps.
+"""The thread that owns the engines: loads a model, then starts jobs and runs the engine's steps.
 
 HTTP handlers never touch llama.cpp; they submit a :class:`Job` and await its future. Jobs on
 different slots run at the same time (the engine puts all their sequences in one batch per
@@ -6,6 +6,9 @@ step); a job waits in the queue while its slot is busy. The queue is bounded (pa
 ``queue_limit`` a submit raises 503 with Retry-After), a job whose client left is dropped
 before it starts, a newer job pinned to a slot supersedes older queued jobs for that slot, and
 a running job's cancel event stops its sequences within one step.
+
+A daemon's workers (the completion pair's and a chat pair's) share one :class:`EngineThread`:
+every llama.cpp call of the daemon runs on it, one worker's turn after another's.
 """
 
 from __future__ import annotations
@@ -34,13 +37,6 @@ log = logging.getLogger("localspec.server")
 _requests_log = logging.getLogger(REQUESTS)
 
 MIN_CALL_QUEUE = 16  # tokenize/detokenize calls that may wait (at least; else queue_limit)
-
-# One worker's engine works at a time in this process (a chat model's worker beside the
-# completion engine's take turns, a step each): two threads in llama_decode on two models at
-# once crashed the daemon (SIGSEGV) within seconds of concurrent chat and completions, and on
-# a CPU they only competed for the same cores. A pipelined draft's thread is the engine's own
-# and runs beside its steps, as designed (engine/pipeline.py).
-ENGINE_TURNS = threading.Lock()
 
 
 TokenSink = Callable[[int, TokenEvent], None]  # (completion index, event), on the worker thread
@@ -85,6 +81,65 @@ class JobResult:
 State = Literal["loading", "ready", "failed", "stopping", "stopped"]
 
 
+class EngineThread:
+    """The one thread that runs llama.cpp for a daemon: every loaded worker's calls, job
+    starts and engine step, one worker's turn after another's.
+
+    Each thread that calls llama.cpp keeps an OpenMP team of its own. With a chat model's
+    worker on a second thread, the process held more OpenMP threads than cores once chat had
+    answered, and libgomp then cut every barrier's spin short: the completion engine decoded
+    at half speed for the rest of the daemon's life. Two threads in ``llama_decode`` on two
+    models at once also crashed the daemon. On one thread both models use one team and never
+    run at once. (A pipelined draft's thread is its request's own and ends with it.)
+
+    The thread runs while some worker is loaded and not stopped, and starts again for the next.
+    """
+
+    def __init__(self, name: str = "localspec-engine") -> None:
+        self.name = name
+        self.cond = threading.Condition()  # the workers' lock: a submit to any wakes the thread
+        self._workers: list[Worker] = []
+        self._thread: threading.Thread | None = None
+
+    def add(self, worker: Worker) -> None:
+        """Run the (loaded) worker's turns from now on."""
+        with self.cond:
+            self._workers.append(worker)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._main, name=self.name, daemon=True)
+                self._thread.start()
+            self.cond.notify_all()
+
+    def is_current(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def _main(self) -> None:
+        while True:
+            with self.cond:
+                while True:
+                    if not self._workers:
+                        self._thread = None
+                        return
+                    turns = [(w, w._next_turn()) for w in self._workers]
+                    due = [(w, t) for w, t in turns if t is not None]
+                    if due:
+                        break
+                    self.cond.wait()
+            for worker, turn in due:
+                if not worker._play(turn):
+                    with self.cond:
+                        self._workers.remove(worker)
+
+
+@dataclass
+class _Turn:
+    """What a worker does in its next turn (chosen under the lock, done outside it)."""
+
+    calls: list[_Call] = field(default_factory=list)
+    starts: list[Job] = field(default_factory=list)
+    stop: bool = False
+
+
 class Worker:
     def __init__(
         self,
@@ -93,16 +148,20 @@ class Worker:
         queue_limit: int = 16,
         on_ready: Callable[[], None] | None = None,
         on_failure: Callable[[BaseException], None] | None = None,
+        engine_thread: EngineThread | None = None,
     ) -> None:
         self._load = load
         self._queue_limit = queue_limit
         self._on_ready = on_ready
         self._on_failure = on_failure
-        self._cond = threading.Condition()
+        self._engine_thread = engine_thread or EngineThread()
+        self._cond = self._engine_thread.cond
         self._queue: deque[Job] = deque()
         self._calls: deque[_Call] = deque()
         self._running: dict[int, Job] = {}  # by slot
-        self._thread = threading.Thread(target=self._main, name="localspec-engine", daemon=True)
+        # the model loads on a thread of its own: another worker's turns go on meanwhile
+        self._loader = threading.Thread(target=self._load_main, name="localspec-load", daemon=True)
+        self._stopped = threading.Event()  # the engine is closed (or was never loaded)
         self.state: State = "loading"
         self.error: BaseException | None = None
         self.engine: Any = None
@@ -115,7 +174,7 @@ class Worker:
     # ------------------------------------------------------------------ control
 
     def start(self) -> None:
-        self._thread.start()
+        self._loader.start()
 
     def stop(self, timeout: float = 30.0) -> None:
         """Cancel everything, let the thread free the models, wait for it."""
@@ -131,8 +190,10 @@ class Worker:
             for job in self._running.values():
                 job.cancel.set()
             self._cond.notify_all()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
+        if not self._loader.is_alive() and self._loader.ident is None:
+            return  # never started
+        if not self._engine_thread.is_current() and threading.current_thread() is not self._loader:
+            self._stopped.wait(timeout)
 
     def cancel_running(self) -> None:
         with self._cond:
@@ -164,7 +225,7 @@ class Worker:
                 )
             job.t_submit = time.perf_counter()  # queued now: "parse" ends, "queue" starts
             self._queue.append(job)
-            self._cond.notify()
+            self._cond.notify_all()
 
     def call(self, fn: Callable[[Any], Any]) -> Future[Any]:
         """Run ``fn(engine)`` on the worker thread ahead of queued jobs (tokenize, detokenize).
@@ -184,7 +245,7 @@ class Worker:
                     headers={"Retry-After": "1"},
                 )
             self._calls.append(call)
-            self._cond.notify()
+            self._cond.notify_all()
         return call.future
 
     def abandon(self, job: Job, reason: str = "client left") -> None:
@@ -240,7 +301,7 @@ class Worker:
 
     # ------------------------------------------------------------------ thread
 
-    def _main(self) -> None:
+    def _load_main(self) -> None:
         try:
             engine = self._load()
         except BaseException as exc:  # reported to the caller, never raised here
@@ -249,6 +310,7 @@ class Worker:
             with self._cond:
                 self.error = exc
                 self.state = "failed"
+            self._stopped.set()
             if self._on_failure is not None:
                 self._on_failure(exc)
             return
@@ -260,32 +322,35 @@ class Worker:
             stopping = self.state == "stopping"
             if not stopping:
                 self.state = "ready"
-        if not stopping and self._on_ready is not None:
-            self._on_ready()
-        try:
-            while self._turn(engine):
-                pass
-        finally:
+                self._engine_thread.add(self)
+        if stopping:
             self._close(engine)
+        elif self._on_ready is not None:
+            self._on_ready()
 
-    def _turn(self, engine: Any) -> bool:
-        """Run queued calls, start the jobs whose slots are free, then one engine step, while
-        no other worker's engine works; waits while there is nothing to do. False once the
-        worker is stopping."""
-        with self._cond:
-            while True:
-                if self.state == "stopping":
-                    return False
-                calls = list(self._calls)
-                self._calls.clear()
-                starts = self._startable()
-                if calls or starts or engine.busy:
-                    break
-                self._cond.wait()
-        with ENGINE_TURNS:
-            for call in calls:
+    def _next_turn(self) -> _Turn | None:
+        """Under the lock, on the engine thread: the queued calls, the jobs whose slots are
+        free, and whether the engine has a step to run; None when there is nothing to do."""
+        if self.state == "stopping":
+            return _Turn(stop=True)
+        calls = list(self._calls)
+        self._calls.clear()
+        starts = self._startable()
+        if calls or starts or self.engine.busy:
+            return _Turn(calls, starts)
+        return None
+
+    def _play(self, turn: _Turn) -> bool:
+        """On the engine thread: run the turn's calls, start its jobs, then one engine step.
+        False once the worker has stopped (its engine closed)."""
+        engine = self.engine
+        if turn.stop:
+            self._close(engine)
+            return False
+        try:
+            for call in turn.calls:
                 call.run(engine)
-            for job in starts:
+            for job in turn.starts:
                 self._start(engine, job)
             if engine.busy:
                 try:
@@ -293,6 +358,10 @@ class Worker:
                 except Exception as exc:  # a bug: the requests fail, the daemon goes on
                     log.exception("an engine step failed; failing the requests it held")
                     engine.abort(exc)
+        except BaseException:  # a bug outside the step: this worker stops, the others go on
+            log.exception("the engine worker failed; closing its model")
+            self._close(engine)
+            return False
         return True
 
     def _startable(self) -> list[Job]:
@@ -336,6 +405,7 @@ class Worker:
                 self._running.clear()
                 self.engine = None
                 self.state = "stopped"
+            self._stopped.set()
 
     def _start(self, engine: Any, job: Job) -> None:
         """Build the job's prompt and hand its completions to the engine."""
