@@ -112,9 +112,9 @@ def test_completions_and_chat_at_once_keep_the_daemon_up(
     smollm_fim_q4: Path,
     smollm_q4: Path,
 ) -> None:
-    """Chat and completions at once, each pair on its worker: the workers take turns at
-    llama.cpp and the daemon answers every request (two threads in llama_decode on two models
-    at once crashed it in stress runs: server/worker.py ENGINE_TURNS)."""
+    """Chat and completions at once, each pair on its worker: the workers share the engine
+    thread and the daemon answers every request (a chat worker on its own thread crashed the
+    daemon in stress runs: server/worker.py EngineThread)."""
     import random
     import threading
 

@@ -12,7 +12,8 @@ with as many slots as the largest client count (llama-server ``-np N -kvu``, loc
 each figure is put beside llama-server's from the same run. ``--chat-target`` adds a second
 localspec serving an instruct model for chat beside the target, as a default ``localspec up``
 does where the machine fits both; its chat model answers one chat request before each cell, so
-the completions are measured after chat has run (its own worker thread and llama.cpp threads).
+the completions are measured after chat has run (its worker shares the completion engine's
+thread, and so its llama.cpp threads).
 """
 
 from __future__ import annotations

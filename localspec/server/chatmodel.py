@@ -1,7 +1,7 @@
 """What chat needs of a loaded model: its chat template, the text of its BOS/EOS tokens and the
-tool-call format its template teaches. Read once per engine, on the worker thread, right after
-the model loads (the template is a string in the GGUF header; the token texts come from the
-vocabulary, which only the worker thread may touch)."""
+tool-call format its template teaches. Read once per engine, on the thread that loaded it,
+before the engine serves (the template is a string in the GGUF header; the token texts come
+from the vocabulary, which only one thread at a time may touch)."""
 
 from __future__ import annotations
 
@@ -74,8 +74,8 @@ def chat_model(engine: Any) -> ChatModel:
 
 
 def reading_chat_model(load: Callable[[], Any]) -> Callable[[], Any]:
-    """``load`` that also reads the loaded engine's chat side (on the worker thread that
-    loads it, before the daemon reports ready)."""
+    """``load`` that also reads the loaded engine's chat side (on the thread that loads it,
+    before the daemon reports ready)."""
 
     def load_and_read() -> Any:
         engine = load()
