@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any, ClassVar
 
@@ -216,15 +216,25 @@ class OverlapEngine(StepEngine):
 
 
 def test_two_workers_share_one_engine_thread() -> None:
-    """A chat model's worker and the completion engine's run llama.cpp on one thread: a
-    second thread keeps a second OpenMP team, which halved the completions' speed once chat
-    had answered, and two threads in llama_decode on two models at once crashed the daemon.
-    Their steps take turns, and the thread ends once both workers have stopped."""
+    """A chat model's worker and the completion engine's make every llama.cpp call on one
+    thread, their loads included: a second thread keeps a second OpenMP team, which halved
+    the completions' speed once chat had answered, and two models loading on two threads
+    crashed one daemon in ten. Loads come in order, steps take turns, and the thread ends
+    once both workers have stopped."""
     OverlapEngine.inside = OverlapEngine.most = 0
     OverlapEngine.threads = set()
     shared = EngineThread(name="two-workers-engine")
     engines = [OverlapEngine(), OverlapEngine()]
-    workers = [Worker(lambda e=e: e, queue_limit=64, engine_thread=shared) for e in engines]
+    loads: list[tuple[int, int]] = []
+
+    def loader(i: int) -> Callable[[], OverlapEngine]:
+        def load() -> OverlapEngine:
+            loads.append((i, threading.get_ident()))
+            return engines[i]
+
+        return load
+
+    workers = [Worker(loader(i), queue_limit=64, engine_thread=shared) for i in range(2)]
     for w in workers:
         w.start()
     try:
@@ -240,6 +250,8 @@ def test_two_workers_share_one_engine_thread() -> None:
             w.stop()
     assert OverlapEngine.most == 1
     assert len(OverlapEngine.threads) == 1
+    (engine_thread,) = OverlapEngine.threads
+    assert loads == [(0, engine_thread), (1, engine_thread)]  # loaded there too, in order
     assert [w.state for w in workers] == ["stopped", "stopped"]
     for _ in range(200):  # the thread leaves right after the last worker's close
         if not any(t.name == shared.name for t in threading.enumerate()):

@@ -16,7 +16,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ import pytest
 import uvicorn
 
 from localspec.engine import Engine
+from localspec.engine.types import EngineSettings
 from localspec.server import ServerSettings, create_app
 from localspec.server.run import bind_sockets
 from tests.fixtures import chat_clients as clients
@@ -444,14 +445,39 @@ def test_a_daemon_told_not_to_chat_names_the_setting(smollm_q4: Path) -> None:
         stop(live)
 
 
+def _noting_step_threads(settings: EngineSettings, seen: set[int]) -> Callable[[], Any]:
+    """A loader whose engine notes the thread of every step."""
+
+    def load() -> Any:
+        engine = Engine.load(settings)
+        step = engine.step
+
+        def noted() -> None:
+            seen.add(threading.get_ident())
+            step()
+
+        engine.step = noted  # type: ignore[method-assign]
+        return engine
+
+    return load
+
+
 def test_a_second_pair_answers_chat_beside_the_completion_model(qwen_target: Path) -> None:
     """Two pairs on one daemon: /infill on the completion model, chat on the chat model, each
-    with its own worker; /v1/models lists both, /props?model= and /tokenize's model pick one."""
+    with its own worker, both stepped on the one engine thread (a thread of its own kept a
+    second OpenMP team, which halved completion decoding once chat had answered); /v1/models
+    lists both, /props?model= and /tokenize's model pick one."""
     settings = ServerSettings(port=0, n_parallel=1, chat_alias="chat-pair", model_alias="fim")
+    fim_steps: set[int] = set()
+    chat_steps: set[int] = set()
+    fim_settings = engine_settings(qwen_target, n_slots=1)
+    chat_settings = engine_settings(scripted_chat_gguf(), n_slots=1)
     app = create_app(
         settings,
-        engine_settings(qwen_target, n_slots=1),
-        chat_engine_settings=engine_settings(scripted_chat_gguf(), n_slots=1),
+        fim_settings,
+        chat_engine_settings=chat_settings,
+        load=_noting_step_threads(fim_settings, fim_steps),
+        chat_load=_noting_step_threads(chat_settings, chat_steps),
     )
     live = start(app)
     svc = live.service
@@ -486,6 +512,7 @@ def test_a_second_pair_answers_chat_beside_the_completion_model(qwen_target: Pat
     finally:
         stop(live)
     assert svc.chat_service.worker.state == "stopped" and svc.worker.state == "stopped"
+    assert len(fim_steps) == 1 and chat_steps == fim_steps
 
 
 def test_health_waits_for_both_pairs(qwen_target: Path) -> None:

@@ -82,29 +82,35 @@ State = Literal["loading", "ready", "failed", "stopping", "stopped"]
 
 
 class EngineThread:
-    """The one thread that runs llama.cpp for a daemon: every loaded worker's calls, job
-    starts and engine step, one worker's turn after another's.
+    """The one thread that makes a daemon's llama.cpp calls: it loads each worker's model, one
+    after the other, then runs every loaded worker's calls, job starts and engine step, one
+    worker's turn after another's. (A pipelined draft's thread is its request's own, beside
+    its engine's steps, and ends with the request.)
 
-    Each thread that calls llama.cpp keeps an OpenMP team of its own. With a chat model's
-    worker on a second thread, the process held more OpenMP threads than cores once chat had
-    answered, and libgomp then cut every barrier's spin short: the completion engine decoded
-    at half speed for the rest of the daemon's life. Two threads in ``llama_decode`` on two
-    models at once also crashed the daemon. On one thread both models use one team and never
-    run at once. (A pipelined draft's thread is its request's own and ends with it.)
+    Why one thread, loads included. Each thread that calls llama.cpp keeps an OpenMP team of
+    its own: with a chat model's worker on a second thread, the process held more OpenMP
+    threads than cores once chat had answered, libgomp then cut every barrier's spin short,
+    and the completion engine decoded at half speed for the rest of the daemon's life. And
+    with the two models loading on two threads at once, about one daemon in ten crashed
+    (SIGSEGV in the CPU backend's matrix multiply) on its first chat request, whether or not
+    their decodes took turns; with every call on one thread, none did. The daemon answers
+    nothing until both models are loaded, so loading them in turn costs no request anything.
 
-    The thread runs while some worker is loaded and not stopped, and starts again for the next.
+    The thread runs while a worker is loading or loaded and not stopped, and starts again for
+    the next.
     """
 
     def __init__(self, name: str = "localspec-engine") -> None:
         self.name = name
         self.cond = threading.Condition()  # the workers' lock: a submit to any wakes the thread
+        self._loads: deque[Worker] = deque()  # started, not loaded yet: loaded in this order
         self._workers: list[Worker] = []
         self._thread: threading.Thread | None = None
 
-    def add(self, worker: Worker) -> None:
-        """Run the (loaded) worker's turns from now on."""
+    def load(self, worker: Worker) -> None:
+        """Load the worker's model (after those already waiting), then run its turns."""
         with self.cond:
-            self._workers.append(worker)
+            self._loads.append(worker)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._main, name=self.name, daemon=True)
                 self._thread.start()
@@ -117,6 +123,10 @@ class EngineThread:
         while True:
             with self.cond:
                 while True:
+                    if self._loads:
+                        loading = self._loads.popleft()
+                        break
+                    loading = None
                     if not self._workers:
                         self._thread = None
                         return
@@ -125,6 +135,11 @@ class EngineThread:
                     if due:
                         break
                     self.cond.wait()
+            if loading is not None:
+                if loading._load_main():
+                    with self.cond:
+                        self._workers.append(loading)
+                continue
             for worker, turn in due:
                 if not worker._play(turn):
                     with self.cond:
@@ -159,8 +174,7 @@ class Worker:
         self._queue: deque[Job] = deque()
         self._calls: deque[_Call] = deque()
         self._running: dict[int, Job] = {}  # by slot
-        # the model loads on a thread of its own: another worker's turns go on meanwhile
-        self._loader = threading.Thread(target=self._load_main, name="localspec-load", daemon=True)
+        self._started = False
         self._stopped = threading.Event()  # the engine is closed (or was never loaded)
         self.state: State = "loading"
         self.error: BaseException | None = None
@@ -174,7 +188,10 @@ class Worker:
     # ------------------------------------------------------------------ control
 
     def start(self) -> None:
-        self._loader.start()
+        """Queue the model's load on the engine thread."""
+        with self._cond:
+            self._started = True
+        self._engine_thread.load(self)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Cancel everything, let the thread free the models, wait for it."""
@@ -190,9 +207,7 @@ class Worker:
             for job in self._running.values():
                 job.cancel.set()
             self._cond.notify_all()
-        if not self._loader.is_alive() and self._loader.ident is None:
-            return  # never started
-        if not self._engine_thread.is_current() and threading.current_thread() is not self._loader:
+        if self._started and not self._engine_thread.is_current():
             self._stopped.wait(timeout)
 
     def cancel_running(self) -> None:
@@ -301,7 +316,13 @@ class Worker:
 
     # ------------------------------------------------------------------ thread
 
-    def _load_main(self) -> None:
+    def _load_main(self) -> bool:
+        """On the engine thread: load the model; True when the worker is ready to serve."""
+        with self._cond:
+            if self.state == "stopping":  # stopped before its turn to load
+                self.state = "stopped"
+                self._stopped.set()
+                return False
         try:
             engine = self._load()
         except BaseException as exc:  # reported to the caller, never raised here
@@ -313,7 +334,7 @@ class Worker:
             self._stopped.set()
             if self._on_failure is not None:
                 self._on_failure(exc)
-            return
+            return False
         with self._cond:
             self.engine = engine
             self.slots = [
@@ -322,11 +343,12 @@ class Worker:
             stopping = self.state == "stopping"
             if not stopping:
                 self.state = "ready"
-                self._engine_thread.add(self)
         if stopping:
             self._close(engine)
-        elif self._on_ready is not None:
+            return False
+        if self._on_ready is not None:
             self._on_ready()
+        return True
 
     def _next_turn(self) -> _Turn | None:
         """Under the lock, on the engine thread: the queued calls, the jobs whose slots are
