@@ -48,7 +48,8 @@ def test_llama_server_gets_the_slots_and_one_kv_buffer() -> None:
 
 
 def test_a_real_run_against_localspec(qwen_target: Path, tmp_path: Path) -> None:
-    """Two clients at once on two slots, beside a busy process: every request answered."""
+    """Two clients at once on two slots, beside a busy process: every request answered, after
+    one unmeasured warm-up request and the answers alone."""
     out = tmp_path / "t.json"
     argv = ["--target", str(qwen_target), "--clients", "2", "--requests", "1",
             "--n-predict", "4", "--prompt-chars", "300", "--background", "1",
@@ -60,6 +61,8 @@ def test_a_real_run_against_localspec(qwen_target: Path, tmp_path: Path) -> None
     assert (c["server"], c["background"], c["clients"]) == ("localspec", 1, 2)
     assert c["requests"] == 2 and c["errors"] == 0 and c["aggregate_tokens_per_s"] > 0
     assert all(r["predicted_n"] == 4 and r["prompt_n"] > 20 for r in doc["requests"])
+    (log,) = (tmp_path / "logs").iterdir()
+    assert log.read_text().count("POST /completion 200") == 1 + 2 + 2  # warm-up, alone, cell
 
 
 def test_a_chat_model_beside_the_target_answers_before_each_cell(

@@ -8,8 +8,9 @@ p50/p95, each request's prompt and decode speed from the server's own timings, a
 answers equal the same prompt's answer alone (decoded in a batch with others, a greedy answer
 may differ only where the batch's rounding flips a near tie). The servers start one at a time
 with as many slots as the largest client count (llama-server ``-np N -kvu``, localspec
-``--slots N``), every cell is measured for each server in turn (the order alternating), and
-each figure is put beside llama-server's from the same run. ``--chat-target`` adds a second
+``--slots N``) and answer one unmeasured warm-up request each, every cell is measured for
+each server in turn (the order alternating), and each figure is put beside llama-server's
+from the same run. ``--chat-target`` adds a second
 localspec serving an instruct model for chat beside the target, as a default ``localspec up``
 does where the machine fits both; its chat model answers one chat request before each cell, so
 the completions are measured after chat has run (its worker shares the completion engine's
@@ -211,6 +212,13 @@ def chat_once(url: str, model: str, timeout: float) -> None:
         raise anchor.ServerError(f"the chat model did not answer: {r.status_code} {r.text[:200]}")
 
 
+def warm_up(url: str, text: str, args: Any) -> None:
+    """One request on a prompt no cell sends, not measured."""
+    r = _post(url, _body(text, args.n_predict), args.timeout)
+    if not r.ok:
+        raise anchor.ServerError(f"{url} did not answer its warm-up request: {r.error}")
+
+
 def alone(url: str, texts: Sequence[str], args: Any) -> list[str]:
     """Each prompt's answer with nothing else running: the reference for agreement."""
     out = []
@@ -343,7 +351,8 @@ def _main(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    texts = prompts(max(client_counts) * args.requests, args.prompt_chars)
+    n_texts = max(client_counts) * args.requests
+    *texts, warm_text = prompts(n_texts + 1, args.prompt_chars)
     log_dir = args.log_dir or Path("/tmp/localspec-bench-logs")
 
     def progress(msg: str) -> None:
@@ -352,6 +361,12 @@ def _main(args: argparse.Namespace) -> int:
     cells: list[Cell] = []
     try:
         with anchor.serving(specs, log_dir, args.load_timeout, progress) as started:
+            for server in started:
+                # a server's one-time costs stay out of the cells: llama-server warms up at
+                # load; localspec's speculation tries the draft model on its first request
+                # (its prompt window and drafts) before it has measured whether that pays
+                progress(f"{server.spec.name}: one warm-up request")
+                warm_up(server.spec.url, warm_text, args)
             reference: dict[str, list[str]] = {}
             if not args.no_alone:
                 for server in started:
