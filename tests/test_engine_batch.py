@@ -224,7 +224,10 @@ def test_a_long_prompt_is_evaluated_in_pieces_between_the_others_steps(
     shared = [b for b in batches if {s.seq for s in b} == {0, 1}]
     pieces = [s for b in shared for s in b if s.seq == 1 and len(s.tokens) > 1]
     assert len(pieces) >= len(long) // 64 - 1  # the prompt went piece by piece beside it
-    assert all(len(p.tokens) <= 64 for p in pieces)
+    # pieces of one size (440 as 7 of 62-63, not 6 x 64 + 56): no short last piece runs
+    # dearer (the switch's own verify steps, a token and its draft, are not pieces)
+    sizes = {len(s.tokens) for b in batches for s in b if s.seq == 1 and len(s.tokens) > 16}
+    assert max(sizes) <= 64 and max(sizes) - min(sizes) <= 1, sizes
     assert exact(scorer, short, decoding.results[0].tokens)
     assert exact(scorer, long, switch.results[0].tokens)
 

@@ -23,6 +23,7 @@ from localspec.engine import (
     SamplingParams,
     SpecSettings,
 )
+from localspec.engine.cache import piece_end
 from localspec.engine.completion import Completion
 from localspec.engine.llama import Clock, Context, Model
 from localspec.engine.types import GenerationResult
@@ -442,6 +443,26 @@ def test_partly_evaluated_suffix_block_is_kept_by_the_next_keystroke(
     assert res.n_evaluated < len(suffix)
     assert engine.slot_tokens(0) == prompt
     assert_slot_consistent(engine, 0)
+
+
+def test_a_prompt_is_cut_into_pieces_of_one_size() -> None:
+    """As many pieces as ``chunk``-sized ones would take, all of one size: llama.cpp's CPU
+    flash attention runs fewer than 64 query rows row by row, so 308 tokens as 128 + 128 + 52
+    cost as much as three full pieces."""
+
+    def pieces(n: int, step: int) -> list[int]:
+        out, pos = [], 0
+        while pos < n:
+            end = piece_end(pos, n, step)
+            out.append(end - pos)
+            pos = end
+        return out
+
+    assert pieces(308, 128) == [103, 103, 102]
+    assert pieces(129, 128) == [65, 64]
+    assert pieces(160, 32) == [32] * 5
+    assert pieces(100, 128) == [100]
+    assert pieces(1, 128) == [1]
 
 
 def test_cancel_mid_prefill_stops_between_pieces_and_keeps_what_was_evaluated(

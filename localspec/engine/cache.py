@@ -43,6 +43,21 @@ COMPACT_OFF = 1 << 62  # a threshold no prefill reaches
 # prefill pieces shorter than this cost mostly fixed overhead: no sample for the token price
 PRICE_MIN_PIECE = 32
 
+
+def piece_end(pos: int, end: int, step: int) -> int:
+    """Where the prefill piece from ``pos`` ends, on the way to ``end``: as many pieces as
+    pieces of ``step`` tokens would take, all of one size. llama.cpp's CPU flash attention
+    runs batches of 64 query rows and more through a tiled kernel and smaller ones row by row,
+    several times dearer per row at depth, so a short last piece (308 tokens as 128 + 128 + 52)
+    cost as much as a full one; balanced (3 x 103) every piece of a prompt longer than one
+    step has at least half a step of rows."""
+    left = end - pos
+    if left <= step:
+        return end
+    n_pieces = -(-left // step)
+    return pos + -(-left // n_pieces)
+
+
 # what a prefill generator yields (a piece to evaluate) and is sent back (the piece's decode
 # time in ms when it ran alone, None when it shared a batch: then it prices nothing)
 PrefillSteps = Generator[Segment, "float | None", "PrefillResult"]
@@ -260,7 +275,7 @@ class SlotCaches:
                 break
             # cancelled with parked runs ahead: finish the gaps in front of them and attach
             # them (then stop) when that is less work than recomputing them next time
-            end = min(n_prompt, pos + step, nxt)
+            end = piece_end(pos, min(n_prompt, nxt), step)
             self._compact_if_due(todo)
             ms = yield Segment(prompt[pos:end], pos, seq, "last" if end == n_prompt else "none")
             self._evaluated(end - pos, ms)
@@ -439,7 +454,7 @@ class SlotCaches:
                     if pos > s:  # the block's evaluated start goes along: the rest attends to it
                         ctx.seq_cp(seq, iso, s, pos)
                     ready = True
-                nxt = min(e, pos + step)
+                nxt = piece_end(pos, e, step)
                 # what follows the blocks attends to this one: it is evaluated after it too
                 self._compact_if_due(len(prompt) - pos)
                 ms = yield Segment(prompt[pos:nxt], pos, iso, "none")
