@@ -113,8 +113,10 @@ def test_completions_and_chat_at_once_keep_the_daemon_up(
     smollm_q4: Path,
 ) -> None:
     """Chat and completions at once, each pair on its worker: the workers share the engine
-    thread and the daemon answers every request (a chat worker on its own thread crashed the
-    daemon in stress runs: server/worker.py EngineThread)."""
+    thread and the daemon answers every request. (The chat daemon crash this guards against
+    came from the two models loading on two threads at once, about one daemon in ten, so this
+    run catches it only sometimes; test_two_workers_share_one_engine_thread checks the order
+    of the loads itself: server/worker.py EngineThread.)"""
     import random
     import threading
 
