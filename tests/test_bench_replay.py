@@ -31,7 +31,7 @@ from localspec.bench.driver import (
 )
 from localspec.bench.replay import build_parser as replay_parser
 from localspec.bench.replay import main as replay_main
-from localspec.bench.replay import server_specs
+from localspec.bench.replay import own_n_cmpl, server_specs
 from localspec.bench.stats import percentile
 
 KEYSTROKE_FIELDS = {
@@ -591,6 +591,48 @@ def test_plot_draws_both_panels(tmp_path: Path) -> None:
 
 
 # --- the command ----------------------------------------------------------------------------
+
+
+def test_a_twin_replays_the_same_keystrokes_with_its_own_n_cmpl() -> None:
+    """``--also-n-cmpl``: the twin gets every body the first server gets, n_cmpl replaced,
+    and the two compare keystroke by keystroke."""
+    schedule = two_locations()
+    with Stub(_slow_on("")) as a, Stub(_slow_on("")) as b:
+
+        async def go() -> list[Outcome]:
+            targets = [Target("A", a.url), Target("A/n_cmpl1", b.url, overrides={"n_cmpl": 1})]
+            try:
+                return await replay(targets, schedule, cold="none")
+            finally:
+                for t in targets:
+                    await t.aclose()
+
+        outcomes = asyncio.run(go())
+        log_a, log_b = list(a.log), list(b.log)
+    keys = [body for _, body in log_a if body.get("n_predict")]
+    assert keys and all(body["n_cmpl"] == 3 for body in keys)  # llama-vscode's default
+    assert [{**body, "n_cmpl": 1} for _, body in log_a] == [body for _, body in log_b]
+    got = own_n_cmpl(outcomes, "A", "A/n_cmpl1", 3, 1)
+    n_keys = sum(len(bu.keys) for bu in schedule.bursts)
+    assert got["paired_n"] == n_keys and got["twin_n_cmpl"] == 1
+    mine, twins = got["paired_p50_ms_each"]
+    assert mine == report.summarize(outcomes, ["A"])[0].p50_ms  # every key completed by both
+    assert got["paired_p50_ms"] == pytest.approx(mine / twins)
+
+
+def test_also_n_cmpl_starts_a_second_localspec(tmp_path: Path) -> None:
+    target = tmp_path / "t.gguf"
+    target.write_bytes(b"GGUF")
+    args = replay_parser().parse_args(["--target", str(target), "--also-n-cmpl", "1"])
+    first, twin = server_specs(args)
+    assert (first.name, twin.name) == ("localspec", "localspec/n_cmpl1")
+    assert first.port != twin.port
+    port_at = first.argv.index("--port") + 1
+    assert twin.argv[:port_at] == first.argv[:port_at]
+    assert twin.argv[port_at + 1 :] == first.argv[port_at + 1 :]
+    args = replay_parser().parse_args(["--url", "http://x", "--also-n-cmpl", "1"])
+    with pytest.raises(ValueError, match="--also-n-cmpl"):
+        server_specs(args)
 
 
 def test_cli_against_a_url_writes_json(code_dir: Path, tmp_path: Path) -> None:

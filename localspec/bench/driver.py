@@ -188,11 +188,15 @@ class Target:
         oracle: Target | None = None,
         *,
         meter: bool = True,
+        overrides: dict[str, Any] | None = None,
     ) -> None:
         self.name = name
         self.url = url.rstrip("/")
         self.oracle = oracle
         self.meter = meter  # False: its /metrics counts no prompt work (a proxy's do not)
+        # body fields this server's requests carry instead of the schedule's (``n_cmpl`` 1 on
+        # a twin: the same keystrokes with one completion each)
+        self.overrides = overrides or {}
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.AsyncClient(
             base_url=self.url, headers=headers, timeout=httpx.Timeout(None, connect=10.0)
@@ -202,7 +206,7 @@ class Target:
         """POST /infill and fill ``outcome``; cancellation aborts the connection."""
         t0 = time.perf_counter()
         try:
-            r = await self.http.post("/infill", json=body)
+            r = await self.http.post("/infill", json={**body, **self.overrides})
         except httpx.HTTPError as exc:
             outcome.status, outcome.error = "error", f"{type(exc).__name__}: {exc}"
             outcome.latency_ms = (time.perf_counter() - t0) * 1e3

@@ -137,6 +137,14 @@ def build_parser() -> argparse.ArgumentParser:
         "with that many slots per client)",
     )
     tr.add_argument(
+        "--also-n-cmpl",
+        type=int,
+        metavar="N",
+        help="also replay the same keystrokes with N completions each against a second "
+        "localspec (same files and flags), interleaved: the cost of --n-cmpl's extra "
+        "completions, keystroke by keystroke",
+    )
+    tr.add_argument(
         "--clients",
         type=int,
         default=1,
@@ -216,6 +224,11 @@ def server_specs(args: argparse.Namespace) -> list[anchor.ServerSpec]:
     )
     if args.url is None and not args.no_localspec:
         specs.append(anchor.localspec_spec(serve, args.spec_mode))
+        if args.also_n_cmpl is not None:
+            name = n_cmpl_twin(specs[0].name, args.also_n_cmpl)
+            specs.append(replace(anchor.twin(specs[0]), name=name))
+    elif args.also_n_cmpl is not None:
+        raise ValueError("--also-n-cmpl starts a second localspec: drop --url/--no-localspec")
     if args.vs_llama_server:
         binary = anchor.find_llama_server(args.llama_server_bin)
         for mode in (m.strip() for m in args.vs_llama_server.split(",")):
@@ -230,6 +243,11 @@ def server_specs(args: argparse.Namespace) -> list[anchor.ServerSpec]:
         proxy.two_slots(team)
         specs.insert(1, proxy.proxy_spec(team.url, serve, local=args.failover))
     return specs
+
+
+def n_cmpl_twin(name: str, n_cmpl: int) -> str:
+    """The name of the localspec that replays the same keystrokes with ``n_cmpl`` each."""
+    return f"{name}/n_cmpl{n_cmpl}"
 
 
 def oracle_specs(
@@ -313,6 +331,28 @@ async def _run(
     finally:
         for t in targets:
             await t.aclose()
+
+
+OWN_RATIOS = (("p50", "p50_ms"), ("p95", "p95_ms"), ("paired p50", "paired_p50_ms"),
+              ("paired p95", "paired_p95_ms"))  # fmt: skip
+
+
+def own_n_cmpl(
+    outcomes: Sequence[Outcome], first: str, twin: str, n_cmpl: int, n_twin: int
+) -> dict[str, Any]:
+    """``first`` against its twin replaying the same keystrokes with ``n_twin`` completions:
+    print the ratios and return them. Paired over the keystrokes both completed (which of them
+    complete before the next key differs between the two, so the plain p50s compare
+    different requests)."""
+    both = report.summarize([o for o in outcomes if o.server in (first, twin)], [first, twin])
+    got = report.ratios(both)[twin]
+    shown = ", ".join(f"{label} {fmt(got[attr], '.2f')}x" for label, attr in OWN_RATIOS)
+    paired = both[0].paired_n
+    print(f"\n{first} (n_cmpl {n_cmpl}) vs itself with n_cmpl {n_twin}: {shown} "
+          f"({paired} keystrokes completed by both)")  # fmt: skip
+    each = [both[0].paired_p50_ms, both[1].paired_p50_ms]
+    return {"n_cmpl": n_cmpl, "twin_n_cmpl": n_twin, "paired_n": paired,
+            "paired_p50_ms_each": each, **got}  # fmt: skip
 
 
 CLIENT_STRIDE = 100_000  # client i's bursts are numbered from i x this (one key per burst)
@@ -416,7 +456,13 @@ def _main(args: argparse.Namespace) -> int:
             oracle = Target(twin.name, twin.url) if twin is not None else None
             # a proxy's own engine does none of the work it relays: no prompt-work meter
             meter = not (spec.name == proxy.PROXY and not args.failover)
-            targets.append(Target(spec.name, spec.url, oracle=oracle, meter=meter))
+            own = args.also_n_cmpl is not None and spec.name == n_cmpl_twin(
+                specs[0].name, args.also_n_cmpl
+            )
+            overrides = {"n_cmpl": args.also_n_cmpl} if own else None
+            targets.append(
+                Target(spec.name, spec.url, oracle=oracle, meter=meter, overrides=overrides)
+            )
         for i, url in enumerate(args.vs):
             targets.append(Target(f"vs{i + 1}:{url.rstrip('/').rsplit(':', 1)[-1]}", url))
         n_bursts = len(schedule.bursts)
@@ -479,6 +525,9 @@ def _main(args: argparse.Namespace) -> int:
         )
         print(f"\n{first.server} vs llama-server's best here ({best.server}): {shown}")
     extra: dict[str, Any] = {}
+    if args.also_n_cmpl is not None:
+        twin = n_cmpl_twin(names[0], args.also_n_cmpl)
+        extra["vs_own_n_cmpl"] = own_n_cmpl(outcomes, names[0], twin, args.n_cmpl, args.also_n_cmpl)
     if args.via_proxy:
         added = proxy.overhead(outcomes, direct=specs[0].name)
         print("\n" + proxy.overhead_table(added))

@@ -25,6 +25,7 @@ class Summary:
     p99_ms: float | None = None
     paired_p50_ms: float | None = None  # over keystrokes every server completed
     paired_p95_ms: float | None = None
+    paired_n: int = 0  # how many keystrokes that is
     final_p50_ms: float | None = None  # the last keystroke of each line (always completes)
     final_p95_ms: float | None = None
     # latency minus the server's generation time: waiting and prompt work, the part the cache
@@ -109,6 +110,7 @@ def summarize(outcomes: Sequence[Outcome], servers: Sequence[str]) -> list[Summa
         s.errors = sum(o.status == "error" for o in keyed)
         s.p50_ms, s.p95_ms, s.p99_ms = (percentile(lat, q) for q in (50, 95, 99))
         s.paired_p50_ms, s.paired_p95_ms = percentile(pl, 50), percentile(pl, 95)
+        s.paired_n = len(pl)
         s.final_p50_ms = percentile([o.latency_ms for o in finals], 50)
         s.final_p95_ms = percentile([o.latency_ms for o in finals], 95)
         pre = [o.latency_ms - o.predicted_ms for o in ok if o.predicted_ms is not None]
