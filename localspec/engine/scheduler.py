@@ -32,7 +32,7 @@ from localspec.engine.cache import PrefillResult, PrefillSteps, SeqState
 from localspec.engine.completion import Completion, draft_together, follow_alike
 from localspec.engine.errors import DecodeError
 from localspec.engine.llama import Segment
-from localspec.engine.policy import SHARED_MIN_GAIN, share_step
+from localspec.engine.policy import share_step
 from localspec.engine.types import (
     Cancel,
     GenerationRequest,
@@ -199,12 +199,7 @@ class Scheduler:
         ]
         made = [not c.draft for c in adaptive]
         lengths = share_step(
-            offers,
-            self.e.step_costs(False),
-            others=fixed,
-            made=made,
-            draft_ms=self._draft_ms(live),
-            min_gain=self._shared_min_gain(live, n_pieces),
+            offers, self.e.step_costs(False), others=fixed, made=made, draft_ms=self._draft_ms(live)
         )
         for c, k, by_model in zip(adaptive, lengths, made, strict=True):
             if by_model:
@@ -215,15 +210,6 @@ class Scheduler:
         for c in live:
             if not c.draft:
                 c.source = c.key = ""
-
-    def _shared_min_gain(self, live: list[Completion], n_pieces: int) -> float:
-        """The gain a shared step's drafts must promise. The completions of one request (its
-        ``n_cmpl``) answer together when the longest is done, so a step that speeds them all
-        shortens that answer as it would one sequence's: the single-sequence bar. Sequences
-        of different requests keep the higher shared bar (``SHARED_MIN_GAIN``)."""
-        if n_pieces == 0 and len(self.running) == 1 and live:
-            return live[0].policy.min_gain
-        return SHARED_MIN_GAIN
 
     def _draft_ms(self, live: list[Completion]) -> float:
         """One draft batch's ms: measured, or, before that, the target's step scaled by the
