@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import psutil
@@ -10,7 +11,7 @@ import pytest
 
 from localspec.bench import anchor
 from localspec.bench.background import busy_loops, levels
-from localspec.bench.throughput import Cell, Request, main, merge, table
+from localspec.bench.throughput import Cell, Request, compare, main, merge, table
 
 
 def test_background_loops_run_for_the_block_only() -> None:
@@ -36,6 +37,42 @@ def test_cells_report_aggregate_speed_and_ratios_to_llama_server() -> None:
     assert "agg 2.00x" in text and "decode 2.00x" in text
     (both,) = merge([ours, cell("localspec", 4.0, 40.0)])
     assert len(both.requests) == 10 and both.wall_s == 8.0
+
+
+def _token(text: str, p: float, runner_up: str, q: float) -> dict[str, object]:
+    """One token of an n_probs report, as llama-server (and localspec) write it."""
+
+    def candidate(t: str, prob: float) -> dict[str, object]:
+        return {"id": 0, "token": t, "bytes": list(t.encode()), "logprob": math.log(prob)}
+
+    return {**candidate(text, p), "top_logprobs": [candidate(text, p), candidate(runner_up, q)]}
+
+
+def test_an_answer_that_parts_from_its_answer_alone_gets_the_margin_there() -> None:
+    """The answers alone carry each token's two likeliest candidates: an answer decoded beside
+    others that takes another path is placed on the token where it did, with how near a tie
+    that was (the top-2 margin) and whether it took the runner-up."""
+    alone = Request(1.0, True, content="x = 1\n", report=[
+        _token("x", 0.9, "y", 0.05), _token(" =", 0.8, " +", 0.1),
+        _token(" 1", 0.46, " 2", 0.44), _token("\n", 0.9, ";", 0.05),
+    ])  # fmt: skip
+    same = Request(1.0, True, content="x = 1\n")
+    compare(same, alone)
+    assert same.same_as_alone is True and same.parted_margin is None
+    tie = Request(1.0, True, content="x = 2\n")
+    compare(tie, alone)
+    assert tie.same_as_alone is False and tie.took_runner_up is True
+    assert tie.parted_margin == pytest.approx(0.02)
+    off = Request(1.0, True, content="x + 1\n")
+    compare(off, alone)
+    assert off.parted_margin == pytest.approx(0.7) and off.took_runner_up is True
+    failed = Request(1.0, False, error="503")
+    compare(failed, alone)
+    assert failed.same_as_alone is None
+    cell = Cell("localspec", 0, 2, 1.0, [same, tie, off, failed])
+    assert cell.parted_margins == [pytest.approx(0.02), pytest.approx(0.7)]
+    assert cell.summary()["parted_took_runner_up"] == 2
+    assert "    0.700" in table([cell])
 
 
 def test_llama_server_gets_the_slots_and_one_kv_buffer() -> None:

@@ -35,6 +35,7 @@ from localspec.bench import anchor
 from localspec.bench.background import busy_loops, levels
 from localspec.bench.command import bench_parser, interruptible
 from localspec.bench.corpus import code_prompts
+from localspec.bench.driver import divergence
 from localspec.bench.replay import machine
 from localspec.bench.stats import fmt, mean, percentile, ratio
 
@@ -66,6 +67,11 @@ class Request:
     prompt_per_second: float | None = None
     predicted_per_second: float | None = None
     error: str = ""
+    # where an answer parted from its answer alone: the top-2 probability margin of the answer
+    # alone at that token (a near tie when small), and whether this one took the runner-up
+    parted_margin: float | None = None
+    took_runner_up: bool | None = None
+    report: list[dict[str, Any]] = field(default_factory=list, repr=False)  # n_probs answers
 
 
 @dataclass
@@ -106,6 +112,10 @@ class Cell:
         checked = [r.same_as_alone for r in self.ok if r.same_as_alone is not None]
         return sum(checked) / len(checked) if checked else None
 
+    @property
+    def parted_margins(self) -> list[float]:
+        return [r.parted_margin for r in self.ok if r.parted_margin is not None]
+
     def summary(self) -> dict[str, Any]:
         return {
             "server": self.server,
@@ -120,6 +130,8 @@ class Cell:
             "decode_tokens_per_s": self.decode_tps,
             "prompt_tokens_per_s": self.prompt_tps,
             "same_as_alone": self.same_as_alone,
+            "parted_margins": self.parted_margins,
+            "parted_took_runner_up": sum(bool(r.took_runner_up) for r in self.ok),
         }
 
 
@@ -181,6 +193,7 @@ def _post(url: str, body: dict[str, Any], timeout: float) -> Request:
         if isinstance(answer, list):
             answer = answer[0]
         t = answer.get("timings") or {}
+        probs = answer.get("completion_probabilities")
         return Request(
             latency,
             True,
@@ -189,15 +202,17 @@ def _post(url: str, body: dict[str, Any], timeout: float) -> Request:
             prompt_n=int(t.get("prompt_n") or 0),
             prompt_per_second=t.get("prompt_per_second"),
             predicted_per_second=t.get("predicted_per_second"),
+            report=probs if isinstance(probs, list) else [],
         )
     except (httpx.HTTPError, ValueError) as exc:
         return Request(time.perf_counter() - t0, False, error=f"{type(exc).__name__}: {exc}")
 
 
-def _body(text: str, n_predict: int) -> dict[str, Any]:
+def _body(text: str, n_predict: int, n_probs: int = 0) -> dict[str, Any]:
     # every prompt evaluated in full (no cache reuse between cells): prompt speed is comparable
-    return {"prompt": text, "n_predict": n_predict, "top_k": 1, "samplers": ["top_k"],
+    body = {"prompt": text, "n_predict": n_predict, "top_k": 1, "samplers": ["top_k"],
             "cache_prompt": False, "id_slot": -1}  # fmt: skip
+    return {**body, "n_probs": n_probs} if n_probs else body
 
 
 def chat_once(url: str, model: str, timeout: float) -> None:
@@ -219,13 +234,22 @@ def warm_up(url: str, text: str, args: Any) -> None:
         raise anchor.ServerError(f"{url} did not answer its warm-up request: {r.error}")
 
 
-def alone(url: str, texts: Sequence[str], args: Any) -> list[str]:
-    """Each prompt's answer with nothing else running: the reference for agreement."""
-    out = []
-    for text in texts:
-        r = _post(url, _body(text, args.n_predict), args.timeout)
-        out.append(r.content if r.ok else "")
-    return out
+def alone(url: str, texts: Sequence[str], args: Any) -> list[Request]:
+    """Each prompt's answer with nothing else running, the reference for agreement, with each
+    token's two likeliest candidates (``n_probs`` reports; the tokens are the same without):
+    where an answer decoded beside others parts from it, how near a tie that token was."""
+    return [_post(url, _body(text, args.n_predict, n_probs=2), args.timeout) for text in texts]
+
+
+def compare(outcome: Request, reference: Request) -> None:
+    """Fill ``outcome``'s agreement with its answer alone, and where it parted, the margin."""
+    if not (outcome.ok and reference.ok):
+        return
+    outcome.same_as_alone = outcome.content == reference.content
+    if not outcome.same_as_alone:
+        parted = divergence(outcome.content, reference.report)
+        if parted is not None:
+            outcome.parted_margin, outcome.took_runner_up = parted
 
 
 def measure(
@@ -236,7 +260,7 @@ def measure(
     background: int,
     clients: int,
     args: Any,
-    reference: Sequence[str] = (),
+    reference: Sequence[Request] = (),
 ) -> Cell:
     """``clients`` threads at once, each sending its ``args.requests`` prompts in turn."""
     cell = Cell(name, background, clients)
@@ -247,8 +271,8 @@ def measure(
             i = (index * args.requests + k) % len(texts)
             outcome = _post(url, _body(texts[i], args.n_predict), args.timeout)
             outcome.prompt_index = i
-            if outcome.ok and i < len(reference):
-                outcome.same_as_alone = outcome.content == reference[i]
+            if i < len(reference):
+                compare(outcome, reference[i])
             with lock:
                 cell.requests.append(outcome)
 
@@ -265,10 +289,12 @@ def measure(
 def table(cells: Sequence[Cell]) -> str:
     head = (
         f"{'server':<24} {'bg':>3} {'clients':>7} {'agg tok/s':>10} {'p50 s':>7} "
-        f"{'p95 s':>7} {'decode tok/s':>12} {'prompt tok/s':>12} {'=alone':>6} {'errors':>6}  "
-        "vs llama-server"
+        f"{'p95 s':>7} {'decode tok/s':>12} {'prompt tok/s':>12} {'=alone':>6} "
+        f"{'parted at':>9} {'errors':>6}  vs llama-server"
     )
     lines = [head, "-" * len(head)]
+    # "parted at": the largest top-2 probability margin, in the answers alone, at a token where
+    # an answer decoded beside others took another path (a near tie when small)
     for c in cells:
         anchor_cell = _anchor_for(c, cells)
         vs = ""
@@ -285,7 +311,7 @@ def table(cells: Sequence[Cell]) -> str:
             f"{fmt(c.latency(50), '.2f'):>7} {fmt(c.latency(95), '.2f'):>7} "
             f"{fmt(c.decode_tps, '.1f'):>12} {fmt(c.prompt_tps, '.0f'):>12} "
             f"{fmt(None if c.same_as_alone is None else 100 * c.same_as_alone, '.0f'):>5}% "
-            f"{c.errors:>6}  {vs}"
+            f"{fmt(max(c.parted_margins, default=None), '.3f'):>9} {c.errors:>6}  {vs}"
         )
     return "\n".join(lines)
 
@@ -367,7 +393,7 @@ def _main(args: argparse.Namespace) -> int:
                 # (its prompt window and drafts) before it has measured whether that pays
                 progress(f"{server.spec.name}: one warm-up request")
                 warm_up(server.spec.url, warm_text, args)
-            reference: dict[str, list[str]] = {}
+            reference: dict[str, list[Request]] = {}
             if not args.no_alone:
                 for server in started:
                     progress(f"{server.spec.name}: each prompt alone, for the agreement column")
