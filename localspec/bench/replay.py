@@ -433,6 +433,8 @@ def _main(args: argparse.Namespace) -> int:
 
     log_dir = args.log_dir or Path(os.environ.get("TMPDIR", "/tmp")) / "localspec-bench-logs"
     twins = oracle_specs(args, specs)
+    # the localspec that replays the keystrokes with --also-n-cmpl completions, if any
+    own_twin = None if args.also_n_cmpl is None else n_cmpl_twin(specs[0].name, args.also_n_cmpl)
     if twins:
         print(
             f"cold checks go to a twin of each server ({len(twins)} more to start)",
@@ -456,10 +458,7 @@ def _main(args: argparse.Namespace) -> int:
             oracle = Target(twin.name, twin.url) if twin is not None else None
             # a proxy's own engine does none of the work it relays: no prompt-work meter
             meter = not (spec.name == proxy.PROXY and not args.failover)
-            own = args.also_n_cmpl is not None and spec.name == n_cmpl_twin(
-                specs[0].name, args.also_n_cmpl
-            )
-            overrides = {"n_cmpl": args.also_n_cmpl} if own else None
+            overrides = {"n_cmpl": args.also_n_cmpl} if spec.name == own_twin else None
             targets.append(
                 Target(spec.name, spec.url, oracle=oracle, meter=meter, overrides=overrides)
             )
@@ -525,9 +524,10 @@ def _main(args: argparse.Namespace) -> int:
         )
         print(f"\n{first.server} vs llama-server's best here ({best.server}): {shown}")
     extra: dict[str, Any] = {}
-    if args.also_n_cmpl is not None:
-        twin = n_cmpl_twin(names[0], args.also_n_cmpl)
-        extra["vs_own_n_cmpl"] = own_n_cmpl(outcomes, names[0], twin, args.n_cmpl, args.also_n_cmpl)
+    if own_twin is not None:
+        extra["vs_own_n_cmpl"] = own_n_cmpl(
+            outcomes, names[0], own_twin, args.n_cmpl, args.also_n_cmpl
+        )
     if args.via_proxy:
         added = proxy.overhead(outcomes, direct=specs[0].name)
         print("\n" + proxy.overhead_table(added))
