@@ -11,7 +11,7 @@ import asyncio
 import json
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ import pytest
 from localspec.bench import anchor, editor, report
 from localspec.bench.driver import (
     ColdCheck,
+    ColdMode,
     Outcome,
     Target,
     answers_consistent,
@@ -374,19 +375,27 @@ def two_locations() -> editor.Schedule:
     return editor.build_schedule(settings, src)
 
 
+def replay_on(
+    make: Callable[[], list[Target]], schedule: editor.Schedule, cold: ColdMode
+) -> list[Outcome]:
+    """Replay ``schedule`` on the targets ``make`` builds (inside the event loop, where their
+    HTTP clients live), closing them after."""
+
+    async def go() -> list[Outcome]:
+        targets = make()
+        try:
+            return await replay(targets, schedule, cold=cold)
+        finally:
+            for t in targets:
+                await t.aclose()
+
+    return asyncio.run(go())
+
+
 def test_interleaved_replay_with_cold_checks() -> None:
     schedule = two_locations()
     with Stub(_slow_on("")) as a, Stub(_slow_on("")) as b:
-
-        async def go() -> list[Outcome]:
-            targets = [Target("A", a.url), Target("B", b.url)]
-            try:
-                return await replay(targets, schedule, cold="all")
-            finally:
-                for t in targets:
-                    await t.aclose()
-
-        outcomes = asyncio.run(go())
+        outcomes = replay_on(lambda: [Target("A", a.url), Target("B", b.url)], schedule, "all")
         log_a, log_b = list(a.log), list(b.log)
     # both servers saw the same requests in the same order (setup, warm-ups, keys, cold)
     assert [body for _, body in log_a] == [body for _, body in log_b]
@@ -421,15 +430,9 @@ def test_interleaved_replay_with_cold_checks() -> None:
 def test_cold_checks_go_to_the_oracle_and_leave_the_measured_cache_alone() -> None:
     schedule = two_locations()
     with Stub(_slow_on("")) as measured, Stub(_slow_on("")) as twin:
-
-        async def go() -> list[Outcome]:
-            target = Target("A", measured.url, oracle=Target("A.cold", twin.url))
-            try:
-                return await replay([target], schedule, cold="all")
-            finally:
-                await target.aclose()
-
-        outcomes = asyncio.run(go())
+        outcomes = replay_on(
+            lambda: [Target("A", measured.url, oracle=Target("A.cold", twin.url))], schedule, "all"
+        )
         seen, checked = list(measured.log), list(twin.log)
     n_keys = sum(len(bu.keys) for bu in schedule.bursts)
     assert not [b for _, b in seen if b.get("cache_prompt") is False]
@@ -598,16 +601,11 @@ def test_a_twin_replays_the_same_keystrokes_with_its_own_n_cmpl() -> None:
     and the two compare keystroke by keystroke."""
     schedule = two_locations()
     with Stub(_slow_on("")) as a, Stub(_slow_on("")) as b:
-
-        async def go() -> list[Outcome]:
-            targets = [Target("A", a.url), Target("A/n_cmpl1", b.url, overrides={"n_cmpl": 1})]
-            try:
-                return await replay(targets, schedule, cold="none")
-            finally:
-                for t in targets:
-                    await t.aclose()
-
-        outcomes = asyncio.run(go())
+        outcomes = replay_on(
+            lambda: [Target("A", a.url), Target("A/n_cmpl1", b.url, overrides={"n_cmpl": 1})],
+            schedule,
+            "none",
+        )
         log_a, log_b = list(a.log), list(b.log)
     keys = [body for _, body in log_a if body.get("n_predict")]
     assert keys and all(body["n_cmpl"] == 3 for body in keys)  # llama-vscode's default
