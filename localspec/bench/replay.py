@@ -333,8 +333,20 @@ async def _run(
             await t.aclose()
 
 
-OWN_RATIOS = (("p50", "p50_ms"), ("p95", "p95_ms"), ("paired p50", "paired_p50_ms"),
-              ("paired p95", "paired_p95_ms"))  # fmt: skip
+# the ratios a run prints after its table: (label, Summary field)
+LATENCY_RATIOS = (("p50", "p50_ms"), ("p95", "p95_ms"), ("paired p50", "paired_p50_ms"),
+                  ("paired p95", "paired_p95_ms"))  # fmt: skip
+WORK_RATIOS = (("prompt tokens", "prompt_n_mean"), ("all prompt work", "prompt_all_per_key"))
+
+
+def shown_ratios(
+    first: report.Summary, other: report.Summary, fields: Sequence[tuple[str, str]]
+) -> str:
+    """``first``'s figures over ``other``'s, one "label 0.00x" each."""
+    return ", ".join(
+        f"{label} {fmt(ratio(getattr(first, attr), getattr(other, attr)), '.2f')}x"
+        for label, attr in fields
+    )
 
 
 def own_n_cmpl(
@@ -346,7 +358,7 @@ def own_n_cmpl(
     different requests)."""
     both = report.summarize([o for o in outcomes if o.server in (first, twin)], [first, twin])
     got = report.ratios(both)[twin]
-    shown = ", ".join(f"{label} {fmt(got[attr], '.2f')}x" for label, attr in OWN_RATIOS)
+    shown = shown_ratios(both[0], both[1], LATENCY_RATIOS)
     paired = both[0].paired_n
     print(f"\n{first} (n_cmpl {n_cmpl}) vs itself with n_cmpl {n_twin}: {shown} "
           f"({paired} keystrokes completed by both)")  # fmt: skip
@@ -511,17 +523,7 @@ def _main(args: argparse.Namespace) -> int:
     best = report.best_anchor(summaries)
     if best is not None and summaries[0].server != best.server:
         first = summaries[0]
-        shown = ", ".join(
-            f"{label} {fmt(ratio(getattr(first, attr), getattr(best, attr)), '.2f')}x"
-            for label, attr in (
-                ("p50", "p50_ms"),
-                ("p95", "p95_ms"),
-                ("paired p50", "paired_p50_ms"),
-                ("paired p95", "paired_p95_ms"),
-                ("prompt tokens", "prompt_n_mean"),
-                ("all prompt work", "prompt_all_per_key"),
-            )
-        )
+        shown = shown_ratios(first, best, LATENCY_RATIOS + WORK_RATIOS)
         print(f"\n{first.server} vs llama-server's best here ({best.server}): {shown}")
     extra: dict[str, Any] = {}
     if own_twin is not None:

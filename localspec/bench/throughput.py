@@ -210,9 +210,8 @@ def _post(url: str, body: dict[str, Any], timeout: float) -> Request:
 
 def _body(text: str, n_predict: int, n_probs: int = 0) -> dict[str, Any]:
     # every prompt evaluated in full (no cache reuse between cells): prompt speed is comparable
-    body = {"prompt": text, "n_predict": n_predict, "top_k": 1, "samplers": ["top_k"],
-            "cache_prompt": False, "id_slot": -1}  # fmt: skip
-    return {**body, "n_probs": n_probs} if n_probs else body
+    return {"prompt": text, "n_predict": n_predict, "top_k": 1, "samplers": ["top_k"],
+            "cache_prompt": False, "id_slot": -1, "n_probs": n_probs}  # fmt: skip
 
 
 def chat_once(url: str, model: str, timeout: float) -> None:
