@@ -190,6 +190,72 @@ def test_completions_that_part_decode_in_sequences_of_their_own(
     assert len(set().union(*decoding)) == 2
 
 
+def test_extra_completions_draft_with_the_draft_model_in_one_draft_batch(
+    qwen_follow: Path, qwen_follow_draft: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once a request's completions part, each drafts with the draft model in a draft
+    sequence of its own, which starts from the prompt window the slot's draft sequence holds
+    (its cells shared, not evaluated again); their drafts are made in one draft batch, each
+    answers exactly what it answers alone with its seed, and the extra draft sequences are
+    freed with the request, the slot's keeping only the first completion's verified tokens."""
+    fixed_costs(monkeypatch, {1: 10.0, 64: 10.5})  # a step's tokens cost little: drafts pay
+    s = EngineSettings(
+        target=model_settings(qwen_follow),
+        draft=model_settings(qwen_follow_draft),
+        spec=SpecSettings(mode="draft", n_max=4, p_min=0.0, pipeline=False),
+        follow_load=False,
+    )
+    n = 24
+    with Engine.load(s) as engine:
+        dctx, dcache = engine._dctx, engine._dcache
+        assert dctx is not None and dcache is not None
+        (prompt,) = prompts(engine, 1)
+        first = GenerationRequest(slot=0, prompt=prompt, n_predict=n, sampling=GREEDY)
+
+        def sampled(seed: int) -> GenerationRequest:
+            hot = SamplingParams(samplers=("top_k", "temperature"), top_k=2, temperature=20.0)
+            return replace(first, sampling=replace(hot, seed=seed))
+
+        def alone(req: GenerationRequest) -> list[int]:
+            engine.clear_slot(0)
+            (res,) = engine.generate_many([req])
+            return res.tokens
+
+        greedy = alone(first)
+        # two seeds whose draws part from the greedy tokens (and each other's) early, here
+        early: dict[int, list[int]] = {}
+        for seed in range(1, 500):
+            toks = alone(sampled(seed))
+            parts = toks[:2] == greedy[:2] and toks[2:6] != greedy[2:6]
+            if parts and all(toks[2:6] != other[2:6] for other in early.values()):
+                early[seed] = toks
+            if len(early) == 2:
+                break
+        assert len(early) == 2
+        seen: list[set[int]] = []
+        decode_many = dctx.decode_many
+
+        def record(segments: Sequence[Segment]) -> list[int]:
+            seen.append({seg.seq for seg in segments})
+            return decode_many(segments)
+
+        monkeypatch.setattr(dctx, "decode_many", record)
+        engine.clear_slot(0)
+        lead, *extras = engine.generate_many([first, *(sampled(seed) for seed in early)])
+        assert lead.tokens == greedy
+        for res, own in zip(extras, early.values(), strict=True):
+            assert res.tokens == own
+            assert res.draft_n_evaluated == 0  # the window came from the slot's sequence
+        aux_seqs = {st.seq for st in dcache.aux}
+        assert len(aux_seqs) == 2 and aux_seqs <= set().union(*seen)  # each drafted on its own
+        assert any(len(seqs & aux_seqs) == 2 for seqs in seen)  # in one draft batch
+        for st in dcache.aux:
+            assert st.tokens == [] and dctx.seq_pos_max(st.seq) == -1
+        drafts = engine.draft_slot_tokens(0)
+        verified = prompt + lead.tokens
+        assert drafts == verified[: len(drafts)]
+
+
 def test_requests_on_two_slots_decode_in_the_same_steps(
     engine: Engine, scorer: Scorer, batches: list[list[Segment]]
 ) -> None:

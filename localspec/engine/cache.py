@@ -7,7 +7,7 @@ max+1...), so the runs that come after an edited middle are parked, the middle i
 and each run is re-attached when the evaluation reaches its position. With a unified KV
 buffer, parking re-tags cells (no copy). Extra completions of a request (``n_cmpl``) decode
 in ``aux`` sequences that share the prompt's cells with the slot (``share_prefix``: a re-tag
-too).
+too); in the draft model's context, theirs share the slot's draft window the same way.
 
 Blocks (``prefill(blocks=...)``): the prompt's leading spans are each evaluated on its own
 (attending only to itself, in a third sequence of the slot's, ``iso``) and then joined to it;
@@ -173,8 +173,7 @@ def driven(
 
 class SlotCaches:
     """The sequences of one context: ``n_slots`` slots (each with its scratch sequence, and its
-    iso sequence when the context has room for one per slot), then ``n_aux`` sequences for
-    extra completions."""
+    iso sequence where ``iso``), then ``n_aux`` sequences for extra completions."""
 
     def __init__(
         self,
@@ -182,12 +181,14 @@ class SlotCaches:
         n_slots: int,
         *,
         n_aux: int = 0,
+        iso: bool | None = None,
         compact_min_work: int = COMPACT_MIN_WORK,
     ) -> None:
+        """``iso`` None: an iso sequence per slot when the context has room for them."""
         self.ctx = ctx
         self.compact_min_work = compact_min_work  # COMPACT_OFF: never compact
         self.n_slots = n_slots
-        with_iso = ctx.n_seq >= 3 * n_slots
+        with_iso = ctx.n_seq >= 3 * n_slots if iso is None else iso
         self.slots = [
             SeqState(i, scratch=n_slots + i, iso=2 * n_slots + i if with_iso else None)
             for i in range(n_slots)

@@ -72,12 +72,16 @@ class Completion:
         index: int = 0,
         cancel: Cancel | None = None,
         on_token: IndexedTokenCallback | None = None,
-        may_draft_model: bool = True,
+        dst: SeqState | None = None,
     ) -> None:
+        """``st``: the target sequence it decodes in; ``dst``: the draft model's, where it
+        drafts (None: the slot's)."""
         self.e = engine
         self.req = req
         self.index = index
-        self.st = st  # the target sequence it decodes in
+        self.st = st
+        dslot = engine._dcache.slots[req.slot] if engine._dcache is not None else None
+        self._dst = dst if dst is not None else dslot
         self.cancel = cancel
         self.on_token = on_token
         self.slot = req.slot
@@ -103,11 +107,7 @@ class Completion:
         self.dbase: list[int] | None = None  # the draft's window of the prompt, once synced
         self._dgood = 0  # draft KV entries known to match dbase + out
         self._behind: int | None = None  # see _draft_behind
-        self.draft_ok = (
-            may_draft_model
-            and engine._dcache is not None
-            and self.mode in ("draft", "hybrid", "auto")
-        )
+        self.draft_ok = engine._dcache is not None and self.mode in ("draft", "hybrid", "auto")
         self.pipe: DraftPipeline | None = None
         self._wait_ms = 0.0  # waiting for the draft thread (counts as llama.cpp time)
         self.policy: SpecPolicy = self._policy(pipelined=False)
@@ -129,7 +129,14 @@ class Completion:
 
     @property
     def dst(self) -> SeqState:
-        """The slot's sequence in the draft context."""
+        """Its sequence in the draft context."""
+        assert self._dst is not None
+        return self._dst
+
+    @property
+    def dslot(self) -> SeqState:
+        """The slot's sequence in the draft context: the prompt's window is evaluated there
+        (an extra completion copies it, and the next keystroke reuses it)."""
         assert self.e._dcache is not None
         return self.e._dcache.slots[self.slot]
 
@@ -493,7 +500,7 @@ class Completion:
             e = self.e
             assert e._dcache is not None
             policy = e.draft_prefill_policy(self.req.cache_prompt)
-            self._behind = e._dcache.plan(self.dst, self._draft_window(), policy).n_evaluated
+            self._behind = e._dcache.plan(self.dslot, self._draft_window(), policy).n_evaluated
         return self._behind
 
     def _draft_prefill_pays(self) -> bool:
@@ -514,29 +521,36 @@ class Completion:
 
     def _sync_draft(self) -> bool:
         """Bring the draft's cache in step with the prompt window + emitted tokens (lazy: a
-        request that never drafts with the model never pays for the draft's prefill)."""
+        request that never drafts with the model never pays for the draft's prefill). The
+        window is evaluated in the slot's sequence; an extra completion's sequence then shares
+        its cells and catches up on its own tokens."""
         e, res = self.e, self.result
         dcache = e._dcache
         assert dcache is not None
+        e._settle_draft()  # a draft thread may still run on the draft's cache
         if self.dbase is None:
             base = self._draft_window()
             if any(t >= e._dctx.n_vocab for t in base):  # a target-only (padding) id
                 self.draft_ok = False
                 return False
-            e._settle_draft()
-            tp = time.perf_counter()
-            pre = dcache.prefill(
-                self.dst, base, e.draft_prefill_policy(self.req.cache_prompt), cancel=self.cancel
-            )
-            spent = (time.perf_counter() - tp) * 1000.0
-            res.draft_prompt_ms += spent
-            if not pre.cancelled:
-                self.policy.observe_draft_prefill(pre.n_evaluated, spent)
-            res.draft_n_cached += pre.n_cached
-            res.draft_n_evaluated += pre.n_evaluated
-            res.draft_n_shifted += pre.n_shifted
-            if pre.cancelled:
-                return False
+            dslot = self.dslot
+            # the slot holds the window (and perhaps the first completion's tokens after it)
+            held = dslot is not self.dst and dslot.tokens[: len(base)] == base
+            if not held:
+                tp = time.perf_counter()
+                policy = e.draft_prefill_policy(self.req.cache_prompt)
+                pre = dcache.prefill(dslot, base, policy, cancel=self.cancel)
+                spent = (time.perf_counter() - tp) * 1000.0
+                res.draft_prompt_ms += spent
+                if not pre.cancelled:
+                    self.policy.observe_draft_prefill(pre.n_evaluated, spent)
+                res.draft_n_cached += pre.n_cached
+                res.draft_n_evaluated += pre.n_evaluated
+                res.draft_n_shifted += pre.n_shifted
+                if pre.cancelled:
+                    return False
+            if dslot is not self.dst:
+                dcache.share_prefix(dslot, self.dst, len(base))
             self.dbase = base
         return True
 

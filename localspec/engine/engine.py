@@ -82,8 +82,9 @@ class Engine:
                 self._dctx = Context(
                     self._draft,
                     settings.draft,
-                    n_seq=2 * self.n_slots,  # each slot and its scratch sequence
-                    n_ctx_total=settings.draft.n_ctx * self.n_slots,
+                    # each slot and its scratch sequence, the extra completions' drafts
+                    n_seq=2 * self.n_slots + self.n_aux,
+                    n_ctx_total=settings.draft.n_ctx * self.n_slots + self.n_aux * self.aux_room,
                     clock=self._dclock,
                     governor=self.governor,
                     n_slots=self.n_slots,
@@ -105,8 +106,12 @@ class Engine:
             if settings.draft is not None
             else 0.0
         )
-        self._tcache = SlotCaches(self._tctx, self.n_slots, n_aux=self.n_aux)
-        self._dcache = SlotCaches(self._dctx, self.n_slots) if self._dctx is not None else None
+        self._tcache = SlotCaches(self._tctx, self.n_slots, n_aux=self.n_aux, iso=True)
+        self._dcache = (
+            SlotCaches(self._dctx, self.n_slots, n_aux=self.n_aux, iso=False)
+            if self._dctx is not None
+            else None
+        )
         # speeds and acceptance carry over from request to request (same machine, same code
         # base); the recent-window estimates adapt when either changes. One acceptance model
         # per way of running (see policy_for), one table of step costs per thread count

@@ -70,6 +70,15 @@ class Task:
         return self.requests[0].slot
 
 
+@dataclass(frozen=True)
+class _Aux:
+    """An extra completion's sequences: where it decodes, and where it drafts (None without
+    a draft model)."""
+
+    target: SeqState
+    draft: SeqState | None
+
+
 @dataclass(eq=False)
 class _Running:
     """A started task: its prompt's evaluation, then its completions."""
@@ -78,7 +87,7 @@ class _Running:
     t0: float
     inside0: float
     completions: list[Completion] = field(default_factory=list)
-    aux: list[SeqState] = field(default_factory=list)  # the extra completions' sequences
+    aux: list[_Aux] = field(default_factory=list)  # the extra completions' sequences
     steps: PrefillSteps | None = None  # the prompt's evaluation while it runs
     piece: Segment | None = None  # its next piece
     pre: PrefillResult | None = None
@@ -94,7 +103,10 @@ class Scheduler:
         self.waiting: deque[Task] = deque()
         self.running: list[_Running] = []
         self.prefilling: list[_Running] = []  # prompts being evaluated, oldest first
-        self._free_aux: list[SeqState] = list(engine._tcache.aux)
+        daux = engine._dcache.aux if engine._dcache is not None else []
+        self._free_aux: list[_Aux] = [
+            _Aux(t, daux[j] if j < len(daux) else None) for j, t in enumerate(engine._tcache.aux)
+        ]
 
     # --- the owner's side ------------------------------------------------------------------
     def submit(self, task: Task) -> None:
@@ -279,7 +291,9 @@ class Scheduler:
         except BaseException as exc:
             self._fail(run, exc)
 
-    def _completion(self, run: _Running, index: int, st: SeqState) -> Completion:
+    def _completion(
+        self, run: _Running, index: int, st: SeqState, dst: SeqState | None = None
+    ) -> Completion:
         task = run.task
         req = task.requests[index]
         if index > 0:
@@ -293,7 +307,7 @@ class Scheduler:
             index=index,
             cancel=task.cancel,
             on_token=task.on_token,
-            may_draft_model=index == 0,
+            dst=dst,
         )
         run.completions.append(c)
         return c
@@ -333,8 +347,9 @@ class Scheduler:
         for index in range(1, len(task.requests)):
             aux = self._free_aux.pop()
             run.aux.append(aux)
-            e._tcache.share_prefix(slot_st, aux, len(slot_st.tokens))
-            self._fill_prompt_stats(run, self._completion(run, index, aux).result, index)
+            e._tcache.share_prefix(slot_st, aux.target, len(slot_st.tokens))
+            c = self._completion(run, index, aux.target, aux.draft)
+            self._fill_prompt_stats(run, c.result, index)
         for c in run.completions:
             c.begin(logits_index)
         follow_alike(run.completions)  # a request whose completions agree costs one's steps
@@ -385,9 +400,13 @@ class Scheduler:
     def _close(self, run: _Running) -> None:
         for c in run.completions:
             c.close()
-        n_prompt = len(run.task.first.prompt)
-        for aux in run.aux:
-            self.e._tcache.release(aux, n_prompt)
+        e, n_prompt = self.e, len(run.task.first.prompt)
+        for index, aux in enumerate(run.aux, start=1):
+            e._tcache.release(aux.target, n_prompt)
+            if aux.draft is not None and aux.draft.tokens and e._dcache is not None:
+                e._settle_draft()  # (a finished request's draft thread may still run)
+                window = run.completions[index].dbase if index < len(run.completions) else None
+                e._dcache.release(aux.draft, len(window or ()))
             self._free_aux.append(aux)
         run.aux = []
 
