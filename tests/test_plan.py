@@ -53,7 +53,7 @@ from localspec.plan import (
     smaller,
     speculative_speedup,
 )
-from localspec.planning.types import StepCosts
+from localspec.planning.types import StepCosts, aux_sequences, context_cells
 from localspec.settings import Settings
 from localspec.settings_to import plan_engine_settings, plan_inputs
 
@@ -132,7 +132,10 @@ def _model_bytes(
     """Bytes per device (-1 = host) that one model adds: weights, KV, compute buffers."""
     used: dict[int, int] = dict.fromkeys([*range(n_gpus), -1], 0)
     where = _placement(m.n_layer, ngl, split)
-    cells = -(-plan.n_ctx // 256) * 256 * plan.n_slots
+    # each slot's context, padded to 256, and 256 cells for each of two extra completions per
+    # slot (within llama.cpp's 256 sequence ids, three of them each slot's)
+    n_aux = min(2 * plan.n_slots, 256 - 3 * plan.n_slots)
+    cells = -(-plan.n_ctx // 256) * 256 * plan.n_slots + n_aux * 256
     kv_layer = int(cells * m.n_head_kv * m.head_dim * 2 * KV_BYTES[plan.type_k])
     for il in range(m.n_layer):
         used[where[il]] += m.layer_bytes[il] + kv_layer
@@ -498,7 +501,9 @@ def _llama_cpp_buffers(
         model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
         assert model, f"llama.cpp could not load {path}"
         cparams = llama_cpp.llama_context_default_params()
-        cparams.n_ctx, cparams.n_seq_max = n_ctx * n_slots, n_slots
+        n_aux = aux_sequences(n_slots)  # the engine's context: the slots', extra completions'
+        cparams.n_ctx = context_cells(n_ctx, n_slots, n_aux)
+        cparams.n_seq_max = 3 * n_slots + n_aux
         cparams.n_batch = cparams.n_ubatch = n_ubatch
         cparams.n_threads = cparams.n_threads_batch = 1
         cparams.kv_unified = True  # as the engine creates its contexts

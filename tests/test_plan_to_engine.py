@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
 
 import pytest
 
@@ -41,3 +42,24 @@ def test_gpu_split_fills_every_device_slot() -> None:
         gpu_split((0.5, 0.5), 1)
     with pytest.raises(ValueError, match="non-negative"):
         gpu_split((-1.0, 2.0), 4)
+
+
+@pytest.mark.parametrize("n_slots", [1, 3])
+def test_the_plan_counts_the_kv_cells_the_engine_allocates(
+    qwen_target: Path, qwen_draft: Path, n_slots: int
+) -> None:
+    """Each model's context holds every slot's context and the extra completions' room; the
+    plan's memory is computed on the same number of cells, for the target and the draft."""
+    from localspec.engine import Engine, EngineSettings, ModelSettings
+    from localspec.planning.memory import kv_cells
+    from localspec.planning.types import Layout
+
+    def ms(path: Path) -> ModelSettings:
+        return ModelSettings(str(path), n_ctx=1024, n_batch=256, n_ubatch=256, n_threads=1)
+
+    settings = EngineSettings(target=ms(qwen_target), draft=ms(qwen_draft), n_slots=n_slots)
+    with Engine.load(settings) as engine:
+        assert engine._dctx is not None
+        cells = kv_cells(Layout(1024, n_slots, "f16", 256, 0, (), 0))
+        assert engine._tctx.n_ctx_total == engine._dctx.n_ctx_total == cells
+        assert cells > 1024 * n_slots  # (room for the extra completions, not the slots alone)

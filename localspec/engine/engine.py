@@ -33,13 +33,9 @@ from localspec.engine.types import (
     TokenCallback,
 )
 from localspec.engine.vocab import Vocab, check_pair
-from localspec.planning.types import MAX_SLOTS
+from localspec.planning.types import MAX_SLOTS, aux_sequences, context_cells
 
 __all__ = ["Engine", "draft_window_start"]
-
-# llama.cpp's limit on sequence ids in one context (LLAMA_MAX_SEQ); a slot takes three
-MAX_SEQ = 256
-
 
 class Engine:
     """A loaded model pair. Not thread-safe: one thread owns it (submit, step, generate)."""
@@ -49,9 +45,7 @@ class Engine:
             raise ValueError(f"n_slots must be within 1..{MAX_SLOTS}, got {settings.n_slots}")
         self.settings = settings
         self.n_slots = settings.n_slots
-        # extra completions' sequences (n_cmpl > 1), within llama.cpp's sequence limit
-        n_aux = settings.n_aux if settings.n_aux is not None else 2 * self.n_slots
-        self.n_aux = max(0, min(n_aux, MAX_SEQ - 3 * self.n_slots))
+        self.n_aux = aux_sequences(self.n_slots, settings.n_aux)
         self.aux_room = settings.aux_room
         self._clock = Clock()  # the target's llama.cpp time
         self._dclock = Clock()  # the draft's: apart, since it may run on its own thread
@@ -73,7 +67,9 @@ class Engine:
                 settings.target,
                 # each slot, its scratch and its ring-block sequences, the extra completions'
                 n_seq=3 * self.n_slots + self.n_aux,
-                n_ctx_total=settings.target.n_ctx * self.n_slots + self.n_aux * self.aux_room,
+                n_ctx_total=context_cells(
+                    settings.target.n_ctx, self.n_slots, self.n_aux, self.aux_room
+                ),
                 clock=self._clock,
                 governor=self.governor,
                 n_slots=self.n_slots,
@@ -84,7 +80,9 @@ class Engine:
                     settings.draft,
                     # each slot and its scratch sequence, the extra completions' drafts
                     n_seq=2 * self.n_slots + self.n_aux,
-                    n_ctx_total=settings.draft.n_ctx * self.n_slots + self.n_aux * self.aux_room,
+                    n_ctx_total=context_cells(
+                        settings.draft.n_ctx, self.n_slots, self.n_aux, self.aux_room
+                    ),
                     clock=self._dclock,
                     governor=self.governor,
                     n_slots=self.n_slots,

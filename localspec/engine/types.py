@@ -10,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from localspec.planning.types import AUX_ROOM
+
 SpecMode = Literal["off", "draft", "ngram", "hybrid", "auto"]
 StopType = Literal["eos", "word", "limit", "none"]
 
@@ -94,12 +96,10 @@ class EngineSettings:
     # each decode runs on at most the cores other processes leave free (engine/threads.py);
     # False: always the configured thread counts
     follow_load: bool = True
-    # sequences for a request's extra completions (n_cmpl > 1), all decoding at once; None:
-    # two per slot (llama-vscode asks for three completions)
+    # sequences for a request's extra completions (planning.types.aux_sequences; None: two
+    # per slot) and the KV cells each holds beyond the shared prompt
     n_aux: int | None = None
-    # KV cells each of them holds beyond the shared prompt: an extra completion generates at
-    # most this many tokens
-    aux_room: int = 256
+    aux_room: int = AUX_ROOM
 
 
 @dataclass(frozen=True)

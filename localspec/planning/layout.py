@@ -13,6 +13,7 @@ from localspec.planning.memory import (
     compute_bytes,
     draft_bytes,
     fits,
+    kv_cells,
     memory_table,
     padded_ctx,
 )
@@ -98,7 +99,7 @@ def _split_for(c: SearchContext, cand: Candidate, layout: Layout) -> tuple[float
     if c.n_gpus == 1:
         return (1.0,)
     m = cand.target
-    cells = padded_ctx(layout.n_ctx) * layout.n_slots
+    cells = kv_cells(layout)
     one_layer = max(m.layer_bytes) + cells * m.kv_bytes_per_token_layer(
         layout.type_kv, layout.type_kv
     )

@@ -13,7 +13,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from localspec.hardware import GiB, HardwareFacts
-from localspec.planning.types import Device, DeviceMemory, Layout, ModelFacts
+from localspec.planning.types import (
+    Device,
+    DeviceMemory,
+    Layout,
+    ModelFacts,
+    aux_sequences,
+    context_cells,
+)
 
 GPU_MARGIN = 1 * GiB  # llama.cpp's --fit keeps 1024 MiB free per device
 HOST_MARGIN = 2 * GiB  # for the OS, the editor and localspec itself
@@ -94,6 +101,12 @@ def padded_ctx(n_ctx: int) -> int:
     return -(-n_ctx // CTX_STEP) * CTX_STEP
 
 
+def kv_cells(layout: Layout) -> int:
+    """The KV cells of each model's context under ``layout``, as the engine creates it (every
+    slot's context and the extra completions' room)."""
+    return context_cells(padded_ctx(layout.n_ctx), layout.n_slots, aux_sequences(layout.n_slots))
+
+
 def compute_bytes(
     m: ModelFacts, n_ubatch: int, *, layers: bool, output: bool, n_kv: int = 0
 ) -> int:
@@ -130,7 +143,7 @@ def model_usage(
     usage = [_Usage() for _ in range(n_devices)]
     host = n_devices - 1
     homes = layer_homes(m.n_layer, ngl, split, n_devices)
-    cells = padded_ctx(layout.n_ctx) * layout.n_slots
+    cells = kv_cells(layout)
     kv_layer = int(cells * m.kv_bytes_per_token_layer(layout.type_kv, layout.type_kv))
     for il in range(m.n_layer):
         usage[homes[il]].weights += m.layer_bytes[il]

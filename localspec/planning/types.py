@@ -7,9 +7,28 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-# the engine's slot limit: llama.cpp has 256 sequence ids in a context, and a slot takes three
-# (its cache, the runs a reuse plan parks, its ring blocks)
+# llama.cpp's limit on sequence ids in one context (LLAMA_MAX_SEQ)
+MAX_SEQ = 256
+# the engine's slot limit: a slot takes three sequence ids (its cache, the runs a reuse plan
+# parks, its ring blocks)
 MAX_SLOTS = 85
+# KV cells an extra completion's sequence holds beyond the shared prompt (it generates at
+# most this many tokens)
+AUX_ROOM = 256
+
+
+def aux_sequences(n_slots: int, asked: int | None = None) -> int:
+    """Sequences for requests' extra completions (``n_cmpl`` > 1, decoding at once): two per
+    slot unless ``asked`` (llama-vscode asks for three completions), within the sequence ids
+    the slots leave."""
+    n = asked if asked is not None else 2 * n_slots
+    return max(0, min(n, MAX_SEQ - 3 * n_slots))
+
+
+def context_cells(n_ctx: int, n_slots: int, n_aux: int, aux_room: int = AUX_ROOM) -> int:
+    """KV cells of one model's context (target or draft, each the same shape): every slot's
+    ``n_ctx`` and every extra completion's room."""
+    return n_ctx * n_slots + n_aux * aux_room
 
 UNQUANTIZED_KV = frozenset({"f16", "f32", "bf16"})
 
