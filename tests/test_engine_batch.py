@@ -11,6 +11,7 @@ import contextlib
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -20,11 +21,14 @@ from localspec.engine import (
     Engine,
     EngineSettings,
     GenerationRequest,
+    GenerationResult,
     SamplingParams,
     SpecSettings,
     Task,
 )
+from localspec.engine import completion as completion_mod
 from localspec.engine.llama import Segment
+from localspec.engine.stops import StopRules
 from tests.fixtures.models import follow_chain
 from tests.steer import fixed_costs
 from tests.test_engine_exact import Scorer, model_settings
@@ -259,6 +263,52 @@ def test_extra_completions_draft_with_the_draft_model_in_one_draft_batch(
         drafts = engine.draft_slot_tokens(0)
         verified = prompt + lead.tokens
         assert drafts == verified[: len(drafts)]
+
+
+def test_alternatives_past_the_budget_end_with_the_first_completion(
+    qwen_follow: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The editor waits for all of a request's completions and shows the first: once the
+    first has ended, an extra completion past ``t_max_predict_ms`` stops there, mid-line
+    (``limit``), its tokens a prefix of what it answers alone; without a budget (0) it runs
+    on to ``n_predict``. The clock reads a second later at every look, so every completion
+    is past a 500 ms budget from its second token on, whatever this machine's speed."""
+
+    class SlowClock:
+        t = 0.0
+
+        def __call__(self) -> float:
+            self.t += 1.0
+            return self.t
+
+    monkeypatch.setattr(completion_mod, "StopRules", partial(StopRules, clock=SlowClock()))
+    s = EngineSettings(
+        target=model_settings(qwen_follow), spec=SpecSettings(mode="off"), follow_load=False
+    )
+    n = 24
+    with Engine.load(s) as engine:
+        (prompt,) = prompts(engine, 1)
+        first = GenerationRequest(slot=0, prompt=prompt, n_predict=4, sampling=GREEDY)
+
+        def sampled(seed: int, budget_ms: int) -> GenerationRequest:
+            hot = SamplingParams(samplers=("top_k", "temperature"), top_k=2, temperature=20.0)
+            return replace(
+                first, n_predict=n, t_max_predict_ms=budget_ms, sampling=replace(hot, seed=seed)
+            )
+
+        def answers(reqs: list[GenerationRequest]) -> list[GenerationResult]:
+            engine.clear_slot(0)
+            return engine.generate_many(reqs)
+
+        alone = [answers([sampled(seed, 0)])[0].tokens for seed in (1, 2)]
+        assert all(len(toks) == n for toks in alone)  # (no end-of-generation before n)
+        lead, *extras = answers([first, sampled(1, 500), sampled(2, 500)])
+        assert len(lead.tokens) == 4
+        for res, own in zip(extras, alone, strict=True):
+            assert 0 < len(res.tokens) <= 4 and res.tokens == own[: len(res.tokens)]
+            assert res.stop_type == "limit"
+        lead, *extras = answers([first, sampled(1, 0), sampled(2, 0)])
+        assert [res.tokens for res in extras] == alone
 
 
 def test_requests_on_two_slots_decode_in_the_same_steps(

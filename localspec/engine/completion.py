@@ -226,6 +226,18 @@ class Completion:
             room = min(room, req.n_predict - len(self.out) - 1)
         return room
 
+    def end_past_budget(self) -> bool:
+        """Stop now if ``t_max_predict_ms`` has passed (a time limit, mid-line; ``finish``
+        hands out what was held back), with the completions that follow it (their tokens
+        are its); returns whether it stopped."""
+        if self.stops is None or self.done or not self.stops.past_budget():
+            return False
+        for c in (self, *self.followers):
+            assert c.stops is not None
+            c.stops.stop_type = "limit"
+            c.done = True
+        return True
+
     def cancelled(self) -> bool:
         if self.cancel is not None and self.cancel.is_set():
             self.result.cancelled = True

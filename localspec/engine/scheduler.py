@@ -151,6 +151,7 @@ class Scheduler:
         """One step: start what can start, then one batch for every active sequence and a
         piece of each prompt being evaluated. Returns whether work is left."""
         self._admit()
+        self._end_alternatives()
         live = self._live()
         if len(live) + len(self.prefilling) > 1:
             for c in live:
@@ -185,6 +186,20 @@ class Scheduler:
                 return self.busy
         self._retire()
         return self.busy
+
+    def _end_alternatives(self) -> None:
+        """Once a request's first completion has ended, an extra one past its
+        ``t_max_predict_ms`` stops, mid-line (with the ones that follow it): the editor waits
+        for the whole answer and shows the first, so an alternative that runs on without a
+        newline (llama-server's time rule waits for one) would hold it up to ``n_predict``
+        tokens. Each still gets the full budget."""
+        for run in self.running:
+            first, *extras = run.completions
+            if not first.done:
+                continue
+            for c in extras:
+                if c.leader is None:
+                    c.end_past_budget()
 
     def _drafts(self, live: list[Completion], n_pieces: int) -> None:
         """Each sequence's draft for this step. Alone, it follows its own cost model; beside

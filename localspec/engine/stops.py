@@ -131,8 +131,7 @@ class StopRules:
                 self.last_nl_pos = nl + 1
         if "\n" in tentative:
             self.has_new_line = True
-            elapsed_ms = (self.clock() - self.t_start) * 1000.0
-            if self.t_max_predict_ms > 0 and elapsed_ms > self.t_max_predict_ms:
+            if self.past_budget():
                 self.stop_type, stop = "limit", True
         if is_eog:
             self.stop_type, stop = "eos", True
@@ -141,6 +140,11 @@ class StopRules:
             out = self.text[self.n_sent :]
             self.n_sent = len(self.text)
         return StepOutcome(out, stop)
+
+    def past_budget(self) -> bool:
+        """Whether ``t_max_predict_ms`` has passed since the first token (none: never)."""
+        elapsed_ms = (self.clock() - self.t_start) * 1000.0
+        return self.t_max_predict_ms > 0 and elapsed_ms > self.t_max_predict_ms
 
     def flush(self) -> str:
         """At the end: whatever was held back (a pending partial stop, broken UTF-8) is final."""
