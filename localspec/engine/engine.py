@@ -37,6 +37,7 @@ from localspec.planning.types import MAX_SLOTS, aux_sequences, context_cells
 
 __all__ = ["Engine", "draft_window_start"]
 
+
 class Engine:
     """A loaded model pair. Not thread-safe: one thread owns it (submit, step, generate)."""
 

@@ -30,6 +30,7 @@ def context_cells(n_ctx: int, n_slots: int, n_aux: int, aux_room: int = AUX_ROOM
     ``n_ctx`` and every extra completion's room."""
     return n_ctx * n_slots + n_aux * aux_room
 
+
 UNQUANTIZED_KV = frozenset({"f16", "f32", "bf16"})
 
 
