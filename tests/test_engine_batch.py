@@ -539,6 +539,36 @@ def test_a_shared_step_runs_the_draft_model_only_where_its_tokens_pay(
     assert any(n >= 2 for n in served) == shared_drafts
 
 
+def test_on_flat_step_costs_auto_mode_drafts_for_extra_completions_with_the_model(
+    qwen_follow: Path, qwen_follow_draft: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where a bigger step costs little more (a GPU), auto mode keeps the draft model's
+    tokens for a request's parted completions too: one draft batch holds the slot's draft
+    sequence and both extra completions' (the draft's cache holds the prompt, as at an
+    editor's next keystroke)."""
+    flat = {1: 10.0, 64: 10.5}
+    with follow_auto_engine(qwen_follow, qwen_follow_draft, monkeypatch, flat) as engine:
+        dctx, dcache = engine._dctx, engine._dcache
+        assert dctx is not None and dcache is not None
+        (prompt,) = prompts(engine, 1)
+        engine.prefill_draft(0, prompt)
+        seen: list[set[int]] = []
+        decode_many = dctx.decode_many
+
+        def record(segments: Sequence[Segment]) -> list[int]:
+            seen.append({seg.seq for seg in segments})
+            return decode_many(segments)
+
+        monkeypatch.setattr(dctx, "decode_many", record)
+        first = GenerationRequest(slot=0, prompt=prompt, n_predict=24, sampling=GREEDY)
+        hot = SamplingParams(samplers=("top_k", "temperature"), top_k=2, temperature=20.0)
+        extras = [replace(first, sampling=replace(hot, seed=seed)) for seed in (3, 4)]
+        lead, *_ = engine.generate_many([first, *extras])
+        assert lead.tokens == follow_chain(prompt[-1], 24)
+        aux_seqs = {st.seq for st in dcache.aux}
+        assert any(len(seqs & aux_seqs) >= 2 for seqs in seen)
+
+
 def test_a_shared_step_drafts_without_a_draft_prefill(
     qwen_follow: Path, qwen_follow_draft: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
