@@ -78,6 +78,21 @@ def exact(scorer: Scorer, prompt: list[int], out: list[int]) -> bool:
     return scorer.check(prompt, out)[0] == 0
 
 
+# near-uniform draws among the two likeliest tokens: a sampled completion that parts from
+# the greedy one within a few tokens, and the same draws whatever the batch's rounding
+HOT = SamplingParams(samplers=("top_k", "temperature"), top_k=2, temperature=20.0)
+
+
+def hot(req: GenerationRequest, seed: int, **changes: int) -> GenerationRequest:
+    return replace(req, sampling=replace(HOT, seed=seed), **changes)
+
+
+def alone(engine: Engine, *reqs: GenerationRequest) -> list[GenerationResult]:
+    """The answers of one request from an empty slot 0."""
+    engine.clear_slot(0)
+    return engine.generate_many(list(reqs))
+
+
 def run(engine: Engine, *tasks: Task) -> None:
     for task in tasks:
         engine.submit(task)
@@ -155,22 +170,19 @@ def test_completions_that_part_decode_in_sequences_of_their_own(
         first = GenerationRequest(slot=0, prompt=prompt, n_predict=n, sampling=GREEDY)
 
         def sampled(seed: int) -> GenerationRequest:
-            hot = SamplingParams(samplers=("top_k", "temperature"), top_k=2, temperature=20.0)
-            return replace(first, sampling=replace(hot, seed=seed))
+            return hot(first, seed)
 
-        def alone(req: GenerationRequest) -> list[int]:
-            engine.clear_slot(0)
-            (res,) = engine.generate_many([req])
-            return res.tokens
+        def tokens(req: GenerationRequest) -> list[int]:
+            return alone(engine, req)[0].tokens
 
         def agreed(a: list[int], b: list[int]) -> int:
             return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), n)
 
-        greedy = alone(first)
+        greedy = tokens(first)
         # a seed whose draws part from the greedy tokens after a few, on this CPU
         seed, own = next(
             (seed, toks)
-            for seed, toks in ((sd, alone(sampled(sd))) for sd in range(1, 500))
+            for seed, toks in ((sd, tokens(sampled(sd))) for sd in range(1, 500))
             if 3 <= agreed(toks, greedy) <= n - 4
         )
         k = agreed(own, greedy)
@@ -220,19 +232,16 @@ def test_extra_completions_draft_with_the_draft_model_in_one_draft_batch(
         first = GenerationRequest(slot=0, prompt=prompt, n_predict=n, sampling=GREEDY)
 
         def sampled(seed: int) -> GenerationRequest:
-            hot = SamplingParams(samplers=("top_k", "temperature"), top_k=2, temperature=20.0)
-            return replace(first, sampling=replace(hot, seed=seed))
+            return hot(first, seed)
 
-        def alone(req: GenerationRequest) -> list[int]:
-            engine.clear_slot(0)
-            (res,) = engine.generate_many([req])
-            return res.tokens
+        def tokens(req: GenerationRequest) -> list[int]:
+            return alone(engine, req)[0].tokens
 
-        greedy = alone(first)
+        greedy = tokens(first)
         # two seeds whose draws part from the greedy tokens (and each other's) early, here
         early: dict[int, list[int]] = {}
         for seed in range(1, 500):
-            toks = alone(sampled(seed))
+            toks = tokens(sampled(seed))
             parts = toks[:2] == greedy[:2] and toks[2:6] != greedy[2:6]
             if parts and all(toks[2:6] != other[2:6] for other in early.values()):
                 early[seed] = toks
@@ -291,24 +300,17 @@ def test_alternatives_past_the_budget_end_with_the_first_completion(
         first = GenerationRequest(slot=0, prompt=prompt, n_predict=4, sampling=GREEDY)
 
         def sampled(seed: int, budget_ms: int) -> GenerationRequest:
-            hot = SamplingParams(samplers=("top_k", "temperature"), top_k=2, temperature=20.0)
-            return replace(
-                first, n_predict=n, t_max_predict_ms=budget_ms, sampling=replace(hot, seed=seed)
-            )
+            return hot(first, seed, n_predict=n, t_max_predict_ms=budget_ms)
 
-        def answers(reqs: list[GenerationRequest]) -> list[GenerationResult]:
-            engine.clear_slot(0)
-            return engine.generate_many(reqs)
-
-        alone = [answers([sampled(seed, 0)])[0].tokens for seed in (1, 2)]
-        assert all(len(toks) == n for toks in alone)  # (no end-of-generation before n)
-        lead, *extras = answers([first, sampled(1, 500), sampled(2, 500)])
+        owns = [alone(engine, sampled(seed, 0))[0].tokens for seed in (1, 2)]
+        assert all(len(toks) == n for toks in owns)  # (no end-of-generation before n)
+        lead, *extras = alone(engine, first, sampled(1, 500), sampled(2, 500))
         assert len(lead.tokens) == 4
-        for res, own in zip(extras, alone, strict=True):
+        for res, own in zip(extras, owns, strict=True):
             assert 0 < len(res.tokens) <= 4 and res.tokens == own[: len(res.tokens)]
             assert res.stop_type == "limit"
-        lead, *extras = answers([first, sampled(1, 0), sampled(2, 0)])
-        assert [res.tokens for res in extras] == alone
+        lead, *extras = alone(engine, first, sampled(1, 0), sampled(2, 0))
+        assert [res.tokens for res in extras] == owns
 
 
 def test_requests_on_two_slots_decode_in_the_same_steps(
@@ -561,8 +563,7 @@ def test_on_flat_step_costs_auto_mode_drafts_for_extra_completions_with_the_mode
 
         monkeypatch.setattr(dctx, "decode_many", record)
         first = GenerationRequest(slot=0, prompt=prompt, n_predict=24, sampling=GREEDY)
-        hot = SamplingParams(samplers=("top_k", "temperature"), top_k=2, temperature=20.0)
-        extras = [replace(first, sampling=replace(hot, seed=seed)) for seed in (3, 4)]
+        extras = [hot(first, seed) for seed in (3, 4)]
         lead, *_ = engine.generate_many([first, *extras])
         assert lead.tokens == follow_chain(prompt[-1], 24)
         aux_seqs = {st.seq for st in dcache.aux}
