@@ -27,7 +27,7 @@ from localspec.engine import (
     Task,
 )
 from localspec.engine import completion as completion_mod
-from localspec.engine.llama import Segment
+from localspec.engine.llama import Context, Segment
 from localspec.engine.stops import StopRules
 from tests.fixtures.models import follow_chain
 from tests.steer import fixed_costs
@@ -91,6 +91,37 @@ def alone(engine: Engine, *reqs: GenerationRequest) -> list[GenerationResult]:
     """The answers of one request from an empty slot 0."""
     engine.clear_slot(0)
     return engine.generate_many(list(reqs))
+
+
+@contextlib.contextmanager
+def follow_draft_engine(
+    target: Path, draft: Path, monkeypatch: pytest.MonkeyPatch, *, pipeline: bool = False
+) -> Iterator[Engine]:
+    """One slot drafting with the follow pair's draft model (its drafts rejected at known
+    places), on a machine where a step's tokens cost little, so the drafts are kept whatever
+    this CPU, its load or an earlier test measured."""
+    fixed_costs(monkeypatch, {1: 10.0, 64: 10.5})
+    s = EngineSettings(
+        target=model_settings(target),
+        draft=model_settings(draft),
+        spec=SpecSettings(mode="draft", n_max=4, p_min=0.0, pipeline=pipeline),
+        follow_load=False,
+    )
+    with Engine.load(s) as engine:
+        yield engine
+
+
+def batch_sequences(ctx: Context, monkeypatch: pytest.MonkeyPatch) -> list[set[int]]:
+    """The sequence ids of every batch ``ctx`` decodes during the test, batch by batch."""
+    seen: list[set[int]] = []
+    decode_many = ctx.decode_many
+
+    def record(segments: Sequence[Segment]) -> list[int]:
+        seen.append({seg.seq for seg in segments})
+        return decode_many(segments)
+
+    monkeypatch.setattr(ctx, "decode_many", record)
+    return seen
 
 
 def run(engine: Engine, *tasks: Task) -> None:
@@ -157,15 +188,8 @@ def test_completions_that_part_decode_in_sequences_of_their_own(
     answers exactly what it answers alone with its seed; a third with the same seed parts the
     same way and follows the second. The follow pair's drafts are rejected at known places and
     the cost model keeps them (fixed costs), so followers draw at several rows per step."""
-    fixed_costs(monkeypatch, {1: 10.0, 64: 10.5})
-    s = EngineSettings(
-        target=model_settings(qwen_follow),
-        draft=model_settings(qwen_follow_draft),
-        spec=SpecSettings(mode="draft", n_max=4, p_min=0.0, pipeline=False),
-        follow_load=False,
-    )
     n = 24
-    with Engine.load(s) as engine:
+    with follow_draft_engine(qwen_follow, qwen_follow_draft, monkeypatch) as engine:
         (prompt,) = prompts(engine, 1)
         first = GenerationRequest(slot=0, prompt=prompt, n_predict=n, sampling=GREEDY)
 
@@ -217,47 +241,28 @@ def test_extra_completions_draft_with_the_draft_model_in_one_draft_batch(
     freed with the request, the slot's keeping only the first completion's verified tokens.
     Pipelined, the first completion drafts on the draft thread while the others follow it,
     and the thread is joined before any other sequence of the draft's context is touched."""
-    fixed_costs(monkeypatch, {1: 10.0, 64: 10.5})  # a step's tokens cost little: drafts pay
-    s = EngineSettings(
-        target=model_settings(qwen_follow),
-        draft=model_settings(qwen_follow_draft),
-        spec=SpecSettings(mode="draft", n_max=4, p_min=0.0, pipeline=pipelined),
-        follow_load=False,
-    )
     n = 24
-    with Engine.load(s) as engine:
+    with follow_draft_engine(
+        qwen_follow, qwen_follow_draft, monkeypatch, pipeline=pipelined
+    ) as engine:
         dctx, dcache = engine._dctx, engine._dcache
         assert dctx is not None and dcache is not None
         (prompt,) = prompts(engine, 1)
         first = GenerationRequest(slot=0, prompt=prompt, n_predict=n, sampling=GREEDY)
-
-        def sampled(seed: int) -> GenerationRequest:
-            return hot(first, seed)
-
-        def tokens(req: GenerationRequest) -> list[int]:
-            return alone(engine, req)[0].tokens
-
-        greedy = tokens(first)
+        greedy = alone(engine, first)[0].tokens
         # two seeds whose draws part from the greedy tokens (and each other's) early, here
         early: dict[int, list[int]] = {}
         for seed in range(1, 500):
-            toks = tokens(sampled(seed))
+            toks = alone(engine, hot(first, seed))[0].tokens
             parts = toks[:2] == greedy[:2] and toks[2:6] != greedy[2:6]
             if parts and all(toks[2:6] != other[2:6] for other in early.values()):
                 early[seed] = toks
             if len(early) == 2:
                 break
         assert len(early) == 2
-        seen: list[set[int]] = []
-        decode_many = dctx.decode_many
-
-        def record(segments: Sequence[Segment]) -> list[int]:
-            seen.append({seg.seq for seg in segments})
-            return decode_many(segments)
-
-        monkeypatch.setattr(dctx, "decode_many", record)
+        seen = batch_sequences(dctx, monkeypatch)
         engine.clear_slot(0)
-        lead, *extras = engine.generate_many([first, *(sampled(seed) for seed in early)])
+        lead, *extras = engine.generate_many([first, *(hot(first, seed) for seed in early)])
         assert lead.tokens == greedy
         assert lead.pipelined == pipelined
         for res, own in zip(extras, early.values(), strict=True):
@@ -436,14 +441,7 @@ def test_the_draft_model_drafts_for_several_sequences_in_one_batch(
         with Engine.load(s) as engine:
             dctx = engine._dctx
             assert dctx is not None
-            seen: list[set[int]] = []
-            decode_many = dctx.decode_many
-
-            def record(segments: Sequence[Segment]) -> list[int]:
-                seen.append({s.seq for s in segments})
-                return decode_many(segments)
-
-            monkeypatch.setattr(dctx, "decode_many", record)
+            seen = batch_sequences(dctx, monkeypatch)
             a, b = prompts(engine, 2)
             tasks = [
                 Task(
@@ -554,14 +552,7 @@ def test_on_flat_step_costs_auto_mode_drafts_for_extra_completions_with_the_mode
         assert dctx is not None and dcache is not None
         (prompt,) = prompts(engine, 1)
         engine.prefill_draft(0, prompt)
-        seen: list[set[int]] = []
-        decode_many = dctx.decode_many
-
-        def record(segments: Sequence[Segment]) -> list[int]:
-            seen.append({seg.seq for seg in segments})
-            return decode_many(segments)
-
-        monkeypatch.setattr(dctx, "decode_many", record)
+        seen = batch_sequences(dctx, monkeypatch)
         first = GenerationRequest(slot=0, prompt=prompt, n_predict=24, sampling=GREEDY)
         extras = [hot(first, seed) for seed in (3, 4)]
         lead, *_ = engine.generate_many([first, *extras])
