@@ -546,9 +546,9 @@ class Completion:
                 self.draft_ok = False
                 return False
             dslot = self.dslot
-            # the slot holds the window (and perhaps the first completion's tokens after it)
-            held = dslot is not self.dst and dslot.tokens[: len(base)] == base
-            if not held:
+            extra = dslot is not self.dst  # an extra completion: it copies the slot's window
+            # (which the slot may hold already, perhaps with the first completion's tokens after it)
+            if not (extra and dslot.tokens[: len(base)] == base):
                 tp = time.perf_counter()
                 policy = e.draft_prefill_policy(self.req.cache_prompt)
                 pre = dcache.prefill(dslot, base, policy, cancel=self.cancel)
@@ -561,7 +561,7 @@ class Completion:
                 res.draft_n_shifted += pre.n_shifted
                 if pre.cancelled:
                     return False
-            if dslot is not self.dst:
+            if extra:
                 dcache.share_prefix(dslot, self.dst, len(base))
             self.dbase = base
         return True
