@@ -124,6 +124,19 @@ def batch_sequences(ctx: Context, monkeypatch: pytest.MonkeyPatch) -> list[set[i
     return seen
 
 
+def batch_sizes(ctx: Context, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The token count of every batch ``ctx`` decodes during the test."""
+    seen: list[int] = []
+    decode_many = ctx.decode_many
+
+    def record(segments: Sequence[Segment]) -> list[int]:
+        seen.append(sum(len(seg.tokens) for seg in segments))
+        return decode_many(segments)
+
+    monkeypatch.setattr(ctx, "decode_many", record)
+    return seen
+
+
 def run(engine: Engine, *tasks: Task) -> None:
     for task in tasks:
         engine.submit(task)
@@ -603,3 +616,48 @@ def test_prompts_that_arrive_together_are_evaluated_together(
     assert all({s.seq for s in batch} == {0, 1} for batch in both)
     for task, prompt in ((tasks[0], a), (tasks[1], b)):
         assert exact(scorer, prompt, task.results[0].tokens)
+
+
+def piece_sizes(batches: list[list[Segment]], seq: int) -> list[int]:
+    """The prompt pieces of sequence ``seq``, in order (its verify steps are not pieces)."""
+    return [len(s.tokens) for b in batches for s in b if s.seq == seq and s.logits != "all"]
+
+
+def test_a_prompt_alone_goes_in_the_pieces_its_time_budget_buys(
+    engine: Engine,
+    qwen_target: Path,
+    scorer: Scorer,
+    batches: list[list[Segment]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With flash attention (two slots) and nothing else to run, a prompt is evaluated in
+    pieces as long as the budget buys at the measured price (here unbounded, so the test
+    does not depend on this machine's speed): in one batch when its price is known as it
+    starts, else one chunk first and the rest after that piece priced itself. Without flash
+    attention (one CPU slot), chunks: their size does not change that kernel's speed."""
+    monkeypatch.setattr(engine, "settings", replace(engine.settings, prefill_piece_ms=1e9))
+    long = engine.vocab.tokenize("".join(code_prompts(6, lines=20)))[:440]
+    ask = GenerationRequest(slot=1, prompt=long, n_predict=4, sampling=GREEDY)
+    engine.clear_slot(1)
+    monkeypatch.setattr(engine._tcache, "ms_per_token", -1.0)  # nothing measured yet
+    task = Task([ask])
+    run(engine, task)
+    assert piece_sizes(batches, 1) == [63, 377]  # (440 as pieces of 64 would be 7 of 63)
+    assert exact(scorer, long, task.results[0].tokens)
+    assert engine._tcache.ms_per_token > 0  # the first piece priced itself
+    engine.clear_slot(1)
+    batches.clear()
+    run(engine, Task([ask]))
+    assert piece_sizes(batches, 1) == [440]
+
+    one_slot = EngineSettings(
+        target=model_settings(qwen_target), prefill_chunk=64, prefill_piece_ms=1e9
+    )
+    with Engine.load(one_slot) as plain:
+        assert not plain._tctx.flash_attn
+        seen = batch_sizes(plain._tctx, monkeypatch)
+        plain.generate(replace(ask, slot=0))
+        plain.clear_slot(0)
+        seen.clear()
+        plain.generate(replace(ask, slot=0))
+        assert seen[:7] == [63] * 6 + [62]  # 440 as pieces of 64: 7 of one size

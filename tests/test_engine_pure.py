@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from localspec.engine.cache import Pieces
 from localspec.engine.cache_plan import Run, plan_reuse, refresh_window
 from localspec.engine.engine import draft_window_start
 from localspec.engine.ngram import NgramIndex
@@ -386,3 +387,20 @@ def test_a_shared_step_counts_the_fixed_drafts_of_other_sequences() -> None:
     alone = share_step([sure], cpu_like)
     crowded = share_step([sure], cpu_like, others=8)  # a step already 8 tokens long
     assert alone[0] >= crowded[0]
+
+
+def test_a_piece_after_one_that_ran_alone_holds_what_the_budget_buys() -> None:
+    pieces = Pieces(chunk=128, most=1024, budget_ms=500.0)
+    assert pieces.size() == 128  # no price yet
+    pieces.ran(128, 64.0)  # alone, 0.5 ms a token
+    assert pieces.size() == 1000
+    pieces.ran(128, 12.8)  # 0.1 ms a token: more than a batch holds
+    assert pieces.size() == 1024
+    pieces.ran(200, 1000.0)  # deep in the context, 5 ms a token: never below a chunk
+    assert pieces.size() == 128
+    pieces.ran(128, 64.0)
+    pieces.ran(128, None)  # it shared a step: back to chunks
+    assert pieces.size() == 128
+    pieces.ran(16, 1.0)  # too short to price (mostly fixed cost)
+    assert pieces.size() == 128
+    assert Pieces(128, 1024, budget_ms=0.0, price=0.1).size() == 128  # no budget: chunks

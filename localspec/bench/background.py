@@ -13,6 +13,14 @@ import sys
 import time
 from collections.abc import Iterator
 
+from localspec.engine.threads import SAMPLE_S
+
+# idle seconds before each server's turn: localspec's thread rule (engine/threads.py) reads
+# the last SAMPLE_S of other processes' CPU as load, so a turn that began the instant another
+# server's ended would run its first evaluations on fewer threads, for load the benchmark
+# made, not the machine (measured: the first of six prompts at 504 tok/s, the others ~690)
+TURN_GAP_S = 2.5 * SAMPLE_S
+
 
 @contextlib.contextmanager
 def busy_loops(n: int, *, settle_s: float = 0.5) -> Iterator[list[int]]:

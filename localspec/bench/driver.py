@@ -29,6 +29,7 @@ from typing import Any, Literal
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from localspec.bench.background import TURN_GAP_S
 from localspec.bench.editor import Burst, KeyKind, Schedule
 
 Status = Literal["ok", "aborted", "error"]
@@ -398,6 +399,7 @@ async def replay(
         order = list(targets) if burst.index % 2 == 0 else list(reversed(targets))
         done: list[Outcome] = []
         for target in order:
+            await asyncio.sleep(TURN_GAP_S)  # the last server's work out of the thread rule's view
             before = await target.prompt_work()
             got = await run_burst(target, burst)
             after = await target.prompt_work()  # every request of the burst has ended

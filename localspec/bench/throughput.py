@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 
 from localspec.bench import anchor
-from localspec.bench.background import busy_loops, levels
+from localspec.bench.background import TURN_GAP_S, busy_loops, levels
 from localspec.bench.command import bench_parser, interruptible
 from localspec.bench.corpus import code_prompts
 from localspec.bench.driver import divergence
@@ -407,6 +407,7 @@ def _main(args: argparse.Namespace) -> int:
                             for server in order:
                                 if server.spec.chat_model is not None:
                                     chat_once(server.spec.url, server.spec.chat_model, args.timeout)
+                                time.sleep(TURN_GAP_S)  # the last server's work out of view
                                 cell = measure(
                                     server.spec.url, server.spec.name, texts,
                                     background=load, clients=clients, args=args,

@@ -58,6 +58,34 @@ def piece_end(pos: int, end: int, step: int) -> int:
     return pos + -(-left // n_pieces)
 
 
+@dataclass
+class Pieces:
+    """How many prompt tokens a prefill's next piece holds.
+
+    ``chunk`` while the pieces share steps with other work (a step of others' tokens is held
+    up by at most that). After a piece that ran alone in its batch (nothing else to run), as
+    many tokens as ``budget_ms`` buys at that piece's own price (measured at the prompt's
+    depth), up to ``most``: llama.cpp's flash attention evaluates a 400-token prompt on 2 CPU
+    cores ~13 % faster in one batch than in four (each batch reads the weights again), and a
+    GPU's batches are cheap per token up to its ubatch. The budget bounds how long a request
+    that arrives meanwhile waits for the piece in flight. Without flash attention the piece
+    size does not change the speed on a CPU (docs/benchmarks.md), so the engine passes no
+    budget there and the small piece keeps a cancel quick."""
+
+    chunk: int
+    most: int
+    budget_ms: float = 0.0
+    price: float = -1.0  # ms per token of the last piece, when it ran alone; -1: none
+
+    def size(self) -> int:
+        if self.budget_ms <= 0 or self.price <= 0:
+            return self.chunk
+        return max(self.chunk, min(self.most, int(self.budget_ms / self.price)))
+
+    def ran(self, n_tokens: int, ms: float | None) -> None:
+        self.price = ms / n_tokens if ms is not None and n_tokens >= PRICE_MIN_PIECE else -1.0
+
+
 # what a prefill generator yields (a piece to evaluate) and is sent back (the piece's decode
 # time in ms when it ran alone, None when it shared a batch: then it prices nothing)
 PrefillSteps = Generator[Segment, "float | None", "PrefillResult"]
@@ -75,6 +103,9 @@ class PrefillPolicy:
     tail_roll: int = 0  # and a rolling window of this many further in, per prefill
     chunk: int | None = None  # tokens per evaluated piece (None: n_batch)
     exact_ms: float = 0.0  # an exact plan costing at most this many ms more is preferred
+    # with flash attention, a piece after one that ran alone holds as many tokens as this many
+    # ms buy at that piece's price (``Pieces``); 0: always ``chunk``
+    piece_ms: float = 0.0
 
 
 @dataclass
@@ -220,8 +251,12 @@ class SlotCaches:
         blocks: Sequence[int] = (),
         sink: bool = False,
         cancel: Cancel | None = None,
+        alone: bool = False,
     ) -> PrefillSteps:
         """Make ``st`` hold ``prompt`` (logits of its last token ready); reuse what it can.
+
+        ``alone``: nothing else runs as it starts, so its first piece may already be sized by
+        ``policy.piece_ms`` (at the measured price), as the pieces after one that ran alone are.
 
         ``blocks``: lengths of the prompt's leading blocks, each evaluated on its own (module
         docstring); a cached block with the same tokens is moved into place, wherever it was
@@ -234,8 +269,9 @@ class SlotCaches:
         no KV shift) costs at most this many milliseconds more than the reuse plan, at the
         measured price per token, the exact plan is taken, and it also repays an earlier
         shift's approximation still held in the prefix."""
+        pieces = self._pieces(policy, alone)
         placed = yield from self._blocks_first(
-            st, prompt, blocks, sink=sink, move=policy.min_chunk > 0, cancel=cancel, policy=policy
+            st, prompt, blocks, sink=sink, move=policy.min_chunk > 0, cancel=cancel, pieces=pieces
         )
         if placed.cancelled:
             n, done = len(st.tokens), placed.evaluated
@@ -257,7 +293,6 @@ class SlotCaches:
         toks = list(prompt[: plan.n_prefix])
         st.tokens = toks
         st.exact = min(exact, plan.n_prefix)
-        step = self._step(policy)
         runs = {r.dst: r for r in plan.runs}
         pos = plan.n_prefix
         n_prompt = len(prompt)
@@ -276,10 +311,11 @@ class SlotCaches:
                 break
             # cancelled with parked runs ahead: finish the gaps in front of them and attach
             # them (then stop) when that is less work than recomputing them next time
-            end = piece_end(pos, min(n_prompt, nxt), step)
+            end = piece_end(pos, min(n_prompt, nxt), pieces.size())
             self._compact_if_due(todo)
             ms = yield Segment(prompt[pos:end], pos, seq, "last" if end == n_prompt else "none")
             self._evaluated(end - pos, ms)
+            pieces.ran(end - pos, ms)
             todo -= end - pos
             toks.extend(prompt[pos:end])
             pos = end
@@ -302,9 +338,13 @@ class SlotCaches:
 
     prefill = driven(prefill_steps)
 
-    def _step(self, policy: PrefillPolicy) -> int:
+    def _pieces(self, policy: PrefillPolicy, alone: bool) -> Pieces:
         n_batch = self.ctx.n_batch
-        return max(1, min(policy.chunk or n_batch, n_batch))
+        budget = policy.piece_ms if self.ctx.flash_attn else 0.0
+        pieces = Pieces(max(1, min(policy.chunk or n_batch, n_batch)), n_batch, budget)
+        if alone:
+            pieces.price = self.ms_per_token
+        return pieces
 
     def _tail_rule(
         self, st: SeqState, prompt: Sequence[int], plan: ReusePlan, policy: PrefillPolicy
@@ -366,7 +406,7 @@ class SlotCaches:
         sink: bool,
         move: bool,
         cancel: Cancel | None,
-        policy: PrefillPolicy,
+        pieces: Pieces,
     ) -> Generator[Segment, float | None, _Placed]:
         """Put the prompt's blocks in place (none: undo an earlier request's blocks): leave
         ``st`` holding them, exact, and nothing after them, unless they are in place already
@@ -431,7 +471,6 @@ class SlotCaches:
         toks = list(prompt[:start])
         st.tokens, st.spans = toks, spans
         st.reset_drift()
-        step = self._step(policy)
         placed = _Placed()
         pos = start
         for s, e in spans[k:]:
@@ -455,11 +494,12 @@ class SlotCaches:
                     if pos > s:  # the block's evaluated start goes along: the rest attends to it
                         ctx.seq_cp(seq, iso, s, pos)
                     ready = True
-                nxt = piece_end(pos, e, step)
+                nxt = piece_end(pos, e, pieces.size())
                 # what follows the blocks attends to this one: it is evaluated after it too
                 self._compact_if_due(len(prompt) - pos)
                 ms = yield Segment(prompt[pos:nxt], pos, iso, "none")
                 self._evaluated(nxt - pos, ms)
+                pieces.ran(nxt - pos, ms)
                 ctx.seq_cp(iso, seq, pos, nxt)
                 toks.extend(prompt[pos:nxt])
                 placed.evaluated += nxt - pos

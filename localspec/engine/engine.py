@@ -228,6 +228,7 @@ class Engine:
             tail_roll=s.tail_roll,
             chunk=s.prefill_chunk,
             exact_ms=s.exact_ms,
+            piece_ms=s.prefill_piece_ms,
         )
 
     def draft_prefill_policy(self, cache_prompt: bool) -> PrefillPolicy:

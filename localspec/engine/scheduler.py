@@ -300,6 +300,7 @@ class Scheduler:
                 first.blocks,
                 first.block_sink,
                 cancel,
+                alone=alone and not self.waiting,
             )
             self.prefilling.append(run)
             self._advance(run, -1, None, first_piece=True)

@@ -93,6 +93,10 @@ class EngineSettings:
     # prompt tokens per llama_decode while prefilling: a cancel (the editor aborted this
     # keystroke) is noticed between pieces, and what was evaluated stays cached for the next
     prefill_chunk: int = 128
+    # with flash attention, a prompt the engine evaluates with nothing else to run goes in
+    # pieces as long as this many ms (cache.Pieces): fewer, faster batches, while a request
+    # that arrives meanwhile waits at most about this long for the piece in flight
+    prefill_piece_ms: float = 500.0
     # each decode runs on at most the cores other processes leave free (engine/threads.py);
     # False: always the configured thread counts
     follow_load: bool = True
