@@ -11,8 +11,9 @@ The policy, step by step:
 * A task starts as soon as its slot is free (a task for a busy slot waits without holding up
   the others) and, with extra completions, sequences are free for them.
 * Each step is one batch holding, for every decoding sequence, its last token and its draft,
-  and one piece (``prefill_chunk`` tokens) of every prompt being evaluated, oldest first while
-  the batch has room. A request that arrives while others decode starts at the next step; a
+  and one piece (``prefill_chunk`` tokens; alone, with flash attention, as many as
+  ``prefill_piece_ms`` buys: ``cache.Pieces``) of every prompt being evaluated, oldest first
+  while the batch has room. A request that arrives while others decode starts at the next step; a
   long prompt (an editor's file switch) advances a piece per step instead of freezing the
   others (a step costs them at most the pieces in it); prompts that arrive together are
   evaluated together, one pass over the weights for all of them.
