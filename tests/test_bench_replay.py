@@ -11,6 +11,7 @@ import asyncio
 import json
 import math
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any
 import pytest
 
 from localspec.bench import anchor, editor, report
+from localspec.bench.background import TURN_GAP_S
 from localspec.bench.driver import (
     ColdCheck,
     ColdMode,
@@ -209,6 +211,8 @@ class Stub:
     def __init__(self, delay: Any) -> None:
         self.delay = delay
         self.log: list[tuple[str, dict[str, Any]]] = []  # ("answered" | "aborted", body)
+        self.answered_at: list[float] = []  # time.monotonic() of each answer
+        self.metered_at: list[float] = []  # ... and of each GET /metrics
         self.work = 0  # prompt "tokens" received, aborted requests included (GET /metrics)
         self.port = 0
         self._loop = asyncio.new_event_loop()
@@ -230,6 +234,7 @@ class Stub:
                 head = await reader.readuntil(b"\r\n\r\n")
                 lines = head.decode().split("\r\n")
                 if lines[0].startswith("GET /metrics"):
+                    self.metered_at.append(time.monotonic())
                     text = "# TYPE llamacpp:prompt_tokens_total counter\n"
                     text += f"llamacpp:prompt_tokens_total {self.work}\n"
                     writer.write(
@@ -251,6 +256,7 @@ class Stub:
                     self.log.append(("aborted", body))
                     return
                 self.log.append(("answered", body))
+                self.answered_at.append(time.monotonic())
                 answer = {
                     "content": f"<{body['prompt']}>",
                     "stop_type": "limit",
@@ -425,6 +431,19 @@ def test_interleaved_replay_with_cold_checks() -> None:
     assert [s.prompt_all_per_key for s in summaries] == [pytest.approx(want)] * 2
     meters = [o for o in outcomes if o.kind == "meter"]
     assert len(meters) == 2 * len(schedule.bursts)
+
+
+def test_each_servers_turn_begins_after_an_idle_gap() -> None:
+    """localspec's thread rule reads the last fraction of a second of other processes' CPU as
+    load: a turn that began the instant the other server's ended would run on fewer threads."""
+    with Stub(_slow_on("")) as a, Stub(_slow_on("")) as b:
+        replay_on(lambda: [Target("A", a.url), Target("B", b.url)], two_locations(), "final")
+    answered = sorted(a.answered_at + b.answered_at)
+    turns = a.metered_at[::2] + b.metered_at[::2]  # each turn reads the metrics first
+    assert len(turns) == 2 * len(two_locations().bursts)
+    for start in turns:
+        last = max(t for t in answered if t < start)  # (the setup fills come first)
+        assert start - last >= TURN_GAP_S
 
 
 def test_cold_checks_go_to_the_oracle_and_leave_the_measured_cache_alone() -> None:
