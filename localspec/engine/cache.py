@@ -314,8 +314,7 @@ class SlotCaches:
             end = piece_end(pos, min(n_prompt, nxt), pieces.size())
             self._compact_if_due(todo)
             ms = yield Segment(prompt[pos:end], pos, seq, "last" if end == n_prompt else "none")
-            self._evaluated(end - pos, ms)
-            pieces.ran(end - pos, ms)
+            self._evaluated(end - pos, ms, pieces)
             todo -= end - pos
             toks.extend(prompt[pos:end])
             pos = end
@@ -498,8 +497,7 @@ class SlotCaches:
                 # what follows the blocks attends to this one: it is evaluated after it too
                 self._compact_if_due(len(prompt) - pos)
                 ms = yield Segment(prompt[pos:nxt], pos, iso, "none")
-                self._evaluated(nxt - pos, ms)
-                pieces.ran(nxt - pos, ms)
+                self._evaluated(nxt - pos, ms, pieces)
                 ctx.seq_cp(iso, seq, pos, nxt)
                 toks.extend(prompt[pos:nxt])
                 placed.evaluated += nxt - pos
@@ -557,11 +555,13 @@ class SlotCaches:
         if due and not self.ctx.flash_attn:
             self._compact()
 
-    def _evaluated(self, n_tokens: int, ms: float | None) -> None:
-        """After a prefill piece: its tokens went into the lowest free cells first."""
+    def _evaluated(self, n_tokens: int, ms: float | None, pieces: Pieces) -> None:
+        """After a prefill piece: its tokens went into the lowest free cells first, and its
+        time (when it ran alone) prices the prompt's tokens and sizes the next piece."""
         self.holes = max(0, self.holes - n_tokens)
         if ms is not None:
             self._observe_price(n_tokens, ms)
+        pieces.ran(n_tokens, ms)
 
     def _observe_price(self, n_tokens: int, ms: float) -> None:
         if n_tokens < PRICE_MIN_PIECE:

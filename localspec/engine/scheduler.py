@@ -104,10 +104,10 @@ class Scheduler:
         self.waiting: deque[Task] = deque()
         self.running: list[_Running] = []
         self.prefilling: list[_Running] = []  # prompts being evaluated, oldest first
-        daux = engine._dcache.aux if engine._dcache is not None else []
-        self._free_aux: list[_Aux] = [
-            _Aux(t, daux[j] if j < len(daux) else None) for j, t in enumerate(engine._tcache.aux)
-        ]
+        taux = engine._tcache.aux
+        # (the draft context, when there is one, has as many extra sequences as the target's)
+        daux = engine._dcache.aux if engine._dcache is not None else [None] * len(taux)
+        self._free_aux: list[_Aux] = [_Aux(t, d) for t, d in zip(taux, daux, strict=True)]
 
     # --- the owner's side ------------------------------------------------------------------
     def submit(self, task: Task) -> None:
