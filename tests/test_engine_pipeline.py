@@ -24,6 +24,7 @@ from localspec.engine import (
     ModelSettings,
     SamplingParams,
     SpecSettings,
+    Task,
 )
 from localspec.engine.engine import draft_window_start
 from localspec.engine.llama import Clock, Context, Model
@@ -287,3 +288,51 @@ def test_draft_window_and_back_to_back_requests(
             GenerationRequest(slot=1, prompt=toks[:170], n_predict=10, sampling=GREEDY)
         )
         assert not res.pipelined and res.tokens == ref[170]
+
+
+def test_requests_arriving_together_start_no_draft_thread(
+    engine: Engine, cold_draft: Context
+) -> None:
+    """Two requests queued before the first step share every step from the start: neither
+    starts a draft thread (its window prefill would take cores from the shared steps)."""
+    texts = code_prompts(6, lines=12)
+    prompts = [engine.vocab.tokenize(texts[i])[:150] for i in (4, 5)]
+    tasks = [
+        Task([GenerationRequest(slot=s, prompt=p, n_predict=8, sampling=GREEDY)])
+        for s, p in enumerate(prompts)
+    ]
+    for task in tasks:
+        engine.submit(task)
+    while engine.step():
+        pass
+    for slot, (task, prompt) in enumerate(zip(tasks, prompts, strict=True)):
+        (res,) = task.results
+        assert not res.pipelined and len(res.tokens) == 8
+        assert_draft_cache_exact(engine, cold_draft, slot, prompt, res.tokens)
+
+
+def test_a_request_joining_a_prompt_prefill_stops_its_draft_thread(
+    engine: Engine, cold_draft: Context
+) -> None:
+    """A request that starts alone drafts on its own thread; once a second one joins while
+    the first prompt is still being evaluated, the thread is settled before the next shared
+    step, and both answers and caches stay exact."""
+    long = engine.vocab.tokenize("".join(code_prompts(5, lines=20)))[:700]
+    short = engine.vocab.tokenize(code_prompts(6, lines=12)[5])[:120]
+    engine.clear_slot(0)
+    first = Task([GenerationRequest(slot=0, prompt=long, n_predict=8, sampling=GREEDY)])
+    engine.submit(first)
+    engine.step()
+    (run,) = engine.scheduler.running
+    assert run.steps is not None and run.completions[0].pipe is not None  # prefilling, piped
+    second = Task([GenerationRequest(slot=1, prompt=short, n_predict=8, sampling=GREEDY)])
+    engine.submit(second)
+    engine.step()
+    assert engine._draft_job is None
+    assert all(c.pipe is None for r in engine.scheduler.running for c in r.completions)
+    while engine.step():
+        pass
+    for slot, task, prompt in ((0, first, long), (1, second, short)):
+        (res,) = task.results
+        assert len(res.tokens) == 8
+        assert_draft_cache_exact(engine, cold_draft, slot, prompt, res.tokens)

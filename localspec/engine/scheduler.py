@@ -154,9 +154,12 @@ class Scheduler:
         self._admit()
         self._end_alternatives()
         live = self._live()
-        if len(live) + len(self.prefilling) > 1:
-            for c in live:
-                c.unpipe()  # the draft thread drafts for one sequence alone
+        if len(self.running) > 1:
+            # the draft thread drafts (and prefills its window) for one request alone: beside
+            # others it would take cores from their shared steps
+            for run in self.running:
+                for c in run.completions:
+                    c.unpipe()
         pending = sum(len(r.piece.tokens) for r in self.prefilling if r.piece is not None)
         self._drafts(live, min(pending, self.e.n_batch))
         segments = [c.segment() for c in live]
@@ -267,7 +270,8 @@ class Scheduler:
             if not first.cache_prompt:
                 e.clear_slot(task.slot)
             c = self._completion(run, 0, st)
-            alone = len(self.running) == 1  # (extra completions follow it while they agree)
+            # (extra completions follow it while they agree)
+            alone = len(self.running) == 1 and not self.waiting
             if alone and first.n_predict != 0 and c.draft_ok and e.pipeline_enabled():
                 # the draft's window prefill runs on its thread beside the target's prefill
                 c.start_pipeline()
@@ -301,7 +305,7 @@ class Scheduler:
                 first.blocks,
                 first.block_sink,
                 cancel,
-                alone=alone and not self.waiting,
+                alone=alone,
             )
             self.prefilling.append(run)
             self._advance(run, -1, None, first_piece=True)
