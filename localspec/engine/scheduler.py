@@ -154,9 +154,9 @@ class Scheduler:
         self._admit()
         self._end_alternatives()
         live = self._live()
-        if len(self.running) > 1:
-            # the draft thread drafts (and prefills its window) for one request alone: beside
-            # others it would take cores from their shared steps
+        if len(self.running) > 1 or len(live) > 1:
+            # the draft thread drafts (and prefills its window) for one sequence alone: beside
+            # other requests or completions it would take cores from their shared steps
             for run in self.running:
                 for c in run.completions:
                     c.unpipe()
