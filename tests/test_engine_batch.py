@@ -252,8 +252,9 @@ def test_extra_completions_draft_with_the_draft_model_in_one_draft_batch(
     (its cells shared, not evaluated again); their drafts are made in one draft batch, each
     answers exactly what it answers alone with its seed, and the extra draft sequences are
     freed with the request, the slot's keeping only the first completion's verified tokens.
-    Pipelined, the first completion drafts on the draft thread while the others follow it,
-    and the thread is joined before any other sequence of the draft's context is touched."""
+    Pipelined, the first completion drafts on the draft thread while the others follow it;
+    the thread is settled in the step where they part, and joined before any other sequence
+    of the draft's context is touched."""
     n = 24
     with follow_draft_engine(
         qwen_follow, qwen_follow_draft, monkeypatch, pipeline=pipelined
@@ -274,10 +275,25 @@ def test_extra_completions_draft_with_the_draft_model_in_one_draft_batch(
                 break
         assert len(early) == 2
         seen = batch_sequences(dctx, monkeypatch)
+        steps: list[tuple[int, bool]] = []  # each target batch: its sequences, a thread drafting
+        decode_many = engine._tctx.decode_many
+
+        def watch(segments: Sequence[Segment]) -> list[int]:
+            running = engine.scheduler.running
+            piped = any(c.pipe is not None for run in running for c in run.completions)
+            steps.append((len({seg.seq for seg in segments}), piped))
+            return decode_many(segments)
+
+        monkeypatch.setattr(engine._tctx, "decode_many", watch)
         engine.clear_slot(0)
         lead, *extras = engine.generate_many([first, *(hot(first, seed) for seed in early)])
         assert lead.tokens == greedy
         assert lead.pipelined == pipelined
+        # the thread drafts while the completions ride one sequence, and is settled once they
+        # part: beside other sequences it would take cores from their shared steps
+        assert any(piped for n_seq, piped in steps if n_seq == 1) == pipelined
+        assert any(n_seq > 1 for n_seq, _ in steps)
+        assert not any(piped for n_seq, piped in steps if n_seq > 1)
         for res, own in zip(extras, early.values(), strict=True):
             assert res.tokens == own
             if not pipelined:  # (a draft thread stopped early may leave the window unfinished)
