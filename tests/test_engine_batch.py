@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -32,6 +33,8 @@ from localspec.engine.stops import StopRules
 from tests.fixtures.models import follow_chain
 from tests.steer import fixed_costs
 from tests.test_engine_exact import Scorer, model_settings
+
+T = TypeVar("T")
 
 GREEDY = SamplingParams(top_k=1, temperature=0.0)
 
@@ -59,15 +62,7 @@ def scorer(qwen_target: Path) -> Iterator[Scorer]:
 @pytest.fixture
 def batches(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> list[list[Segment]]:
     """Every batch the target decodes during the test, as its segments."""
-    seen: list[list[Segment]] = []
-    decode_many = engine._tctx.decode_many
-
-    def record(segments: Sequence[Segment]) -> list[int]:
-        seen.append(list(segments))
-        return decode_many(segments)
-
-    monkeypatch.setattr(engine._tctx, "decode_many", record)
-    return seen
+    return each_batch(engine._tctx, monkeypatch, list)
 
 
 def prompts(engine: Engine, n: int, lines: int = 8) -> list[list[int]]:
@@ -111,30 +106,29 @@ def follow_draft_engine(
         yield engine
 
 
-def batch_sequences(ctx: Context, monkeypatch: pytest.MonkeyPatch) -> list[set[int]]:
-    """The sequence ids of every batch ``ctx`` decodes during the test, batch by batch."""
-    seen: list[set[int]] = []
+def each_batch(
+    ctx: Context, monkeypatch: pytest.MonkeyPatch, what: Callable[[Sequence[Segment]], T]
+) -> list[T]:
+    """``what`` of every batch ``ctx`` decodes during the test, taken before it is decoded."""
+    seen: list[T] = []
     decode_many = ctx.decode_many
 
     def record(segments: Sequence[Segment]) -> list[int]:
-        seen.append({seg.seq for seg in segments})
+        seen.append(what(segments))
         return decode_many(segments)
 
     monkeypatch.setattr(ctx, "decode_many", record)
     return seen
+
+
+def batch_sequences(ctx: Context, monkeypatch: pytest.MonkeyPatch) -> list[set[int]]:
+    """The sequence ids of every batch ``ctx`` decodes during the test, batch by batch."""
+    return each_batch(ctx, monkeypatch, lambda segments: {seg.seq for seg in segments})
 
 
 def batch_sizes(ctx: Context, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The token count of every batch ``ctx`` decodes during the test."""
-    seen: list[int] = []
-    decode_many = ctx.decode_many
-
-    def record(segments: Sequence[Segment]) -> list[int]:
-        seen.append(sum(len(seg.tokens) for seg in segments))
-        return decode_many(segments)
-
-    monkeypatch.setattr(ctx, "decode_many", record)
-    return seen
+    return each_batch(ctx, monkeypatch, lambda segments: sum(len(seg.tokens) for seg in segments))
 
 
 def run(engine: Engine, *tasks: Task) -> None:
@@ -275,16 +269,14 @@ def test_extra_completions_draft_with_the_draft_model_in_one_draft_batch(
                 break
         assert len(early) == 2
         seen = batch_sequences(dctx, monkeypatch)
-        steps: list[tuple[int, bool]] = []  # each target batch: its sequences, a thread drafting
-        decode_many = engine._tctx.decode_many
 
-        def watch(segments: Sequence[Segment]) -> list[int]:
+        def watch(segments: Sequence[Segment]) -> tuple[int, bool]:
+            """A target batch's sequences, and whether a draft thread drafts beside it."""
             running = engine.scheduler.running
             piped = any(c.pipe is not None for run in running for c in run.completions)
-            steps.append((len({seg.seq for seg in segments}), piped))
-            return decode_many(segments)
+            return len({seg.seq for seg in segments}), piped
 
-        monkeypatch.setattr(engine._tctx, "decode_many", watch)
+        steps = each_batch(engine._tctx, monkeypatch, watch)
         engine.clear_slot(0)
         lead, *extras = engine.generate_many([first, *(hot(first, seed) for seed in early)])
         assert lead.tokens == greedy
