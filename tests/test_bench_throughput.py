@@ -102,6 +102,28 @@ def test_a_real_run_against_localspec(qwen_target: Path, tmp_path: Path) -> None
     assert log.read_text().count("POST /completion 200") == 1 + 2 + 2  # warm-up, alone, cell
 
 
+def test_a_context_head_is_cached_on_every_slot_and_only_the_snippets_are_evaluated(
+    qwen_target: Path, tmp_path: Path
+) -> None:
+    """``--context-chars``: the same code heads every prompt and is cached on both slots before
+    the answers alone and before the cell, so each request evaluates only its own snippet."""
+    out = tmp_path / "t.json"
+    argv = ["--target", str(qwen_target), "--clients", "2", "--requests", "2",
+            "--n-predict", "2", "--prompt-chars", "300", "--context-chars", "3000",
+            "--vs-llama-server", "", "--threads", "1", "--ctx", "2048",
+            "--log-dir", str(tmp_path / "logs"), "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    doc = json.loads(out.read_text())
+    (c,) = doc["cells"]
+    assert c["requests"] == 4 and c["errors"] == 0
+    for r in doc["requests"]:
+        # the head (3 000 characters) reused, the snippet (300) evaluated: far fewer tokens
+        assert r["cache_n"] > 2 * r["prompt_n"] > 0, r
+    (log,) = (tmp_path / "logs").iterdir()
+    # warm-up, the head on each of 2 slots, 4 alone, the head on each slot again, 4 in the cell
+    assert log.read_text().count("POST /completion 200") == 1 + 2 + 4 + 2 + 4
+
+
 def test_a_chat_model_beside_the_target_answers_before_each_cell(
     qwen_target: Path, smollm_q4: Path, tmp_path: Path
 ) -> None:

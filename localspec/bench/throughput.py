@@ -15,6 +15,12 @@ localspec serving an instruct model for chat beside the target, as a default ``l
 does where the machine fits both; its chat model answers one chat request before each cell, so
 the completions are measured after chat has run (its worker shares the completion engine's
 thread, and so its llama.cpp threads).
+
+``--context-chars N`` puts the same N characters of other files' code before every prompt, as
+an editor's extra context heads its prompts, and caches that head on every slot of both
+servers before each cell (and before the answers alone): a request then evaluates only its own
+snippet, deep in the context, which is what a jump to another place in the code costs an
+editor. Without it every prompt is evaluated in full from an empty cache.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import httpx
 from localspec.bench import anchor
 from localspec.bench.background import TURN_GAP_S, busy_loops, levels
 from localspec.bench.command import bench_parser, interruptible
-from localspec.bench.corpus import code_prompts
+from localspec.bench.corpus import code_prompts, ring_chunks
 from localspec.bench.driver import divergence
 from localspec.bench.replay import machine
 from localspec.bench.stats import fmt, mean, percentile, ratio
@@ -48,6 +54,8 @@ examples:
   localspec bench throughput --target t.gguf --draft d.gguf --clients 4,8 --vs-llama-server plain
   # completions with and without a chat model beside them that has answered a chat request
   localspec bench throughput --target t.gguf --chat-target instruct.gguf --repeats 2
+  # prompt evaluation deep in the context: each snippet after ~2 000 tokens of cached code
+  localspec bench throughput --target t.gguf --context-chars 8000 --requests 6 --n-predict 16
 
 llama-server comes from $LLAMA_SERVER_BIN (build it with scripts/build-llama-server.sh).
 """
@@ -71,6 +79,7 @@ class Request:
     # alone at that token (a near tie when small), and whether this one took the runner-up
     parted_margin: float | None = None
     took_runner_up: bool | None = None
+    cache_n: int = 0  # prompt tokens the server reused from its cache
     report: list[dict[str, Any]] = field(default_factory=list, repr=False)  # n_probs answers
 
 
@@ -152,6 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompt-chars", type=int, default=1500, help="characters per prompt (default 1500)"
     )
     p.add_argument(
+        "--context-chars",
+        type=int,
+        default=0,
+        help="characters of cached code before every prompt (default 0: none, no cache)",
+    )
+    p.add_argument(
         "--background", default="0", help="busy processes beside the servers, e.g. 0,1,2"
     )
     p.add_argument("--threads", type=int, default=2, help="threads of both servers (default 2)")
@@ -182,6 +197,19 @@ def prompts(n: int, chars: int) -> list[str]:
     return [text[:chars] for text in code_prompts(n, lines=lines)]
 
 
+def context_head(chars: int) -> str:
+    """``chars`` characters of other modules' code, whole lines, the same for every prompt."""
+    if chars <= 0:
+        return ""
+    head = ""
+    for chunk in ring_chunks(n=64):
+        for line in chunk["text"].splitlines(True):
+            if len(head) + len(line) > chars:
+                return head
+            head += line
+    return head
+
+
 def _post(url: str, body: dict[str, Any], timeout: float) -> Request:
     t0 = time.perf_counter()
     try:
@@ -200,6 +228,7 @@ def _post(url: str, body: dict[str, Any], timeout: float) -> Request:
             content=str(answer.get("content", "")),
             predicted_n=int(t.get("predicted_n") or 0),
             prompt_n=int(t.get("prompt_n") or 0),
+            cache_n=int(t.get("cache_n") or 0),
             prompt_per_second=t.get("prompt_per_second"),
             predicted_per_second=t.get("predicted_per_second"),
             report=probs if isinstance(probs, list) else [],
@@ -208,10 +237,24 @@ def _post(url: str, body: dict[str, Any], timeout: float) -> Request:
         return Request(time.perf_counter() - t0, False, error=f"{type(exc).__name__}: {exc}")
 
 
-def _body(text: str, n_predict: int, n_probs: int = 0) -> dict[str, Any]:
-    # every prompt evaluated in full (no cache reuse between cells): prompt speed is comparable
-    return {"prompt": text, "n_predict": n_predict, "top_k": 1, "samplers": ["top_k"],
-            "cache_prompt": False, "id_slot": -1, "n_probs": n_probs}  # fmt: skip
+def _body(text: str, args: Any, n_probs: int = 0, id_slot: int = -1) -> dict[str, Any]:
+    """A greedy request for ``text`` after the context head. Without a head every prompt is
+    evaluated in full (no cache reuse between cells), so prompt speeds are comparable; with
+    one, only the head may be reused, since ``prime`` leaves every slot holding just the head."""
+    return {"prompt": context_head(args.context_chars) + text, "n_predict": args.n_predict,
+            "top_k": 1, "samplers": ["top_k"], "cache_prompt": args.context_chars > 0,
+            "id_slot": id_slot, "n_probs": n_probs}  # fmt: skip
+
+
+def prime(url: str, slots: int, args: Any) -> None:
+    """With ``--context-chars``: every slot evaluates the head alone, so that what the last
+    cell (or the answers alone) left in a slot is not reused, and the head always is."""
+    if args.context_chars <= 0:
+        return
+    for slot in range(slots):
+        r = _post(url, {**_body("", args, id_slot=slot), "n_predict": 1}, args.timeout)
+        if not r.ok:
+            raise anchor.ServerError(f"{url} did not cache the context head: {r.error}")
 
 
 def chat_once(url: str, model: str, timeout: float) -> None:
@@ -228,7 +271,7 @@ def chat_once(url: str, model: str, timeout: float) -> None:
 
 def warm_up(url: str, text: str, args: Any) -> None:
     """One request on a prompt no cell sends, not measured."""
-    r = _post(url, _body(text, args.n_predict), args.timeout)
+    r = _post(url, _body(text, args), args.timeout)
     if not r.ok:
         raise anchor.ServerError(f"{url} did not answer its warm-up request: {r.error}")
 
@@ -237,7 +280,7 @@ def alone(url: str, texts: Sequence[str], args: Any) -> list[Request]:
     """Each prompt's answer with nothing else running, the reference for agreement, with each
     token's two likeliest candidates (``n_probs`` reports; the tokens are the same without):
     where an answer decoded beside others parts from it, how near a tie that token was."""
-    return [_post(url, _body(text, args.n_predict, n_probs=2), args.timeout) for text in texts]
+    return [_post(url, _body(text, args, n_probs=2), args.timeout) for text in texts]
 
 
 def compare(outcome: Request, reference: Request) -> None:
@@ -268,7 +311,7 @@ def measure(
     def client(index: int) -> None:
         for k in range(args.requests):
             i = (index * args.requests + k) % len(texts)
-            outcome = _post(url, _body(texts[i], args.n_predict), args.timeout)
+            outcome = _post(url, _body(texts[i], args), args.timeout)
             outcome.prompt_index = i
             if i < len(reference):
                 compare(outcome, reference[i])
@@ -350,6 +393,8 @@ def _main(args: argparse.Namespace) -> int:
         loads = levels(args.background)
         if 0 in client_counts or args.requests < 1:
             raise ValueError("--clients and --requests must be at least 1")
+        if args.context_chars < 0:
+            raise ValueError("--context-chars must be 0 or more")
         for path in (args.target, args.draft, args.chat_target):
             if path is not None and not path.is_file():
                 raise ValueError(f"model file not found: {path}")
@@ -396,6 +441,7 @@ def _main(args: argparse.Namespace) -> int:
             if not args.no_alone:
                 for server in started:
                     progress(f"{server.spec.name}: each prompt alone, for the agreement column")
+                    prime(server.spec.url, serve.slots, args)
                     reference[server.spec.name] = alone(server.spec.url, texts, args)
             n_round = 0
             for _ in range(args.repeats):
@@ -407,6 +453,7 @@ def _main(args: argparse.Namespace) -> int:
                             for server in order:
                                 if server.spec.chat_model is not None:
                                     chat_once(server.spec.url, server.spec.chat_model, args.timeout)
+                                prime(server.spec.url, serve.slots, args)
                                 time.sleep(TURN_GAP_S)  # the last server's work out of view
                                 cell = measure(
                                     server.spec.url, server.spec.name, texts,
