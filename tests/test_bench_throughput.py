@@ -79,7 +79,7 @@ def test_llama_server_gets_the_slots_and_one_kv_buffer() -> None:
     serve = anchor.ServeSettings(target=Path("t.gguf"), ctx=2048, slots=4, kv_unified=True)
     argv = anchor.llama_server_spec(Path("llama-server"), serve, "plain", port=1).argv
     assert argv[argv.index("-np") + 1] == "4" and argv[argv.index("-c") + 1] == "8192"
-    assert "-kvu" in argv
+    assert "-kvu" in argv and argv[argv.index("--cache-ram") + 1] == "0"
     ours = anchor.localspec_spec(serve, port=1).argv
     assert ours[ours.index("--slots") + 1] == "4" and ours[ours.index("--ctx-size") + 1] == "2048"
 

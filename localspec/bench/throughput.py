@@ -20,12 +20,14 @@ thread, and so its llama.cpp threads).
 an editor's extra context heads its prompts, and caches that head on every slot of both
 servers before each cell (and before the answers alone): a request then evaluates only its own
 snippet, deep in the context, which is what a jump to another place in the code costs an
-editor. Without it every prompt is evaluated in full from an empty cache.
+editor; each client then keeps to its own slot (``id_slot``), as an editor's session does.
+Without it every prompt is evaluated in full from an empty cache, on any slot.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import threading
@@ -197,6 +199,7 @@ def prompts(n: int, chars: int) -> list[str]:
     return [text[:chars] for text in code_prompts(n, lines=lines)]
 
 
+@functools.cache
 def context_head(chars: int) -> str:
     """``chars`` characters of other modules' code, whole lines, the same for every prompt."""
     if chars <= 0:
@@ -240,19 +243,21 @@ def _post(url: str, body: dict[str, Any], timeout: float) -> Request:
 def _body(text: str, args: Any, n_probs: int = 0, id_slot: int = -1) -> dict[str, Any]:
     """A greedy request for ``text`` after the context head. Without a head every prompt is
     evaluated in full (no cache reuse between cells), so prompt speeds are comparable; with
-    one, only the head may be reused, since ``prime`` leaves every slot holding just the head."""
+    one, only the head may be reused (``prime`` leaves every slot holding it before a snippet
+    that no measured request sends)."""
     return {"prompt": context_head(args.context_chars) + text, "n_predict": args.n_predict,
             "top_k": 1, "samplers": ["top_k"], "cache_prompt": args.context_chars > 0,
             "id_slot": id_slot, "n_probs": n_probs}  # fmt: skip
 
 
-def prime(url: str, slots: int, args: Any) -> None:
-    """With ``--context-chars``: every slot evaluates the head alone, so that what the last
-    cell (or the answers alone) left in a slot is not reused, and the head always is."""
+def prime(url: str, slots: int, text: str, args: Any) -> None:
+    """With ``--context-chars``: every slot answers the head and ``text`` (a snippet no cell
+    sends), so that what the last cell or the answers alone left in a slot is not reused and
+    the head always is; each slot then holds what an editor's last request leaves there."""
     if args.context_chars <= 0:
         return
     for slot in range(slots):
-        r = _post(url, {**_body("", args, id_slot=slot), "n_predict": 1}, args.timeout)
+        r = _post(url, {**_body(text, args, id_slot=slot), "n_predict": 1}, args.timeout)
         if not r.ok:
             raise anchor.ServerError(f"{url} did not cache the context head: {r.error}")
 
@@ -311,7 +316,9 @@ def measure(
     def client(index: int) -> None:
         for k in range(args.requests):
             i = (index * args.requests + k) % len(texts)
-            outcome = _post(url, _body(texts[i], args), args.timeout)
+            # behind a cached head each client keeps to its own slot, as an editor does
+            slot = index if args.context_chars > 0 else -1
+            outcome = _post(url, _body(texts[i], args, id_slot=slot), args.timeout)
             outcome.prompt_index = i
             if i < len(reference):
                 compare(outcome, reference[i])
@@ -441,7 +448,7 @@ def _main(args: argparse.Namespace) -> int:
             if not args.no_alone:
                 for server in started:
                     progress(f"{server.spec.name}: each prompt alone, for the agreement column")
-                    prime(server.spec.url, serve.slots, args)
+                    prime(server.spec.url, serve.slots, warm_text, args)
                     reference[server.spec.name] = alone(server.spec.url, texts, args)
             n_round = 0
             for _ in range(args.repeats):
@@ -453,7 +460,7 @@ def _main(args: argparse.Namespace) -> int:
                             for server in order:
                                 if server.spec.chat_model is not None:
                                     chat_once(server.spec.url, server.spec.chat_model, args.timeout)
-                                prime(server.spec.url, serve.slots, args)
+                                prime(server.spec.url, serve.slots, warm_text, args)
                                 time.sleep(TURN_GAP_S)  # the last server's work out of view
                                 cell = measure(
                                     server.spec.url, server.spec.name, texts,
