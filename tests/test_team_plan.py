@@ -32,6 +32,7 @@ def test_llama_server_command_follows_the_plan() -> None:
     flags = _flags(team.argv)
     assert flags["-np"] == str(plan.n_slots) and flags["-c"] == str(plan.n_ctx * plan.n_slots)
     assert "-kvu" in flags and flags["--cache-reuse"] == "256"
+    assert flags["--cache-ram"] == "0"  # else a slot loses its prompt once another has run
     assert flags["-ctk"] == plan.type_k and flags["-fa"] == ("on" if plan.flash_attn else "off")
     target = CATALOG.model(plan.target[0]).quants[plan.target[1]]
     assert flags["-hf"] == target.repo and flags["-hff"] == target.main_file.filename

@@ -66,7 +66,7 @@ def two_slots(team: ServerSpec) -> None:
     localspec ``--slots 2``; llama-server ``-np 2 -kvu``, every slot the whole context."""
     if "-np" in team.argv:
         team.argv[team.argv.index("-np") + 1] = "2"
-        team.argv.append("-kvu")
+        team.argv += ["-kvu", "--cache-ram", "0"]  # as the team plan runs it (planning.team)
     else:
         team.argv += ["--slots", "2"]
 

@@ -150,6 +150,7 @@ def _llama_server(
     else:
         argv += ["--spec-type", "ngram-simple"]
     argv += ["-c", str(plan.n_ctx * plan.n_slots), "-np", str(plan.n_slots), "-kvu"]
+    argv += ["--cache-ram", "0"]
     argv += ["--cache-reuse", str(plan.cache_reuse or 256)]
     argv += ["-b", str(plan.n_batch), "-ub", str(plan.n_ubatch)]
     argv += ["-fa", "on" if plan.flash_attn else "off"]
@@ -162,6 +163,9 @@ def _llama_server(
         f"-kvu: one KV buffer of {plan.n_ctx * plan.n_slots} cells shared by the "
         f"{plan.n_slots} slots (-np), as the plan sized it ({plan.n_ctx} per slot); each "
         "developer's localspec keeps to one slot (a stable id_slot), so its cache survives",
+        "--cache-ram 0: with -kvu, llama-server's host-memory prompt cache (on by default) "
+        "drops a slot's cached prompt whenever another slot has run, and every developer's "
+        "next request would evaluate its whole prompt again",
         "--cache-reuse 256: the editors' sliding windows and ring chunks move in the KV "
         "instead of being evaluated again",
         "serve it behind TLS (a reverse proxy, or llama-server's --ssl-key-file/--ssl-cert-file)",
