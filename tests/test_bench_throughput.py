@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -84,16 +85,20 @@ def test_llama_server_gets_the_slots_and_one_kv_buffer() -> None:
     assert ours[ours.index("--slots") + 1] == "4" and ours[ours.index("--ctx-size") + 1] == "2048"
 
 
+def _run(tmp_path: Path, target: Path, *args: str) -> dict[str, Any]:
+    """One localspec-only run of the benchmark (1 thread, logs under ``tmp_path``): its JSON."""
+    out = tmp_path / "t.json"
+    argv = ["--target", str(target), *args, "--vs-llama-server", "", "--threads", "1",
+            "--log-dir", str(tmp_path / "logs"), "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    return json.loads(out.read_text())
+
+
 def test_a_real_run_against_localspec(qwen_target: Path, tmp_path: Path) -> None:
     """Two clients at once on two slots, beside a busy process: every request answered, after
     one unmeasured warm-up request and the answers alone."""
-    out = tmp_path / "t.json"
-    argv = ["--target", str(qwen_target), "--clients", "2", "--requests", "1",
-            "--n-predict", "4", "--prompt-chars", "300", "--background", "1",
-            "--vs-llama-server", "", "--threads", "1", "--ctx", "1024",
-            "--log-dir", str(tmp_path / "logs"), "--json", str(out)]  # fmt: skip
-    assert main(argv) == 0
-    doc = json.loads(out.read_text())
+    doc = _run(tmp_path, qwen_target, "--clients", "2", "--requests", "1", "--n-predict", "4",
+               "--prompt-chars", "300", "--background", "1", "--ctx", "1024")  # fmt: skip
     (c,) = doc["cells"]
     assert (c["server"], c["background"], c["clients"]) == ("localspec", 1, 2)
     assert c["requests"] == 2 and c["errors"] == 0 and c["aggregate_tokens_per_s"] > 0
@@ -107,20 +112,15 @@ def test_a_context_head_is_cached_on_every_slot_and_only_the_snippets_are_evalua
 ) -> None:
     """``--context-chars``: the same code heads every prompt and is cached on both slots before
     the answers alone and before the cell, so each request evaluates only its own snippet."""
-    out = tmp_path / "t.json"
-    argv = ["--target", str(qwen_target), "--clients", "2", "--requests", "2",
-            "--n-predict", "2", "--prompt-chars", "300", "--context-chars", "3000",
-            "--vs-llama-server", "", "--threads", "1", "--ctx", "2048",
-            "--log-dir", str(tmp_path / "logs"), "--json", str(out)]  # fmt: skip
-    assert main(argv) == 0
-    doc = json.loads(out.read_text())
+    doc = _run(tmp_path, qwen_target, "--clients", "2", "--requests", "2", "--n-predict", "2",
+               "--prompt-chars", "300", "--context-chars", "3000", "--ctx", "2048")  # fmt: skip
     (c,) = doc["cells"]
     assert c["requests"] == 4 and c["errors"] == 0
     for r in doc["requests"]:
         # the head (3 000 characters) reused, the snippet (300) evaluated: far fewer tokens
         assert r["cache_n"] > 2 * r["prompt_n"] > 0, r
     (log,) = (tmp_path / "logs").iterdir()
-    # warm-up, the head on each of 2 slots, 4 alone, the head on each slot again, 4 in the cell
+    # warm-up, each of 2 slots primed, 4 alone, each slot primed again, 4 in the cell
     assert log.read_text().count("POST /completion 200") == 1 + 2 + 4 + 2 + 4
 
 
@@ -129,14 +129,10 @@ def test_a_chat_model_beside_the_target_answers_before_each_cell(
 ) -> None:
     """``--chat-target``: a second localspec with an instruct model beside the target; its chat
     model answers one chat request before each cell, and both daemons' completions are counted."""
-    out = tmp_path / "t.json"
+    doc = _run(tmp_path, qwen_target, "--chat-target", str(smollm_q4), "--clients", "1",
+               "--requests", "1", "--n-predict", "4", "--prompt-chars", "300", "--ctx", "1024",
+               "--repeats", "2")  # fmt: skip
     logs = tmp_path / "logs"
-    argv = ["--target", str(qwen_target), "--chat-target", str(smollm_q4),
-            "--clients", "1", "--requests", "1", "--n-predict", "4", "--prompt-chars", "300",
-            "--vs-llama-server", "", "--threads", "1", "--ctx", "1024", "--repeats", "2",
-            "--log-dir", str(logs), "--json", str(out)]  # fmt: skip
-    assert main(argv) == 0
-    doc = json.loads(out.read_text())
     assert sorted(c["server"] for c in doc["cells"]) == ["localspec", "localspec+chat"]
     assert all(c["requests"] == 2 and c["errors"] == 0 for c in doc["cells"])
     (chat_argv,) = [s["argv"] for s in doc["servers"] if s["name"] == "localspec+chat"]
