@@ -32,7 +32,7 @@ import json
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -250,16 +250,19 @@ def _body(text: str, args: Any, n_probs: int = 0, id_slot: int = -1) -> dict[str
             "id_slot": id_slot, "n_probs": n_probs}  # fmt: skip
 
 
-def prime(url: str, slots: int, text: str, args: Any) -> None:
+def prime(
+    spec: anchor.ServerSpec, slots: int, text: str, args: Any, progress: Callable[[str], None]
+) -> None:
     """With ``--context-chars``: every slot answers the head and ``text`` (a snippet no cell
     sends), so that what the last cell or the answers alone left in a slot is not reused and
     the head always is; each slot then holds what an editor's last request leaves there."""
     if args.context_chars <= 0:
         return
     for slot in range(slots):
-        r = _post(url, {**_body(text, args, id_slot=slot), "n_predict": 1}, args.timeout)
+        progress(f"{spec.name}: the context head into slot {slot}")
+        r = _post(spec.url, {**_body(text, args, id_slot=slot), "n_predict": 1}, args.timeout)
         if not r.ok:
-            raise anchor.ServerError(f"{url} did not cache the context head: {r.error}")
+            raise anchor.ServerError(f"{spec.url} did not cache the context head: {r.error}")
 
 
 def chat_once(url: str, model: str, timeout: float) -> None:
@@ -448,7 +451,7 @@ def _main(args: argparse.Namespace) -> int:
             if not args.no_alone:
                 for server in started:
                     progress(f"{server.spec.name}: each prompt alone, for the agreement column")
-                    prime(server.spec.url, serve.slots, warm_text, args)
+                    prime(server.spec, serve.slots, warm_text, args, progress)
                     reference[server.spec.name] = alone(server.spec.url, texts, args)
             n_round = 0
             for _ in range(args.repeats):
@@ -460,7 +463,7 @@ def _main(args: argparse.Namespace) -> int:
                             for server in order:
                                 if server.spec.chat_model is not None:
                                     chat_once(server.spec.url, server.spec.chat_model, args.timeout)
-                                prime(server.spec.url, serve.slots, warm_text, args)
+                                prime(server.spec, serve.slots, warm_text, args, progress)
                                 time.sleep(TURN_GAP_S)  # the last server's work out of view
                                 cell = measure(
                                     server.spec.url, server.spec.name, texts,
