@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 
 from localspec.engine.llama import default_repack_weights
+from localspec.planning.team import UNIFIED_KV
 
 LLAMA_SERVER_ENV = "LLAMA_SERVER_BIN"
 
@@ -140,11 +141,7 @@ def llama_server_spec(
     if variant:
         argv += ["--flash-attn", "off"]
     if serve.kv_unified:
-        # --cache-ram 0: with one KV buffer, llama-server's host-memory prompt cache (on by
-        # default) drops a slot's cached prompt whenever another slot has run in between (the
-        # same prompt on slot 0, then slot 1, then slot 0 again: all of it evaluated anew;
-        # with --cache-ram 0 one token), which would charge it for re-evaluating shared heads
-        argv += ["-kvu", "--cache-ram", "0"]
+        argv += UNIFIED_KV  # as a team server runs it (planning.team)
     if not default_repack_weights():
         # where llama.cpp runs AMX kernels, its AMX weight buffers crash on some CPUs (see
         # engine.llama): llama-server loads as localspec does there

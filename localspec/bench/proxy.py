@@ -28,6 +28,7 @@ import httpx
 from localspec.bench.anchor import ManagedServer, ServerSpec, ServeSettings, free_port
 from localspec.bench.driver import Outcome
 from localspec.bench.stats import fmt, percentile
+from localspec.planning.team import UNIFIED_KV
 
 PROXY = "proxy"
 PROXY_SLOT = 1  # the upstream slot the proxy pins; the direct replay uses slot 0
@@ -66,7 +67,7 @@ def two_slots(team: ServerSpec) -> None:
     localspec ``--slots 2``; llama-server ``-np 2 -kvu``, every slot the whole context."""
     if "-np" in team.argv:
         team.argv[team.argv.index("-np") + 1] = "2"
-        team.argv += ["-kvu", "--cache-ram", "0"]  # as the team plan runs it (planning.team)
+        team.argv += UNIFIED_KV  # as the team plan runs it
     else:
         team.argv += ["--slots", "2"]
 

@@ -23,6 +23,12 @@ from localspec.planning.result import Plan
 from localspec.planning.search import make_plan
 from localspec.planning.types import PlanError, StepCosts
 
+# llama-server's flags for one KV buffer shared by its slots. --cache-ram 0: with -kvu its
+# host-memory prompt cache (on by default) drops a slot's cached prompt whenever another slot
+# has run (the same prompt on slot 0, slot 1, slot 0 again: evaluated in full the third time;
+# with --cache-ram 0, one token of it), so a slot's cache survives only without it
+UNIFIED_KV = ("-kvu", "--cache-ram", "0")
+
 Engine = Literal["llama-server", "vllm", "sglang"]
 ENGINES: tuple[Engine, ...] = ("llama-server", "vllm", "sglang")
 DEFAULT_PORTS: dict[Engine, int] = {"llama-server": 8012, "vllm": 8000, "sglang": 30000}
@@ -149,8 +155,7 @@ def _llama_server(
         argv += ["--spec-draft-p-min", f"{plan.speculative.p_min:g}"]
     else:
         argv += ["--spec-type", "ngram-simple"]
-    argv += ["-c", str(plan.n_ctx * plan.n_slots), "-np", str(plan.n_slots), "-kvu"]
-    argv += ["--cache-ram", "0"]
+    argv += ["-c", str(plan.n_ctx * plan.n_slots), "-np", str(plan.n_slots), *UNIFIED_KV]
     argv += ["--cache-reuse", str(plan.cache_reuse or 256)]
     argv += ["-b", str(plan.n_batch), "-ub", str(plan.n_ubatch)]
     argv += ["-fa", "on" if plan.flash_attn else "off"]
