@@ -111,8 +111,15 @@ BAD: list[tuple[str, str, bytes | dict[str, Any] | list[Any], int, str]] = [
 
 @pytest.mark.parametrize("name,route,body,status,word", BAD, ids=[b[0] for b in BAD])
 def test_bad_input_is_a_clear_4xx_and_the_daemon_is_unaffected(
-    c: httpx.Client, name: str, route: str, body: Any, status: int, word: str
+    c: httpx.Client,
+    caplog: pytest.LogCaptureFixture,
+    name: str,
+    route: str,
+    body: Any,
+    status: int,
+    word: str,
 ) -> None:
+    caplog.set_level(logging.WARNING)
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     r = c.post(route, content=raw, headers={"Content-Type": "application/json"})
     assert r.status_code == status, (name, r.text[:300])
@@ -120,6 +127,8 @@ def test_bad_input_is_a_clear_4xx_and_the_daemon_is_unaffected(
     assert err["code"] == status and err["type"] == "invalid_request_error"
     assert err["message"] and word in err["message"], err["message"]
     ok_infill(c)  # the daemon is unaffected
+    # a client's mistake is on its request line, not an error with a traceback in the log
+    assert not [rec for rec in caplog.records if rec.levelno >= logging.ERROR], name
 
 
 def test_10k_ring_chunks_limit_is_exactly_the_documented_one(c: httpx.Client) -> None:

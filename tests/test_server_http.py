@@ -701,18 +701,37 @@ def test_streaming_several_completions_tags_each_with_its_index(qc: httpx.Client
         assert len(parts) == next(f for f in finals if f["index"] == index)["tokens_predicted"]
 
 
+def _metric(qc: httpx.Client, name: str) -> float:
+    text = qc.get("/metrics").text
+    return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith(name + " "))
+
+
 def test_agreeing_completions_are_counted_in_the_request_log(
     qc: httpx.Client, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Greedy completions always agree: the second and third draw at the first's rows."""
+    """Greedy completions always agree: the second and third draw at the first's rows. The
+    prompt is evaluated once for the three, and the log line and /metrics count it once."""
     caplog.set_level(logging.INFO, logger=logs.REQUESTS)
+    evaluated0 = _metric(qc, "localspec_prompt_tokens_evaluated_total")
+    cached0 = _metric(qc, "localspec_prompt_tokens_cached_total")
     body = {"input_prefix": "def f(x):\n", "input_suffix": "\n", "n_predict": 6, "n_cmpl": 3,
-            "top_k": 1, "input_extra": []}  # fmt: skip
+            "top_k": 1, "input_extra": [], "cache_prompt": False}  # fmt: skip
     answers = qc.post("/infill", json=body).json()
     assert len({a["content"] for a in answers}) == 1
     n = answers[0]["tokens_predicted"]
     line = next(r for r in caplog.records if r.name == logs.REQUESTS and "/infill" in r.message)
-    assert line.fields["followed"] == 2 * (n - 1)  # type: ignore[attr-defined]
+    fields: dict[str, Any] = line.fields  # type: ignore[attr-defined]
+    assert fields["followed"] == 2 * (n - 1)
+    n_prompt = answers[0]["tokens_evaluated"]
+    assert fields["n_prompt"] == n_prompt
+    assert fields["evaluated"] + fields["reused"] == n_prompt  # not three prompts' worth
+    assert fields["evaluated"] == answers[0]["timings"]["prompt_n"] > 0
+    assert fields["prompt_ms"] == pytest.approx(answers[0]["timings"]["prompt_ms"], abs=0.01)
+    assert fields["prompt_ms"] + fields["gen_ms"] <= fields["total_ms"]
+    assert fields["predicted"] == sum(a["tokens_predicted"] for a in answers)
+    evaluated = _metric(qc, "localspec_prompt_tokens_evaluated_total") - evaluated0
+    assert evaluated == fields["evaluated"]
+    assert _metric(qc, "localspec_prompt_tokens_cached_total") - cached0 == fields["reused"]
 
 
 def _shifted_answers(qc: httpx.Client) -> float:

@@ -216,22 +216,27 @@ class Metrics:
         self.child(self.http_requests, route, str(status)).inc()
         self.child(self.http_latency, route).observe(seconds)
 
-    def record(self, result: GenerationResult, endpoint: str = "completion") -> None:
+    def record(
+        self, result: GenerationResult, endpoint: str = "completion", *, prompt: bool = True
+    ) -> None:
+        """One completion's figures. ``prompt=False`` for a request's extra completions: they
+        share the first one's prompt evaluation, which is counted once."""
         child = self.child
-        self.prompt_evaluated.inc(result.n_evaluated)
-        self.prompt_cached.inc(result.n_cached)
+        if prompt:
+            self.prompt_evaluated.inc(result.n_evaluated)
+            self.prompt_cached.inc(result.n_cached)
+            child(self.prompt_time, endpoint).observe(result.prompt_ms / 1e3)
+            if result.n_evaluated and result.prompt_ms > 0:
+                rate = result.n_evaluated / result.prompt_ms * 1e3
+                child(self.prompt_per_second, endpoint).observe(rate)
         if result.n_approx and result.tokens:
             self.approximate.inc()
         n_predicted = len(result.tokens)
         self.predicted.inc(n_predicted)
-        child(self.prompt_time, endpoint).observe(result.prompt_ms / 1e3)
         child(self.generation_time, endpoint).observe(result.predicted_ms / 1e3)
         if n_predicted and result.predicted_ms > 0:
             rate = n_predicted / result.predicted_ms * 1e3
             child(self.tokens_per_second, endpoint).observe(rate)
-        if result.n_evaluated and result.prompt_ms > 0:
-            rate = result.n_evaluated / result.prompt_ms * 1e3
-            child(self.prompt_per_second, endpoint).observe(rate)
         for source, stats in result.drafted.items():
             child(self.drafted, source).inc(stats.drafted)
             child(self.accepted, source).inc(stats.accepted)

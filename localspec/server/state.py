@@ -195,22 +195,26 @@ class Service:
     def _recorder(self, endpoint: str, request: Request) -> Callable[[JobResult], None]:
         def record(result: JobResult) -> None:
             runs = [done.result for done in result.completions]
+            # the prompt is evaluated once for all completions (the others share its KV and
+            # say so as cached), and they decode in the same steps: the prompt's figures are
+            # the first's, the generation's wall time the longest one's, its tokens the sum
+            first = runs[0] if runs else None
             dispatch.note(
                 request,
                 outcome="cancelled" if result.cancelled else "",
                 slot=result.completions[0].id_slot if result.completions else None,
                 n_prompt=result.n_prompt,
-                evaluated=sum(r.n_evaluated for r in runs),
-                reused=sum(r.n_cached for r in runs),
-                approx=sum(r.n_approx for r in runs),
+                evaluated=first.n_evaluated if first else 0,
+                reused=first.n_cached if first else 0,
+                approx=first.n_approx if first else 0,
                 predicted=sum(len(r.tokens) for r in runs),
                 drafted=sum(r.draft_n for r in runs),
                 accepted=sum(r.draft_n_accepted for r in runs),
                 followed=sum(r.n_followed for r in runs) if len(runs) > 1 else None,
                 threads="/".join(map(str, runs[-1].threads)) if runs else None,
                 queue_ms=result.t_queue_ms,
-                prompt_ms=sum(r.prompt_ms for r in runs),
-                gen_ms=sum(r.predicted_ms for r in runs),
+                prompt_ms=first.prompt_ms if first else 0.0,
+                gen_ms=max((r.predicted_ms for r in runs), default=0.0),
             )
             if log.isEnabledFor(logging.DEBUG):
                 for done in result.completions:
@@ -230,8 +234,8 @@ class Service:
             m.child(m.latency, endpoint).observe(wall)
             m.child(m.queue_time, endpoint).observe(result.t_queue_ms / 1e3)
             m.overhead.observe(max(0.0, wall - result.t_engine_ms / 1e3))
-            for r in runs:
-                m.record(r, endpoint)
+            for index, r in enumerate(runs):
+                m.record(r, endpoint, prompt=index == 0)
 
         return record
 

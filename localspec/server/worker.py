@@ -25,7 +25,7 @@ from typing import Any, Literal
 from localspec.engine.cache_plan import choose_slot, pinned_slot
 from localspec.engine.scheduler import Task
 from localspec.engine.types import GenerationResult, PromptLayout, TokenEvent
-from localspec.server.errors import ContextExceeded, Unavailable
+from localspec.server.errors import ContextExceeded, InvalidRequest, Unavailable
 from localspec.server.logs import REQUESTS
 from localspec.server.prompts import truncate
 from localspec.server.requests import TaskParams
@@ -523,7 +523,8 @@ class Worker:
             _log_cut_short(job, out)
 
     def _failed(self, job: Job, exc: BaseException) -> None:
-        if not isinstance(exc, (Unavailable, ContextExceeded, ValueError)):
+        # (the client's mistakes are answered with a 400 and logged on the request's line)
+        if not isinstance(exc, (Unavailable, ContextExceeded, InvalidRequest, ValueError)):
             log.error("request failed", exc_info=exc)
         if job.slot >= 0 and self._running.get(job.slot) is job:
             self._reset_slot(self.slots[job.slot])
