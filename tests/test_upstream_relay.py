@@ -129,6 +129,36 @@ def test_relays_every_route_streams_and_pins_the_stable_slot(team: Daemon, tmp_p
         assert "localspec_upstream_up 1.0" in metrics
 
 
+BAD_BODIES = [
+    ("/infill", b'{"input_prefix": "a", '),  # not JSON: llama-server answers a 500
+    ("/infill", b'{"prompt": "x"}'),  # no input_prefix/input_suffix: llama-server 500 too
+    ("/completion", b"[1, 2]"),
+    ("/v1/chat/completions", b'"hello"'),
+]
+
+
+def test_a_bad_body_gets_the_local_routes_400_and_never_goes_upstream(
+    team: Daemon, tmp_path: Path
+) -> None:
+    with daemon(tmp_path, upstream=upstream_config(team.url)) as proxy:
+        before = [e for e in team.requests() if e.get("method") == "POST"]
+        for path, raw in BAD_BODIES:
+            r = httpx.post(
+                proxy.url + path, content=raw, headers={"Content-Type": "application/json"}
+            )
+            assert r.status_code == 400, (path, r.text)
+            err = r.json()["error"]
+            assert err["code"] == 400 and err["type"] == "invalid_request_error", err
+            assert err["message"].startswith("Invalid request"), err
+            assert r.headers["x-localspec-backend"] == "none"
+        ok = httpx.post(proxy.url + "/infill", json=FIM_BODY, timeout=60)
+        assert ok.status_code == 200 and ok.headers["x-localspec-backend"] == "upstream"
+        team.lines("/infill", n=len([e for e in before if e.get("path") == "/infill"]) + 1)
+        after = [e for e in team.requests() if e.get("method") == "POST"]
+        assert len(after) == len(before) + 1  # only the good request reached the team server
+        assert all(line["status"] == 400 for line in proxy.lines("/completion"))
+
+
 def test_the_editor_leaving_stops_the_upstream_at_once(team: Daemon, tmp_path: Path) -> None:
     with daemon(tmp_path, upstream=upstream_config(team.url)) as proxy:
         # streamed: the editor reads one event and closes the connection

@@ -25,7 +25,7 @@ from localspec.server import chat, prompts
 from localspec.server.chatmodel import reading_chat_model
 from localspec.server.dispatch import error_response
 from localspec.server.errors import ApiError, InvalidRequest, NotSupported
-from localspec.server.gate import Direct, Gate, LeanRoute, route_paths
+from localspec.server.gate import Direct, Gate, LeanRoute, body_models, route_paths
 from localspec.server.metrics import CONTENT_TYPE
 from localspec.server.options import ServerSettings
 from localspec.server.requests import (
@@ -407,6 +407,7 @@ def create_app(
             local=local,
             local_props=svc.props,
             local_model=svc.model_name if has_local else None,
+            bodies=body_models(app.routes),
         )
         not_ready = ready_probe(remote, local)
         remote.local_model = svc.model_name if has_local else None

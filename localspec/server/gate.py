@@ -298,6 +298,16 @@ def _flat_routes(routes: Iterable[Any]) -> Iterator[Any]:
             yield route
 
 
+def body_models(routes: Iterable[Any]) -> dict[tuple[str, str], type[Any]]:
+    """Each LeanRoute's body model by (method, path): what a request to it must parse as."""
+    return {
+        (method, route.path): route.body_field.field_info.annotation
+        for route in _flat_routes(routes)
+        if isinstance(route, LeanRoute) and route.body_field is not None
+        for method in route.methods
+    }
+
+
 def route_paths(routes: Any) -> frozenset[str]:
     """Every path the app serves."""
     paths = (getattr(route, "path", None) for route in _flat_routes(routes))

@@ -10,7 +10,11 @@ log line) and in front of the local routes. Per request:
   not committed within ``fallback_ms`` (then the upstream request is closed);
 - the editor leaving closes the upstream request at once (the upstream stops generating);
 - a streamed answer that breaks after its first chunk ends with an error event in
-  llama-server's shape (the text already shown cannot be taken back).
+  llama-server's shape (the text already shown cannot be taken back);
+- a generation request whose body the local route would refuse gets that route's 400 here,
+  without going upstream: llama-server answers a body that is not JSON, or an /infill
+  without ``input_suffix``, with a 500 (its JSON library's exception), and the editor should
+  get the same clear 400 whichever backend would have answered.
 
 Who answered goes into the request's log line (``backend=upstream|local``, ``fallback=``
 reason), the metrics and /props. Without a local model (``backend.fallback = none``), or while
@@ -30,6 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from localspec.server.dispatch import LOG_KEY
 from localspec.server.errors import ApiError, NotSupported, Unavailable
 from localspec.server.gate import replay_body
+from localspec.server.requests import parse_body
 from localspec.server.results import sse
 from localspec.server.upstream.answer import Answer, error_answer, json_answer
 from localspec.server.upstream.backend import Plan, Upstream
@@ -73,8 +78,12 @@ class Failover:
         local: LocalState,
         local_props: LocalProps,
         local_model: str | None,
+        bodies: dict[tuple[str, str], type[Any]] | None = None,
     ) -> None:
+        """``bodies``: the local routes' body models by (method, path), checked before a
+        request goes upstream."""
         self.app = app
+        self.bodies = bodies or {}
         self.upstream = upstream
         self.local_error = local  # None: the local model answers now; else why not
         self.local_props = local_props
@@ -99,6 +108,14 @@ class Failover:
             reason = self.upstream.health.why_not()
             await self._local(scope, raw, receive, send, plan, reason=reason)
             return
+        model = self.bodies.get((scope["method"], scope["path"]))
+        if model is not None:
+            try:
+                parse_body(model, raw)
+            except ApiError as exc:
+                _note(scope, backend="none", error=exc.message)
+                await _send(error_answer(exc), send, None, scope, self.upstream, b"none")
+                return
         await self._upstream(scope, raw, receive, send, plan)
 
     async def _upstream(

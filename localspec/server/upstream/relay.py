@@ -41,7 +41,8 @@ def pinned_slot(cfg: UpstreamSettings, n_slots: int | None, identity: str) -> in
 def prepare(raw: bytes, *, slot: int | None, model: str | None) -> tuple[bytes, bool]:
     """The body to send, with ``id_slot`` (unless None) and ``model`` (when given) set, and
     whether it asks for a stream (one parse for both). A body that is not a JSON object goes
-    as it is (the upstream answers its own 400)."""
+    as it is (the failover refuses a generation request's with the local route's 400 before
+    it gets here)."""
     try:
         body = pydantic_core.from_json(raw) if raw else None
     except ValueError:
