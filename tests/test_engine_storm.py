@@ -1,8 +1,9 @@
 """Traffic as several editors make it, at the engine: requests on two slots arriving while others
-decode, extra completions, speculation with a draft model, prompts that reuse moved runs of the
-last one, and cancels at any step. Whatever the interleaving, once the engine is idle every
-sequence's KV holds exactly the tokens the engine believes it holds: no rejected draft's cells,
-no parked run, no extra completion's cells left behind, in the target's context or the draft's.
+decode, extra completions, speculation with a draft model, rings of chunks evaluated as blocks,
+prompts that reuse moved runs of the last one, and cancels at any step. Whatever the
+interleaving, once the engine is idle every sequence's KV holds exactly the tokens the engine
+believes it holds: no rejected draft's cells, no parked run, no extra completion's cells left
+behind, in the target's context or the draft's.
 
 The check counts cells (llama.cpp's per-sequence state size), not logits, so it does not depend
 on which kernels this CPU runs or on how a batch was cut (llama.cpp's CPU flash attention, for
@@ -102,15 +103,27 @@ def _mismatches(ctx: Context, cache: SlotCaches, size: StateSize) -> list[str]:
     return wrong
 
 
-def _prompt(rng: random.Random, pieces: list[list[int]], last: list[int] | None) -> list[int]:
-    """Code snippets in a random order; often the last prompt with an edit, so that runs of
-    it reappear at other positions (a moved run) or as its prefix."""
+def _prompt(
+    rng: random.Random, pieces: list[list[int]], last: tuple[list[int], tuple[int, ...]] | None
+) -> tuple[list[int], tuple[int, ...]]:
+    """A prompt and its leading blocks. Often the last prompt with an edit past its blocks, so
+    that runs of it reappear at other positions (a moved run) or as its prefix; else code
+    snippets in a random order, half the time behind a ring of chunks evaluated as blocks
+    (rotated, as an editor's ring turns)."""
     if last is not None and rng.random() < 0.6:
-        cut = rng.randrange(1, len(last))
+        tokens, blocks = last
+        cut = rng.randrange(sum(blocks) + 1, len(tokens))
         insert = rng.choice(pieces)[: rng.randrange(1, 40)]
         drop = rng.randrange(0, 30)
-        return (last[:cut] + insert + last[cut + drop :])[:700]
-    return [t for p in rng.sample(pieces, rng.randrange(1, 4)) for t in p][:700]
+        return (tokens[:cut] + insert + tokens[cut + drop :])[:700], blocks
+    blocks: tuple[int, ...] = ()
+    ring: list[int] = []
+    if rng.random() < 0.5:
+        chunks = [p[:24] for p in rng.sample(pieces[:6], rng.randrange(2, 5))]
+        ring = [t for c in chunks for t in c]
+        blocks = tuple(len(c) for c in chunks)
+    body = [t for p in rng.sample(pieces[6:], rng.randrange(1, 3)) for t in p]
+    return (ring + body)[:700], blocks
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -123,8 +136,8 @@ def test_every_sequence_holds_what_the_engine_believes_after_a_storm(
     if engine._dcache is not None and engine._dctx is not None:
         dsize = StateSize.measure(engine._dctx, engine._dcache.aux[0].seq)
     pieces = [engine.vocab.tokenize(text)[:160] for text in code_prompts(12, lines=12)]
-    last: dict[int, list[int]] = {}
-    counts = {"done": 0, "cancelled": 0, "shifted": 0, "extra": 0}
+    last: dict[int, tuple[list[int], tuple[int, ...]]] = {}
+    counts = {"done": 0, "cancelled": 0, "shifted": 0, "extra": 0, "blocks": 0}
     for _burst in range(4):
         tasks: list[Task] = []
         cancels: list[tuple[int, threading.Event]] = []
@@ -133,14 +146,16 @@ def test_every_sequence_holds_what_the_engine_believes_after_a_storm(
         while to_send or engine.busy:
             if to_send and rng.random() < 0.4:  # arrives between two steps, maybe mid-decode
                 slot = rng.randrange(2)
-                prompt = _prompt(rng, pieces, last.get(slot))
-                last[slot] = prompt
+                prompt, blocks = _prompt(rng, pieces, last.get(slot))
+                last[slot] = prompt, blocks
                 n = rng.choice([1, 1, 2, 3])
                 sampling = GREEDY if rng.random() < 0.5 else SamplingParams(seed=rng.randrange(99))
                 reqs = [
                     GenerationRequest(
                         slot=slot,
                         prompt=prompt,
+                        blocks=blocks,
+                        block_sink=bool(blocks) and rng.random() < 0.5,
                         n_predict=rng.choice([0, 4, 12, 24]),
                         sampling=sampling,
                     )
@@ -163,10 +178,11 @@ def test_every_sequence_holds_what_the_engine_believes_after_a_storm(
             counts["cancelled" if res is None or res.cancelled else "done"] += 1
             counts["shifted"] += bool(res and res.n_shifted)
             counts["extra"] += len(task.requests) > 1
+            counts["blocks"] += bool(task.first.blocks)
         engine._settle_draft()  # a pipelined draft's thread is joined by the cache's next user
         wrong = _mismatches(engine._tctx, engine._tcache, tsize)
         if dsize is not None and engine._dcache is not None and engine._dctx is not None:
             wrong += [f"draft {w}" for w in _mismatches(engine._dctx, engine._dcache, dsize)]
         assert not wrong, (counts, wrong)
-    # the storm did what it is for: moved runs, extra completions and cancels all happened
-    assert counts["shifted"] and counts["extra"] and counts["cancelled"], counts
+    # the storm did what it is for: moved runs, ring blocks, extra completions and cancels
+    assert all(counts.values()), counts
