@@ -39,6 +39,7 @@ from localspec.server.results import sse
 from localspec.server.upstream.answer import Answer, error_answer, json_answer
 from localspec.server.upstream.backend import Plan, Upstream
 from localspec.server.upstream.client import UpstreamFailure
+from localspec.server.upstream.relay import GENERATION
 
 log = logging.getLogger("localspec.upstream")
 
@@ -109,7 +110,7 @@ class Failover:
             await self._local(scope, raw, receive, send, plan, reason=reason)
             return
         model = self.bodies.get((scope["method"], scope["path"]))
-        if model is not None:
+        if model is not None and scope["path"] in GENERATION:
             try:
                 parse_body(model, raw)
             except ApiError as exc:
