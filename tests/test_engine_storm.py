@@ -98,7 +98,8 @@ def _mismatches(ctx: Context, cache: SlotCaches, size: StateSize) -> list[str]:
             if extra is not None and extra >= 0 and (n := size.cells(ctx, extra)):
                 wrong.append(f"seq {extra} (scratch or iso of {st.seq}) holds {n} cells")
     for aux in cache.aux:
-        if aux.tokens or (n := size.cells(ctx, aux.seq)):
+        n = size.cells(ctx, aux.seq)
+        if aux.tokens or n:
             wrong.append(f"aux seq {aux.seq} holds {len(aux.tokens)} tokens, {n} cells")
     return wrong
 
@@ -112,7 +113,7 @@ def _prompt(
     (rotated, as an editor's ring turns)."""
     if last is not None and rng.random() < 0.6:
         tokens, blocks = last
-        cut = rng.randrange(sum(blocks) + 1, len(tokens))
+        cut = rng.randrange(sum(blocks), len(tokens))  # past the ring: its blocks stay whole
         insert = rng.choice(pieces)[: rng.randrange(1, 40)]
         drop = rng.randrange(0, 30)
         return (tokens[:cut] + insert + tokens[cut + drop :])[:700], blocks
@@ -124,6 +125,46 @@ def _prompt(
         blocks = tuple(len(c) for c in chunks)
     body = [t for p in rng.sample(pieces[6:], rng.randrange(1, 3)) for t in p]
     return (ring + body)[:700], blocks
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """A request of the storm: sent before step ``at``, cancelled before step ``cancel_at``."""
+
+    at: int
+    task: Task
+    cancel: threading.Event
+    cancel_at: int | None
+
+
+def _burst(
+    rng: random.Random,
+    pieces: list[list[int]],
+    last: dict[int, tuple[list[int], tuple[int, ...]]],
+) -> list[Arrival]:
+    """4-8 requests, drawn before any runs: the traffic is the same on every CPU, whatever
+    the steps it takes (only the engine's state when each arrives depends on the machine)."""
+    out, at = [], 0
+    for _ in range(rng.randrange(4, 9)):
+        at += rng.randrange(0, 5)  # between two steps, maybe mid-decode
+        slot = rng.randrange(2)
+        prompt, blocks = _prompt(rng, pieces, last.get(slot))
+        last[slot] = prompt, blocks
+        sampling = GREEDY if rng.random() < 0.5 else SamplingParams(seed=rng.randrange(99))
+        req = GenerationRequest(
+            slot=slot,
+            prompt=prompt,
+            blocks=blocks,
+            block_sink=bool(blocks) and rng.random() < 0.5,
+            n_predict=rng.choice([0, 4, 12, 24]),
+            sampling=sampling,
+        )
+        cancel = threading.Event()
+        task = Task([req] * rng.choice([1, 1, 2, 3]), cancel=cancel)
+        # the editor moves on: cancelled a few steps later
+        cancel_at = at + rng.randrange(0, 6) if rng.random() < 0.3 else None
+        out.append(Arrival(at, task, cancel, cancel_at))
+    return out
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -138,38 +179,17 @@ def test_every_sequence_holds_what_the_engine_believes_after_a_storm(
     pieces = [engine.vocab.tokenize(text)[:160] for text in code_prompts(12, lines=12)]
     last: dict[int, tuple[list[int], tuple[int, ...]]] = {}
     counts = {"done": 0, "cancelled": 0, "shifted": 0, "extra": 0, "blocks": 0}
-    for _burst in range(4):
-        tasks: list[Task] = []
-        cancels: list[tuple[int, threading.Event]] = []
-        to_send = rng.randrange(4, 9)
+    for _ in range(4):
+        arrivals = _burst(rng, pieces, last)
+        tasks = [a.task for a in arrivals]
+        waiting = list(arrivals)
         step = 0
-        while to_send or engine.busy:
-            if to_send and rng.random() < 0.4:  # arrives between two steps, maybe mid-decode
-                slot = rng.randrange(2)
-                prompt, blocks = _prompt(rng, pieces, last.get(slot))
-                last[slot] = prompt, blocks
-                n = rng.choice([1, 1, 2, 3])
-                sampling = GREEDY if rng.random() < 0.5 else SamplingParams(seed=rng.randrange(99))
-                reqs = [
-                    GenerationRequest(
-                        slot=slot,
-                        prompt=prompt,
-                        blocks=blocks,
-                        block_sink=bool(blocks) and rng.random() < 0.5,
-                        n_predict=rng.choice([0, 4, 12, 24]),
-                        sampling=sampling,
-                    )
-                ] * n
-                cancel = threading.Event()
-                task = Task(reqs, cancel=cancel)
-                engine.submit(task)
-                tasks.append(task)
-                if rng.random() < 0.3:  # the editor moves on: cancelled a few steps later
-                    cancels.append((step + rng.randrange(0, 6), cancel))
-                to_send -= 1
-            for at, cancel in cancels:
-                if at <= step:
-                    cancel.set()
+        while waiting or engine.busy:
+            while waiting and waiting[0].at <= step:
+                engine.submit(waiting.pop(0).task)
+            for a in arrivals:
+                if a.cancel_at is not None and a.cancel_at <= step:
+                    a.cancel.set()
             engine.step()
             step += 1
         for task in tasks:

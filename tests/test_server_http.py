@@ -702,8 +702,9 @@ def test_streaming_several_completions_tags_each_with_its_index(qc: httpx.Client
 
 
 def _metric(qc: httpx.Client, name: str) -> float:
+    """An unlabelled series' value (it must be there)."""
     text = qc.get("/metrics").text
-    return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith(name + " "))
+    return float(next(x for x in text.splitlines() if x.startswith(name + " ")).split()[-1])
 
 
 def test_agreeing_completions_are_counted_in_the_request_log(
@@ -734,12 +735,6 @@ def test_agreeing_completions_are_counted_in_the_request_log(
     assert _metric(qc, "localspec_prompt_tokens_cached_total") - cached0 == fields["reused"]
 
 
-def _shifted_answers(qc: httpx.Client) -> float:
-    text = qc.get("/metrics").text
-    line = next(x for x in text.splitlines() if x.startswith("localspec_answers_on_shifted_kv"))
-    return float(line.split()[-1])
-
-
 @pytest.mark.parametrize("blocks", [False, True])
 def test_ring_blocks_move_a_rotated_ring_exactly(
     qwen: Live, qc: httpx.Client, blocks: bool
@@ -757,10 +752,10 @@ def test_ring_blocks_move_a_rotated_ring_exactly(
         ring = ring_chunks(8)
         key = vscode_request("    argv = ", id_slot=1, top_k=1, samplers=["top_k"], n_predict=8)
         assert qc.post("/infill", json={**key, "input_extra": ring[:6]}).status_code == 200
-        before = _shifted_answers(qc)
+        before = _metric(qc, "localspec_answers_on_shifted_kv_total")
         rotated = {**key, "input_extra": ring[1:7]}
         warm = qc.post("/infill", json=rotated).json()
-        moved = _shifted_answers(qc) - before
+        moved = _metric(qc, "localspec_answers_on_shifted_kv_total") - before
         cold = qc.post("/infill", json={**rotated, "cache_prompt": False, "n_probs": 2}).json()
         n_prompt = cold["timings"]["prompt_n"]
         assert 0 < warm["timings"]["prompt_n"] < n_prompt / 2  # the moved chunks were reused

@@ -23,10 +23,8 @@ from localspec.planning.result import Plan
 from localspec.planning.search import make_plan
 from localspec.planning.types import PlanError, StepCosts
 
-# llama-server's flags for one KV buffer shared by its slots. --cache-ram 0: with -kvu its
-# host-memory prompt cache (on by default) drops a slot's cached prompt whenever another slot
-# has run (the same prompt on slot 0, slot 1, slot 0 again: evaluated in full the third time;
-# with --cache-ram 0, one token of it), so a slot's cache survives only without it
+# llama-server's flags for one KV buffer shared by its slots; why --cache-ram 0 goes with it is
+# the plan's own note in _llama_server (docs/team-server.md has the measurement)
 UNIFIED_KV = ("-kvu", "--cache-ram", "0")
 
 Engine = Literal["llama-server", "vllm", "sglang"]
