@@ -265,16 +265,34 @@ def stop(
             proc.send_signal(signal.SIGTERM)
     except psutil.NoSuchProcess:
         return "gone"
-    try:
-        proc.wait(timeout)
+    if _ended(proc, timeout):
         return "stopped"
-    except psutil.TimeoutExpired:
-        if not force:
-            return "timeout"
+    if not force:
+        return "timeout"
     with contextlib.suppress(psutil.NoSuchProcess):
         proc.kill()
-        proc.wait(10)
+        _ended(proc, 10.0)
     return "killed"
+
+
+def _ended(proc: psutil.Process, timeout: float) -> bool:
+    """Whether ``proc`` exits within ``timeout`` s. An exited process its parent has not reaped
+    yet (a zombie: an IDE or supervisor that started the daemon) has ended too, where
+    psutil's wait would keep seeing it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            proc.wait(max(0.0, min(0.1, deadline - time.monotonic())))  # reaps our own child
+            return True
+        except psutil.TimeoutExpired:
+            pass
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        if time.monotonic() >= deadline:
+            return False
 
 
 # --- logs ------------------------------------------------------------------------------------

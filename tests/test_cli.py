@@ -140,6 +140,50 @@ def test_up_serves_infill_reports_already_running_and_stops_on_sigterm(
     assert not pid_file.exists()
 
 
+# `up` as it runs when another `up` binds the port between its probe and its bind (two
+# started at once: a login service and a terminal): the first probe is made to miss
+_LOSE_THE_RACE = """
+import sys
+from localspec import cli, daemon
+real, calls = daemon.probe_port, []
+def probe(*args, **kwargs):
+    calls.append(args)
+    return daemon.PortOwner("free") if len(calls) == 1 else real(*args, **kwargs)
+daemon.probe_port = probe
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_an_up_that_loses_the_start_race_reports_the_winner_and_keeps_its_pid_file(
+    env: dict[str, str], smollm_fim_q4: Path, tmp_path: Path
+) -> None:
+    port = _free_port()
+    args = ["up", "--target", str(smollm_fim_q4), "--port", str(port), "--ctx-size", "512"]
+    out = (tmp_path / "up.out").open("w+")
+    winner = subprocess.Popen(
+        [sys.executable, "-m", "localspec", *args], env=env, stdout=out, stderr=subprocess.STDOUT
+    )
+    try:
+        _wait_ready(port, winner)
+        pid_file = _state(env) / f"localspec-{port}.pid"
+        loser = subprocess.run(
+            [sys.executable, "-c", _LOSE_THE_RACE, *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert loser.returncode == 0, loser.stderr
+        assert f"already running at http://localhost:{port} (pid {winner.pid})" in loser.stdout
+        assert json.loads(pid_file.read_text())["pid"] == winner.pid
+        down = localspec(env, "down", "--port", str(port))
+        assert down.returncode == 0, down.stderr
+        assert winner.wait(60) == 0
+    finally:
+        if winner.poll() is None:
+            winner.kill()
+
+
 def test_detach_status_logs_down_with_a_locked_port(
     env: dict[str, str], smollm_fim_q4: Path
 ) -> None:

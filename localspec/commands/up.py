@@ -106,8 +106,7 @@ def run(args: argparse.Namespace) -> int:
     host, port = settings.server.host, settings.server.port
     owner = daemon.probe_port(host, port, api_key)
     if owner.kind == "localspec":
-        pid = f" (pid {owner.pid})" if owner.pid else ""
-        print(f"localspec is already running at {daemon.base_url(host, port)}{pid}")
+        _say_already_running(host, port, owner)
         return c.EXIT_OK
     if owner.kind == "other":
         c.error(
@@ -120,6 +119,11 @@ def run(args: argparse.Namespace) -> int:
     if args.log_file is not None:
         _redirect_output(args.log_file)
     return _serve(args, settings, api_key, upstream_key)
+
+
+def _say_already_running(host: str, port: int, owner: daemon.PortOwner) -> None:
+    pid = f" (pid {owner.pid})" if owner.pid else ""
+    print(f"localspec is already running at {daemon.base_url(host, port)}{pid}")
 
 
 def _warn_readable_inline_key(resolved: st.ResolvedSettings) -> None:
@@ -389,8 +393,8 @@ def _serve(
     from localspec.server import serve
 
     log_path = args.log_file.expanduser() if args.log_file else None
-    daemon.write_pid_file(settings.server.host, settings.server.port, log_path)
-    url = daemon.base_url(settings.server.host, settings.server.port)
+    host, port = settings.server.host, settings.server.port
+    url = daemon.base_url(host, port)
     if upstream is None:
         waiting = f"loading {served.alias}" if served else "starting"
     else:
@@ -401,6 +405,11 @@ def _serve(
     def on_ready(*_: object) -> None:
         progress.finish(f"serving at {url} (Ctrl-C to stop)")
 
+    def on_bound(_: object) -> None:
+        # only once the port is ours: an `up` that loses a start race must not replace the
+        # winner's pid file, and then remove it as its own on the way out
+        daemon.write_pid_file(host, port, log_path)
+
     uvicorn_level = "debug" if settings.log.level == "debug" else "warning"
     try:
         while True:
@@ -409,6 +418,7 @@ def _serve(
                 served.engine if served else None,
                 chat_engine_settings=served.chat if served else None,
                 on_ready=on_ready,
+                on_bound=on_bound,
                 log_level=uvicorn_level,
                 upstream=upstream,
             )
@@ -417,10 +427,17 @@ def _serve(
             if retry is None:
                 break
             served = retry
+        owner = daemon.probe_port(host, port, api_key) if code == 4 else None
+        if owner is not None and owner.kind == "localspec":
+            # another `up` bound the port between our probe and our bind: the daemon the
+            # user asked for is running, as when the probe sees it
+            progress.finish("another localspec took the port first")
+            _say_already_running(host, port, owner)
+            code = 0
     except KeyboardInterrupt:
         code = c.EXIT_OK
     finally:
         if not progress.finished:
             progress.finish("stopped", ok=False)
-        daemon.remove_pid_file(settings.server.port)
+        daemon.remove_pid_file(port)
     return {0: c.EXIT_OK, 4: c.EXIT_PORT_BUSY}.get(code, c.EXIT_FAILURE)
