@@ -336,3 +336,106 @@ def self_signed(tmp: Path) -> tuple[Path, Path]:
         capture_output=True,
     )  # fmt: skip
     return cert, key
+
+
+# ------------------------------------------------------------------ a byte-level upstream
+
+Script = Callable[[str, dict[str, Any]], bytes]
+
+
+class RawUpstream:
+    """A team server written at the byte level (asyncio streams, no HTTP library), for what a
+    framework would not send: streams cut or ended early, gzip a proxy added, a login page.
+    Its checks (/health, /props, /v1/models) answer as a healthy server's, or never with
+    ``checks_hang``; a generation request gets ``script(path, body)`` written as it is, then
+    the connection closes."""
+
+    def __init__(self, script: Script, *, checks_hang: bool = False) -> None:
+        self.script = script
+        self.checks_hang = checks_hang
+        self.posts: list[tuple[str, dict[str, str]]] = []  # (path, headers) per generation
+        self.loop = asyncio.new_event_loop()
+        self.port = free_port()
+        started = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(self.loop)
+            self.loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", self.port))
+            started.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        started.wait(10)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        async def shutdown() -> None:
+            for task in asyncio.all_tasks():
+                if task is not asyncio.current_task():
+                    task.cancel()
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                method, path = head.split(b" ", 2)[:2]
+                lines = head.decode("latin-1").split("\r\n")[1:]
+                headers = {
+                    k.strip().lower(): v.strip()
+                    for k, _, v in (x.partition(":") for x in lines)
+                    if k
+                }
+                body = await reader.readexactly(int(headers.get("content-length", "0")))
+                if method == b"GET":
+                    if self.checks_hang:
+                        await asyncio.sleep(3600)
+                    writer.write(http_answer(200, _HEALTHY.get(path.decode(), {})))
+                    await writer.drain()
+                    continue
+                self.posts.append((path.decode(), headers))
+                writer.write(self.script(path.decode(), json.loads(body or b"{}")))
+                await writer.drain()
+                break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+_HEALTHY: dict[str, Any] = {
+    "/health": {"status": "ok"},
+    "/props": {"total_slots": 4, "default_generation_settings": {"n_ctx": 4096}},
+    "/v1/models": {"object": "list", "data": [{"id": "team", "max_model_len": 4096}]},
+}
+
+
+def http_answer(
+    status: int, body: Any, *, content_type: str = "application/json", headers: str = ""
+) -> bytes:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return (
+        f"HTTP/1.1 {status} X\r\nContent-Type: {content_type}\r\nContent-Length: {len(data)}\r\n"
+        f"{headers}\r\n"
+    ).encode() + data
+
+
+def event_stream(
+    *events: Any, headers: str = "", encode: Callable[[bytes], bytes] = bytes
+) -> bytes:
+    """A close-delimited event stream of ``events`` (dicts, or raw ``data:`` text)."""
+    data = b"".join(
+        b"data: " + (e.encode() if isinstance(e, str) else json.dumps(e).encode()) + b"\n\n"
+        for e in events
+    )
+    head = (
+        f"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n{headers}\r\n"
+    )
+    return head.encode() + encode(data)

@@ -96,4 +96,4 @@ def upstream_error(status: int, raw: bytes, cfg: UpstreamSettings) -> Answer:
         message = f"{cfg.refused_message()} (it said: {upstream_message(raw)})"
     else:
         message = f"upstream {cfg.url}: {upstream_message(raw)}"
-    return Answer(status, JSON, dumps(error_body(message, error_type(status))))
+    return Answer(status, JSON, dumps(error_body(message, error_type(status), code=status)))

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 from localspec import __version__
 from localspec.server.results import dumps
 from localspec.server.upstream.answer import JSON, Answer
-from localspec.server.upstream.client import make_client
+from localspec.server.upstream.client import UpstreamFailure, make_client
 from localspec.server.upstream.config import UpstreamSettings
 from localspec.server.upstream.health import Health
 from localspec.server.upstream.identity import workstation
@@ -155,6 +155,13 @@ class Upstream:
         if upstream_s:
             m.upstream_seconds.labels(route).observe(upstream_s)
 
+    def failed(self, exc: UpstreamFailure, *, started: bool) -> None:
+        """A request's failure: the health takes note, the metrics count it (``started``: the
+        answer had begun, so the editor got an error event, not the local model's answer)."""
+        self.health.mark_failed(exc)
+        if self.metrics is not None:
+            self.metrics.failures.labels(exc.reason, "stream" if started else "before").inc()
+
     # ------------------------------------------------------------------ info
 
     def info(self, answering: str) -> dict[str, Any]:
@@ -165,7 +172,7 @@ class Upstream:
         return {
             "kind": self.cfg.kind,
             "url": self.cfg.url,
-            "status": state.status if self.health.usable or not state.answers else "slow",
+            "status": self.health.why_not() if not self.health.usable else state.status,
             "since": state.since,
             "checked": state.checked,
             "error": state.error,

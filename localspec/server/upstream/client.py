@@ -8,7 +8,9 @@ download.
 
 from __future__ import annotations
 
+import email.utils
 import ssl
+import time
 
 import httpx
 
@@ -34,13 +36,43 @@ def make_client(cfg: UpstreamSettings) -> httpx.AsyncClient:
 
 class UpstreamFailure(Exception):
     """The upstream could not answer: unreachable, TLS refused, timed out, closed mid-answer,
-    or answered 502/503/504. ``reason`` is a short label (logs, metrics), ``message`` the
-    sentence the editor and the log get."""
+    answered 429/502/503/504, or sent what is not an answer. ``reason`` is a short label
+    (logs, metrics), ``message`` the sentence the editor and the log get."""
 
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, reason: str, message: str, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.reason = reason
         self.message = message
+        self.retry_after_s = retry_after_s  # the upstream asked not to be sent more until then
+
+
+UNAVAILABLE = frozenset({429, 502, 503, 504})  # the upstream cannot answer now: the local model may
+
+
+def unavailable(status: int, raw: bytes, headers: httpx.Headers, url: str) -> UpstreamFailure:
+    """An answer with a status in :data:`UNAVAILABLE` as the failure it is (with the wait its
+    ``Retry-After`` asks for)."""
+    return UpstreamFailure(
+        "unavailable",
+        f"the upstream {url} answered HTTP {status} ({raw[:200]!r})",
+        retry_after_s=retry_after(headers.get("retry-after")),
+    )
+
+
+def retry_after(value: str | None) -> float | None:
+    """``Retry-After`` in seconds from now (delta-seconds or an HTTP date); None if absent or
+    unreadable."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value) or None
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    seconds = when.timestamp() - time.time()
+    return seconds if seconds > 0 else None
 
 
 def _tls_cause(exc: BaseException) -> ssl.SSLError | None:

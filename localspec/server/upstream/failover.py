@@ -6,8 +6,9 @@ log line) and in front of the local routes. Per request:
 
 - the upstream is known down (or skipped for answering late): the local model answers;
 - otherwise the request goes upstream, and the local model answers instead when the upstream
-  fails before its answer is committed (unreachable, TLS refused, closed, 502/503/504) or has
-  not committed within ``fallback_ms`` (then the upstream request is closed);
+  fails before its answer is committed (unreachable, TLS refused, closed, 429/502/503/504, a
+  200 that is not an answer) or has not committed within ``fallback_ms`` (then the upstream
+  request is closed);
 - the editor leaving closes the upstream request at once (the upstream stops generating);
 - a streamed answer that breaks after its first chunk ends with an error event in
   llama-server's shape (the text already shown cannot be taken back);
@@ -150,7 +151,7 @@ class Failover:
             try:
                 answer = task.result()
             except UpstreamFailure as exc:
-                up.health.mark_failed(exc)
+                up.failed(exc, started=False)
                 gone.cancel()
                 log.warning("upstream request failed: %s", exc.message)
                 await self._local(scope, raw, receive, send, plan, reason=exc.reason)
@@ -160,8 +161,8 @@ class Failover:
                 gone.cancel()
                 await self._local(scope, raw, receive, send, plan, reason="error")
                 return
-            if answer.status < 500:
-                up.health.mark_answered()
+            if answer.status < 500 and not answer.streamed:
+                up.health.mark_answered(completion=scope["path"] in GENERATION)
             up.record("upstream", scope["path"], upstream_s=answer.upstream_ms / 1e3)
             _note(scope, backend="upstream", upstream_ms=round(answer.upstream_ms, 2))
             await _send(answer, send, gone, scope, up)
@@ -283,11 +284,13 @@ async def _send(
             try:
                 chunk = step.result()
             except UpstreamFailure as exc:  # committed: the editor gets an error event
-                upstream.health.mark_failed(exc)
+                upstream.failed(exc, started=True)
                 _note(scope, outcome="upstream failed", error=exc.message)
                 await _body_part(send, sse(Unavailable(exc.message).body()))
                 break
             if chunk is _END:
+                if answer.status < 500:
+                    upstream.health.mark_answered()
                 break
             await _body_part(send, chunk)
         await send({"type": "http.response.body", "body": b""})

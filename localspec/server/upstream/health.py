@@ -4,8 +4,11 @@ A check asks what a request needs: llama-server's ``/health`` (503 while it load
 ``/props`` (the slot count for the stable slot, the context; a 401 there means the key is
 wrong), or an OpenAI server's ``/v1/models`` (the model list, its context length where vLLM or
 localspec report one). Between checks the request path reports too: a transport failure marks
-the upstream down at once (and wakes the checker), answers that come later than
-``fallback_ms`` several times in a row skip it for one check interval.
+the upstream down at once (and wakes the checker); the upstream is skipped for a while when it
+asks for that (``Retry-After`` on a 429 or 503), when its answers come later than
+``fallback_ms`` several times in a row (one check interval), and when several requests in a
+row fail while its checks pass (a proxy in front of it that cuts streams: one interval, twice
+as long each time it goes on).
 """
 
 from __future__ import annotations
@@ -26,7 +29,10 @@ from localspec.server.upstream.config import UpstreamSettings
 log = logging.getLogger("localspec.upstream")
 
 Status = Literal["unknown", "up", "loading", "down", "refused"]
+Skip = Literal["slow", "busy", "failing"]  # why an upstream that answers checks is skipped
 DOWN_RECHECK_S = 1.0  # while down, look again at least this often: switch back soon
+CHECK_READ_S = 5.0  # /health and /props answer at once on a working server, busy or not
+LONGEST_SKIP_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -91,8 +97,14 @@ class Health:
         self.client = client
         self.on_change = on_change
         self.state = UpstreamState(since=time.time())
-        self.slow_until = 0.0  # monotonic: skip the upstream until then (late answers)
-        self._late = 0
+        self.skip_until = 0.0  # monotonic: the upstream is skipped until then ...
+        self.skip_reason: Skip = "slow"  # ... because of this
+        self._late = 0  # answers in a row that came after fallback_ms
+        self._failures = 0  # requests in a row that failed
+        self._holds = 0  # skips in a row for failing
+        self._check_timeout = httpx.Timeout(
+            min(cfg.read_timeout_s, CHECK_READ_S), connect=cfg.connect_timeout_s
+        )
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -100,12 +112,10 @@ class Health:
 
     @property
     def usable(self) -> bool:
-        return self.state.answers and time.monotonic() >= self.slow_until
+        return self.state.answers and time.monotonic() >= self.skip_until
 
     def why_not(self) -> str:
-        if self.state.answers and time.monotonic() < self.slow_until:
-            return "slow"
-        return self.state.status
+        return self.skip_reason if time.monotonic() < self.skip_until else self.state.status
 
     # ------------------------------------------------------------------ reports
 
@@ -121,13 +131,37 @@ class Health:
         if self.on_change is not None and new.status != old.status:
             self.on_change(old, new)
 
+    def _skip(self, seconds: float, reason: Skip, why: str) -> None:
+        seconds = min(seconds, LONGEST_SKIP_S)
+        if time.monotonic() + seconds <= self.skip_until:
+            return
+        self.skip_until, self.skip_reason = time.monotonic() + seconds, reason
+        log.warning(
+            "upstream %s %s: the local model answers for the next %g s", self.cfg.url, why, seconds
+        )
+
     def mark_failed(self, exc: UpstreamFailure) -> None:
-        """A request could not reach it: down now, and the checker looks again soon."""
+        """A request could not reach it or its answer broke: down now, and the checker looks
+        again soon; skipped for a while when it asked for that or keeps failing."""
         self._set(status="down", error=exc.message)
+        self._failures += 1
+        if exc.retry_after_s:
+            self._skip(exc.retry_after_s, "busy", "asked for a pause (Retry-After)")
+        elif self._failures >= self.cfg.slow_strikes:
+            self._failures = 0
+            self._holds += 1
+            self._skip(
+                self.cfg.health_interval_s * 2 ** (self._holds - 1),
+                "failing",
+                f"failed {self.cfg.slow_strikes} requests in a row",
+            )
         self._wake.set()
 
-    def mark_answered(self) -> None:
-        self._late = 0
+    def mark_answered(self, *, completion: bool = True) -> None:
+        """An answer arrived whole (a stream: to its end). Only a completion's clears the
+        strikes: a /props that answers says nothing of the streams a proxy cuts."""
+        if completion:
+            self._late = self._failures = self._holds = 0
         if self.state.status in ("unknown", "down"):
             self._set(status="up", error="")
 
@@ -137,14 +171,11 @@ class Health:
         self._late += 1
         if self._late >= self.cfg.slow_strikes:
             self._late = 0
-            self.slow_until = time.monotonic() + self.cfg.health_interval_s
-            log.warning(
-                "upstream %s answered later than %g ms %d times in a row: the local model "
-                "answers for the next %g s",
-                self.cfg.url,
-                self.cfg.fallback_ms,
-                self.cfg.slow_strikes,
+            self._skip(
                 self.cfg.health_interval_s,
+                "slow",
+                f"answered later than {self.cfg.fallback_ms:g} ms "
+                f"{self.cfg.slow_strikes} times in a row",
             )
             return True
         return False
@@ -158,18 +189,21 @@ class Health:
                 changes = await self._check_llama_server()
             else:
                 changes = await self._check_openai()
+        except httpx.ReadTimeout:
+            error = f"its health check got no answer in {self._check_timeout.read:g} s"
+            changes = {"status": "down", "error": error}
         except httpx.HTTPError as exc:
             changes = {"status": "down", "error": failure(exc, self.cfg.url).message}
         self._set(checked=time.time(), **changes)
         return self.state
 
     async def _check_llama_server(self) -> dict[str, Any]:
-        r = await self.client.get("/health")
+        r = await self.client.get("/health", timeout=self._check_timeout)
         if r.status_code == 503:
             return {"status": "loading", "error": "the upstream is loading its model"}
         if r.status_code != 200:
             return {"status": "down", "error": f"its /health answered HTTP {r.status_code}"}
-        props = await self.client.get("/props")
+        props = await self.client.get("/props", timeout=self._check_timeout)
         if props.status_code in (401, 403):
             return {"status": "refused", "error": self.cfg.refused_message()}
         body = _json(props) if props.status_code == 200 else None
@@ -187,7 +221,7 @@ class Health:
         }
 
     async def _check_openai(self) -> dict[str, Any]:
-        r = await self.client.get("/v1/models")
+        r = await self.client.get("/v1/models", timeout=self._check_timeout)
         if r.status_code in (401, 403):
             return {"status": "refused", "error": self.cfg.refused_message()}
         if r.status_code == 503:
@@ -225,6 +259,9 @@ class Health:
                 interval = min(interval, DOWN_RECHECK_S)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), interval)
+                # woken by a failed request: at most one check per DOWN_RECHECK_S, so that
+                # failing requests do not each bring two more to a struggling server
+                await asyncio.sleep(self.state.checked + DOWN_RECHECK_S - time.time())
             self._wake.clear()
             try:
                 await self.check()

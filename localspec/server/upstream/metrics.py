@@ -56,6 +56,13 @@ class BackendMetrics:
             ["reason"],
             registry=registry,
         )
+        self.failures = Counter(
+            "localspec_upstream_failures",
+            "Upstream requests that failed, by reason, before their answer began (the local "
+            "model answered, or a 503) or during its stream (the editor got an error event)",
+            ["reason", "phase"],
+            registry=registry,
+        )
         self.upstream_seconds = Histogram(
             "localspec_upstream_seconds",
             "Time from sending a request upstream to its answer starting (first chunk)",

@@ -28,13 +28,12 @@ from localspec.server.requests import (
 )
 from localspec.server.results import dumps, sse
 from localspec.server.upstream.answer import SSE, Answer, error_answer, json_answer, upstream_error
-from localspec.server.upstream.client import UpstreamFailure, failure
+from localspec.server.upstream.client import UNAVAILABLE, UpstreamFailure, failure, unavailable
 from localspec.server.upstream.config import UpstreamSettings
 from localspec.server.upstream.fim_text import infill_text
 from localspec.server.upstream.health import Health
 from localspec.server.upstream.openai_request import completion_body
 from localspec.server.upstream.openai_stream import Collector
-from localspec.server.upstream.relay import UNAVAILABLE
 
 DEFAULT_N_CTX = 8192  # an upstream that does not say its context (Ollama, LM Studio)
 
@@ -48,8 +47,9 @@ class Limits:
     infill_room: int = 256
 
 
-async def _events(lines: AsyncIterator[str]) -> AsyncIterator[dict[str, Any] | None]:
-    """The ``data:`` objects of a server-sent event stream; None for ``[DONE]``."""
+async def _events(lines: AsyncIterator[str], url: str) -> AsyncIterator[dict[str, Any] | None]:
+    """The ``data:`` objects of a server-sent event stream; None for ``[DONE]``. An event that
+    is not a completion chunk fails the answer: skipping it would drop its text unseen."""
     async for line in lines:
         if not line.startswith("data:"):
             continue
@@ -60,22 +60,47 @@ async def _events(lines: AsyncIterator[str]) -> AsyncIterator[dict[str, Any] | N
         try:
             obj = pydantic_core.from_json(data)
         except ValueError:
-            continue
-        if isinstance(obj, dict):
-            if isinstance(obj.get("error"), dict | str):  # an error mid-stream (vLLM, SGLang)
-                raise UpstreamFailure("error", f"the upstream failed mid-answer: {obj['error']}")
-            yield obj
+            raise UpstreamFailure(
+                "error", f"the upstream {url} sent an event that is not JSON: {data[:200]!r}"
+            ) from None
+        if isinstance(obj, dict) and isinstance(obj.get("error"), dict | str):
+            # an error mid-stream (vLLM, SGLang)
+            raise UpstreamFailure("error", f"the upstream failed mid-answer: {obj['error']}")
+        yield _chunk(obj, url)
 
 
-async def _whole(raw: bytes) -> AsyncIterator[dict[str, Any] | None]:
+async def _whole(raw: bytes, url: str) -> AsyncIterator[dict[str, Any] | None]:
     """A whole (not streamed) completion answer as the one event it amounts to."""
     try:
         obj = pydantic_core.from_json(raw)
     except ValueError:
-        raise UpstreamFailure("error", f"the upstream answered no JSON: {raw[:200]!r}") from None
-    if isinstance(obj, dict):
-        yield obj
+        raise UpstreamFailure(
+            "error", f"the upstream {url} answered no JSON: {raw[:200]!r}"
+        ) from None
+    if not isinstance(obj, dict) or not obj.get("choices"):
+        raise UpstreamFailure("error", f"the upstream {url} answered no choices: {raw[:200]!r}")
+    yield _chunk(obj, url)
     yield None
+
+
+_CHOICE_TYPES = {"index": int, "text": str, "finish_reason": str}
+
+
+def _chunk(obj: Any, url: str) -> dict[str, Any]:
+    """``obj`` if it has the shape of an OpenAI completion chunk (what the collector reads)."""
+    choices = obj.get("choices", []) if isinstance(obj, dict) else None
+    if isinstance(choices, list) and all(
+        isinstance(c, dict)
+        and all(
+            c.get(k) is None or (isinstance(c[k], t) and not isinstance(c[k], bool))
+            for k, t in _CHOICE_TYPES.items()
+        )
+        for c in choices
+    ):
+        return obj
+    raise UpstreamFailure(
+        "error", f"the upstream {url} sent what is not a completion chunk: {str(obj)[:200]}"
+    )
 
 
 async def _usage(collector: Collector, events: AsyncIterator[dict[str, Any] | None]) -> None:
@@ -184,10 +209,7 @@ class OpenAIBackend:
     ) -> Answer:
         if response.status_code in UNAVAILABLE:
             raw = await response.aread()
-            raise UpstreamFailure(
-                "unavailable",
-                f"the upstream {self.cfg.url} answered HTTP {response.status_code} ({raw[:200]!r})",
-            )
+            raise unavailable(response.status_code, raw, response.headers, self.cfg.url)
         if response.status_code >= 400:
             raw = await response.aread()
             await response.aclose()
@@ -197,9 +219,10 @@ class OpenAIBackend:
         )
         shown_prompt = prompt if wants_prompt else ""
         collector = Collector(params, end=self.fim.end, t_sent=t0)
-        events = _events(response.aiter_lines())
+        events = _events(response.aiter_lines(), self.cfg.url)
         if not response.headers.get("content-type", "").startswith("text/event-stream"):
-            events = _whole(await response.aread())  # a server that ignores stream: true
+            # a server that ignores stream: true
+            events = _whole(await response.aread(), self.cfg.url)
         if not params.stream:
             await self._drain(collector, events)
             await response.aclose()

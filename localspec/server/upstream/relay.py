@@ -18,7 +18,7 @@ import pydantic_core
 
 from localspec.server.results import dumps
 from localspec.server.upstream.answer import SSE, Answer, is_llama_error, upstream_error
-from localspec.server.upstream.client import UpstreamFailure, failure
+from localspec.server.upstream.client import UNAVAILABLE, UpstreamFailure, failure, unavailable
 from localspec.server.upstream.config import UpstreamSettings
 from localspec.server.upstream.identity import stable_slot
 
@@ -27,7 +27,6 @@ GENERATION = frozenset(
     {"/infill", "/completion", "/completions", "/v1/completions", "/v1/chat/completions",
      "/chat/completions"}
 )  # fmt: skip
-UNAVAILABLE = frozenset({502, 503, 504})  # the upstream cannot answer now: the local model may
 
 
 def pinned_slot(cfg: UpstreamSettings, n_slots: int | None, identity: str) -> int:
@@ -72,6 +71,8 @@ async def open_upstream(
     """Send one request and return the committed answer (see :class:`Answer`); a failure
     before that is an UpstreamFailure. Cancelling this closes the upstream request."""
     headers = {"Accept": "text/event-stream" if stream else "application/json"}
+    if stream:  # a compressing proxy in front of the team server would hold events back
+        headers["Accept-Encoding"] = "identity"
     if content is not None:
         headers["Content-Type"] = "application/json"
     request = client.build_request(
@@ -83,24 +84,30 @@ async def open_upstream(
     except httpx.HTTPError as exc:
         raise failure(exc, cfg.url) from None
     try:
-        return await _commit(response, cfg, stream=stream, t0=t0)
+        return await _commit(response, cfg, stream=stream, generation=path in GENERATION, t0=t0)
     except BaseException:  # a failure, or the editor left (cancelled): end it upstream now
         await response.aclose()
         raise
 
 
 async def _commit(
-    response: httpx.Response, cfg: UpstreamSettings, *, stream: bool, t0: float
+    response: httpx.Response,
+    cfg: UpstreamSettings,
+    *,
+    stream: bool,
+    generation: bool,
+    t0: float,
 ) -> Answer:
+    """The answer once it is sure to be one. A generation route's 200 must be JSON or an event
+    stream that has begun: a login page of a proxy, or a stream closed before its first
+    event, is a failure the local model can still answer."""
     status = response.status_code
     content_type = response.headers.get("content-type", "application/json").encode("latin-1")
     timing = response.headers.get("server-timing", "")
     try:
         if status in UNAVAILABLE:
             raw = await response.aread()
-            raise UpstreamFailure(
-                "unavailable", f"the upstream {cfg.url} answered HTTP {status} ({raw[:200]!r})"
-            )
+            raise unavailable(status, raw, response.headers, cfg.url)
         if status >= 400:
             raw = await response.aread()
             await response.aclose()
@@ -110,9 +117,19 @@ async def _commit(
         if not stream or not content_type.startswith(SSE):
             raw = await response.aread()
             await response.aclose()
+            if generation and not _is_json(raw):
+                raise UpstreamFailure(
+                    "error",
+                    f"the upstream {cfg.url} answered HTTP {status} with no JSON "
+                    f"({content_type.decode('latin-1')}: {raw[:200]!r})",
+                )
             return Answer(status, content_type, raw, upstream_ms=_ms(t0), upstream_timing=timing)
-        chunks = response.aiter_raw()
+        chunks = response.aiter_bytes()  # decoded, should a proxy compress it anyway
         first = await anext(chunks, b"")
+        if not first:
+            raise UpstreamFailure(
+                "closed", f"the upstream {cfg.url} ended its stream before the first event"
+            )
     except httpx.HTTPError as exc:
         raise failure(exc, cfg.url) from None
     return Answer(
@@ -124,6 +141,13 @@ async def _commit(
     )
 
 
+def _is_json(raw: bytes) -> bool:
+    try:
+        return isinstance(pydantic_core.from_json(raw), dict | list)
+    except ValueError:
+        return False
+
+
 def _ms(t0: float) -> float:
     return (time.perf_counter() - t0) * 1e3
 
@@ -131,8 +155,7 @@ def _ms(t0: float) -> float:
 async def _prepend(
     first: bytes, rest: AsyncIterator[bytes], cfg: UpstreamSettings
 ) -> AsyncIterator[bytes]:
-    if first:
-        yield first
+    yield first
     try:
         async for chunk in rest:
             yield chunk
