@@ -69,6 +69,8 @@ class LocalHub:
         self.failing: set[str] = set()  # filenames answered 503 (the "network" stays down)
         self.corrupt: set[str] = set()  # filenames served with flipped bytes
         self.fail_after_cut = True
+        self.flaky: dict[str, int] = {}  # filename -> bytes every GET sends before the link drops
+        self.portal: set[str] = set()  # filenames whose GET gets a login page (HEAD is fine)
         self.ignore_range = False  # answer 200 with the whole file, as some CDNs do
         self.chunk_delay = 0.0  # seconds slept per 64 KiB sent: a slow link
         # when set: a download stops after its first 64 KiB until the event is set (a download
@@ -118,6 +120,8 @@ class LocalHub:
         self._cut.clear()
         self.failing.clear()
         self.corrupt.clear()
+        self.flaky.clear()
+        self.portal.clear()
 
     def reset_counts(self) -> None:
         with self.lock:
@@ -287,6 +291,10 @@ def _handler_for(hub: LocalHub) -> type[BaseHTTPRequestHandler]:
                 "Accept-Ranges": "bytes",
                 "Content-Type": "application/octet-stream",
             }
+            if self.command == "GET" and filename in hub.portal:  # a captive portal
+                page = b"<!DOCTYPE html><html><body>Sign in to continue</body></html>"
+                self._send(200, page, {"Content-Type": "text/html"})
+                return
             start, status = 0, 200
             range_header = self.headers.get("Range")
             if range_header and self.command == "GET" and not hub.ignore_range:
@@ -304,10 +312,10 @@ def _handler_for(hub: LocalHub) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             if self.command == "HEAD":
                 return
-            limit = hub._cut.pop(filename, None)
+            limit = hub._cut.pop(filename, hub.flaky.get(filename))
             self._stream(f, start, filename, limit, record)
             if limit is not None:
-                if hub.fail_after_cut:
+                if hub.fail_after_cut and filename not in hub.flaky:
                     hub.failing.add(filename)
                 self.close_connection = True
 

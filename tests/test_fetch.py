@@ -33,7 +33,15 @@ from tests.hubserver import LocalHub
 REPO = "acme/Tiny-Coder-GGUF"
 NAME = "tiny-coder-q8_0.gguf"
 SIZE = 3 * 1024 * 1024 + 17
-DATA = random.Random(5).randbytes(SIZE)
+CHUNK = fetch.hub.DOWNLOAD_CHUNK  # what a cut-off download keeps: whole chunks
+
+
+def gguf_bytes(seed: int, n: int) -> bytes:
+    """``n`` random bytes that begin as a GGUF file does."""
+    return fetch.hub.GGUF_MAGIC + random.Random(seed).randbytes(n - len(fetch.hub.GGUF_MAGIC))
+
+
+DATA = gguf_bytes(5, SIZE)
 SHA = hashlib.sha256(DATA).hexdigest()
 
 
@@ -102,9 +110,9 @@ def test_changed_mtime_is_rechecked_against_the_hub_without_download(
 
 
 def test_cut_off_download_resumes_with_a_range_request(hub: LocalHub, models: Path) -> None:
-    # huggingface_hub writes 10 MiB chunks: a file of a few chunks, cut inside the second
-    big_name, chunk = "big-q4_k_m.gguf", 10 * 1024 * 1024
-    big = random.Random(7).randbytes(2 * chunk + 12345)
+    # a file of a few chunks, cut inside the second
+    big_name, chunk = "big-q4_k_m.gguf", CHUNK
+    big = gguf_bytes(7, 2 * chunk + 12345)
     hub.add_file(REPO, big_name, big)
     hub.cut(big_name, at=chunk + chunk // 2)
     with pytest.raises(FetchError, match="run the same command again to resume"):
@@ -125,10 +133,67 @@ def test_cut_off_download_resumes_with_a_range_request(hub: LocalHub, models: Pa
     assert not partial.exists()
 
 
+def test_a_link_that_drops_every_few_chunks_still_gets_the_file(
+    hub: LocalHub, models: Path
+) -> None:
+    # a VPN that resets every connection after 1.5 MiB: each try keeps what it got
+    big_name, mib = "flaky-q4_k_m.gguf", 1 << 20
+    big = gguf_bytes(11, 3 * mib + 99)
+    hub.add_file(REPO, big_name, big)
+    hub.flaky[big_name] = mib + mib // 2
+    (path,) = pull([FileSpec(big_name, REPO)], models_dir=models, endpoint=hub.url, progress=False)
+    assert path.read_bytes() == big
+    gets = [r.range for r in hub.requests if r.method == "GET"]
+    assert gets[0] is None and len(gets) <= 4  # the retries huggingface_hub makes itself
+
+
+def test_a_login_page_in_place_of_the_file_is_discarded_not_resumed(
+    hub: LocalHub, models: Path
+) -> None:
+    hub.portal.add(NAME)
+    with pytest.raises(FetchError, match=r"not a GGUF file .*b'<!DOCTYPE html>") as err:
+        pull([spec()], models_dir=models, endpoint=hub.url, progress=False)
+    assert "resume" not in str(err.value)
+    partial = models / "acme" / "Tiny-Coder-GGUF" / "main" / (NAME + ".partial")
+    assert not partial.exists()
+    # a page left by an older run is not resumed either: the file comes whole, once
+    partial.write_bytes(b"<!DOCTYPE html>")
+    hub.heal()
+    hub.reset_counts()
+    (path,) = pull([spec()], models_dir=models, endpoint=hub.url, progress=False)
+    assert path.read_bytes() == DATA
+    assert [r.range for r in hub.requests if r.method == "GET"] == [None]
+
+
+def test_a_models_directory_that_cannot_be_written_is_a_clear_error(
+    hub: LocalHub, tmp_path: Path
+) -> None:
+    blocked = tmp_path / "models"
+    blocked.write_text("a file where the models directory should be")
+    with pytest.raises(FetchError) as err:
+        pull([spec()], models_dir=blocked, endpoint=hub.url, progress=False)
+    assert NAME in str(err.value) and "LOCALSPEC_MODELS_DIR" in str(err.value)
+    assert str(blocked) in str(err.value)
+
+
+def test_offline_a_file_changed_since_its_check_is_checked_again(
+    hub: LocalHub, models: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (path,) = pull([spec()], models_dir=models, endpoint=hub.url, progress=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))  # touched, the same bytes
+    assert pull([spec()], models_dir=models, progress=False) == [path]
+    damaged = bytearray(DATA)
+    damaged[SIZE // 2] ^= 0xFF
+    path.write_bytes(damaged)  # one flipped byte, the same size
+    with pytest.raises(OfflineError, match=f"{path} is there but fails its sha256 check"):
+        pull([spec()], models_dir=models, progress=False)
+
+
 def test_resume_ignored_by_the_server_restarts_cleanly(hub: LocalHub, models: Path) -> None:
     """A server answering 200 to a Range request: the partial is rewound, hash included."""
-    big_name, chunk = "big-q5_k_m.gguf", 10 * 1024 * 1024
-    big = random.Random(8).randbytes(chunk + 4321)
+    big_name, chunk = "big-q5_k_m.gguf", CHUNK
+    big = gguf_bytes(8, chunk + 4321)
     hub.add_file(REPO, big_name, big)
     hub.cut(big_name, at=chunk + 100)
     with pytest.raises(FetchError, match="resume"):
@@ -254,7 +319,7 @@ def test_damaged_provisioned_copy_is_not_used(hub: LocalHub, tmp_path: Path, mod
 
 
 def test_sharded_quant_from_a_catalog_profile(hub: LocalHub, tmp_path: Path, models: Path) -> None:
-    shards = [random.Random(i).randbytes(200_000 + i) for i in (1, 2)]
+    shards = [gguf_bytes(i, 200_000 + i) for i in (1, 2)]
     names = [f"big-q4_k_m-0000{i}-of-00002.gguf" for i in (1, 2)]
     for name, data in zip(names, shards, strict=True):
         hub.add_file("acme/Big-GGUF", name, data)
@@ -374,7 +439,7 @@ def test_up_with_files_present_makes_zero_requests(
     """What `up` runs (pull_plan with the user's Settings): first pull, then no network."""
     from types import SimpleNamespace
 
-    draft_data = random.Random(9).randbytes(100_000)
+    draft_data = gguf_bytes(9, 100_000)
     hub.add_file("acme/Draft-GGUF", "draft.gguf", draft_data)
     catalog = load_catalog(
         [

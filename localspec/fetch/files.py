@@ -121,6 +121,19 @@ def _read_record(path: Path, models_dir: Path) -> dict[str, Any] | None:
     return None
 
 
+def recorded_sha256(path: Path, models_dir: Path) -> str | None:
+    """The sha256 a record holds for ``path`` even when the file's size or mtime have changed
+    since (then the file must be hashed again before it counts)."""
+    for candidate in _record_paths(path, models_dir):
+        try:
+            sha = json.loads(candidate.read_text()).get("sha256")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(sha, str):
+            return sha
+    return None
+
+
 def _write_record(path: Path, models_dir: Path, sha256: str, **extra: str | None) -> None:
     stat = path.stat()
     record = {

@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 from typing import IO, TYPE_CHECKING, Any
@@ -43,6 +44,7 @@ from localspec.fetch.files import (
     _write_record,
     find_local,
     layout_path,
+    recorded_sha256,
     sha256_file,
 )
 from localspec.units import human_bytes
@@ -52,6 +54,8 @@ if TYPE_CHECKING:  # huggingface_hub is imported where it is used: the CLI start
     from huggingface_hub.utils import tqdm
 
 Say = Callable[[str], None]  # a progress line for the user (or nothing, without progress)
+DOWNLOAD_CHUNK = 1 << 20  # bytes written (and kept for a resume) at a time
+GGUF_MAGIC = b"GGUF"
 
 
 def offline_requested(offline: bool = False) -> bool:
@@ -103,9 +107,11 @@ def pull(
                 damaged.append(found.path)
                 found = None  # damaged copy: download again, the bad file is replaced
             elif offline:
-                say(f"warning: {found.path} has no recorded check and no pinned sha256; using it")
-                results[index] = found.path
-                continue
+                if _usable_offline(found.path, spec, models_dir, progress, say):
+                    results[index] = found.path
+                    continue
+                damaged.append(found.path)
+                found = None
         todo.append((index, spec, found))
     if todo and offline:
         missing = [spec for _, spec, _ in todo]
@@ -119,16 +125,23 @@ def pull(
         started = time.monotonic()
         fetched = 0
         for n, (index, spec, found) in enumerate(todo, 1):
-            path, nbytes = _fetch_one(
-                spec,
-                found,
-                client,
-                models_dir,
-                progress=progress,
-                say=say,
-                force=force,
-                prefix=f"[{n}/{len(todo)}] ",
-            )
+            try:
+                path, nbytes = _fetch_one(
+                    spec,
+                    found,
+                    client,
+                    models_dir,
+                    progress=progress,
+                    say=say,
+                    force=force,
+                    prefix=f"[{n}/{len(todo)}] ",
+                )
+            except OSError as exc:  # the network's are FetchErrors by now: this is the disk's
+                raise FetchError(
+                    f"{spec.label}: {exc.strerror or exc} ({exc.filename or models_dir}); free "
+                    "space there, make it writable, or set LOCALSPEC_MODELS_DIR to another "
+                    "directory. Any previous copy is untouched"
+                ) from exc
             results[index] = path
             fetched += nbytes
         elapsed = max(time.monotonic() - started, 1e-6)
@@ -137,6 +150,16 @@ def pull(
             f"({human_bytes(fetched / elapsed)}/s); all {len(specs)} files verified"
         )
     return [results[i] for i in range(len(specs))]
+
+
+def _usable_offline(path: Path, spec: FileSpec, models_dir: Path, progress: bool, say: Say) -> bool:
+    """An unverified copy with nothing pinned, and no hub to ask: a file changed since its
+    check (its record's size or mtime differ) must still hash to what was checked."""
+    known = recorded_sha256(path, models_dir)
+    if known is not None:
+        return _verify_existing(path, replace(spec, sha256=known), models_dir, progress)
+    say(f"warning: {path} has no recorded check and no pinned sha256; using it")
+    return True
 
 
 def _local_file(spec: FileSpec, models_dir: Path, progress: bool) -> Path:
@@ -267,7 +290,8 @@ class _hub_errors:
             msg = (
                 f"cannot reach {self.endpoint} for {spec.label} ({type(exc).__name__}: {exc}). "
                 "Check the network, HTTPS_PROXY/NO_PROXY, SSL_CERT_FILE or hub.ca_bundle, "
-                "set HF_ENDPOINT/hub.endpoint for a mirror, or run --offline with files present"
+                "set HF_ENDPOINT/hub.endpoint for a mirror, or work offline with the files "
+                "present (`up --offline`, hub.offline)"
             )
         elif isinstance(exc, OSError):
             msg = f"download of {spec.label} from {self.endpoint} incomplete: {exc}"
@@ -384,7 +408,6 @@ def _download_verified(
     resume = _resumable(partial, partial_meta, meta.etag, expected_size)
     if resume:
         say(f"  resuming at {human_bytes(resume)} of {human_bytes(expected_size or 0)}")
-    partial_meta.write_text(json.dumps({"etag": meta.etag, "commit": meta.commit_hash}))
     if expected_size:
         free = shutil.disk_usage(final.parent).free
         if free < expected_size - resume:
@@ -393,6 +416,7 @@ def _download_verified(
                 f"needs {human_bytes(expected_size - resume)}, "
                 f"{human_bytes(free)} free in {final.parent}"
             )
+    partial_meta.write_text(json.dumps({"etag": meta.etag, "commit": meta.commit_hash}))
     got, actual_sha = _download(spec, meta, partial, resume, expected_size, hub, progress)
     actual_size = partial.stat().st_size
     if (expected_size and actual_size != expected_size) or (
@@ -429,10 +453,26 @@ def _resumable(partial: Path, partial_meta: Path, etag: str, expected_size: int 
         same = json.loads(partial_meta.read_text()).get("etag") == etag
     except (OSError, ValueError):
         size, same = 0, False
-    if not same or (expected_size is not None and size > expected_size):
+    too_big = expected_size is not None and size > expected_size
+    if not same or too_big or _foreign_start(partial) is not None:
         partial.unlink(missing_ok=True)
         return 0
     return size
+
+
+def _foreign_start(partial: Path) -> bytes | None:
+    """The first bytes of a ``.gguf`` download that does not begin as every GGUF file (and
+    shard) does: a proxy's or portal's page saved in its place, never worth resuming."""
+    if not partial.name.endswith(".gguf" + _PARTIAL_SUFFIX):
+        return None
+    try:
+        with partial.open("rb") as f:
+            head = f.read(64)
+    except OSError:
+        return None
+    if len(head) < len(GGUF_MAGIC) or head.startswith(GGUF_MAGIC):
+        return None
+    return head
 
 
 def _download(
@@ -447,6 +487,7 @@ def _download(
     """Stream the rest of the file into ``partial``; return (bytes got, sha256 of it all).
 
     The sha256 is computed as the bytes are written, so an 8 GB file is not read back."""
+    from huggingface_hub import constants
     from huggingface_hub.file_download import http_get
     from huggingface_hub.utils import build_hf_headers
 
@@ -455,6 +496,9 @@ def _download(
     if not _same_host(url, hub.endpoint):
         headers.pop("authorization", None)  # a CDN's signed URL must not see the token
     tqdm_class = None if progress else _silent_tqdm()
+    # http_get keeps (and shows) whole chunks only: at its 10 MiB a link cut every few MiB
+    # would never get on, and a slow one would show no progress for minutes
+    constants.DOWNLOAD_CHUNK_SIZE = DOWNLOAD_CHUNK
     try:
         with partial.open("r+b" if resume else "w+b") as f:
             sink = _HashingFile(f, resume)
@@ -469,6 +513,14 @@ def _download(
                     tqdm_class=tqdm_class,
                 )
     except FetchError as exc:
+        head = _foreign_start(partial)
+        if head is not None:
+            partial.unlink(missing_ok=True)
+            raise FetchError(
+                f"{exc}\nWhat came back is not a GGUF file (it begins {head[:40]!r}: a proxy's "
+                "or a login page?); it was discarded. Check the mirror, HTTPS_PROXY and the "
+                "token, then run the same command again."
+            ) from exc.__cause__
         have = partial.stat().st_size if partial.exists() else 0
         raise FetchError(
             f"{exc}\nThe download stopped at {human_bytes(have)}; run the same command again "
