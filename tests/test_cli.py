@@ -426,6 +426,7 @@ def test_up_plans_pulls_from_the_locked_mirror_and_serves(
             assert any(r.method == "GET" for r in hub.requests)
             log = localspec(env, "logs", "-n", "200").stdout
             assert "pair:     smol+ngram" in log  # the plan is shown before loading
+            assert "HTTP Request:" not in log  # the download's client keeps its lines to itself
             answer = httpx.post(f"http://127.0.0.1:{port}/infill", json=INFILL, timeout=60)
             assert answer.status_code == 200, answer.text
         finally:

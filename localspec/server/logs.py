@@ -156,9 +156,11 @@ def configure(
     debug = numeric <= logging.DEBUG
     logging.getLogger(REQUESTS).setLevel(logging.INFO if requests or debug else logging.WARNING)
     logging.getLogger(BODIES).setLevel(logging.DEBUG if debug else logging.WARNING)
-    # the team-server client's own line per request (and per health check) only when debugging:
-    # the request line says the same (backend=upstream upstream_ms=...)
-    logging.getLogger("httpx").setLevel(logging.DEBUG if debug else logging.WARNING)
+    # the HTTP clients' own line per request only when debugging: the team-server client's
+    # (the request line says the same: backend=upstream upstream_ms=...), and the one
+    # huggingface_hub downloads with (httpx2), whose lines would break up the progress bars
+    for client in ("httpx", "httpx2"):
+        logging.getLogger(client).setLevel(logging.DEBUG if debug else logging.WARNING)
     if debug:
         logging.getLogger("localspec.server").warning(BODY_WARNING)
     return handler
