@@ -26,6 +26,33 @@ def test_background_loops_run_for_the_block_only() -> None:
             levels(bad)
 
 
+_KILLED_BENCHMARK = """
+import os, signal, sys
+from localspec.bench.background import busy_loops
+with busy_loops(2, settle_s=0.0) as pids:
+    print(*pids, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)  # no finally runs
+"""
+
+
+def test_background_loops_end_with_a_benchmark_that_is_killed() -> None:
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-c", _KILLED_BENCHMARK], capture_output=True, text=True, timeout=60
+    )
+    pids = [int(p) for p in run.stdout.split()]
+    assert len(pids) == 2, run.stderr
+    try:
+        _, alive = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], 20)
+        assert alive == []
+    finally:
+        for p in pids:
+            if psutil.pid_exists(p):
+                psutil.Process(p).kill()
+
+
 def test_cells_report_aggregate_speed_and_ratios_to_llama_server() -> None:
     def cell(server: str, wall: float, tps: float) -> Cell:
         reqs = [Request(1.0 + i, True, i, "x", True, 50, 400, 500.0, tps) for i in range(4)]

@@ -1,13 +1,14 @@
 """Busy background processes for a benchmark: a developer's machine is rarely idle.
 
-``busy_loops(n)`` starts ``n`` CPU-bound processes (``while True: pass``, one core each, as a
+``busy_loops(n)`` starts ``n`` CPU-bound processes (a ``while True: pass``, one core each, as a
 build or a test run would take) for the duration of a ``with`` block and stops them after,
-also when the benchmark fails or is interrupted.
+also when the benchmark fails or is interrupted, or is killed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
 import time
@@ -22,12 +23,26 @@ from localspec.engine.threads import SAMPLE_S
 TURN_GAP_S = 2.5 * SAMPLE_S
 
 
+# ``while True: pass`` that ends with the benchmark: a benchmark killed where no ``finally``
+# runs (SIGTERM, a closed terminal, SIGKILL) must not leave a core busy for good. The parent
+# is looked at every ~10 ms of spinning.
+BUSY_LOOP = """
+import os, sys
+parent = int(sys.argv[1])  # not getppid() here: the parent may be gone before this runs
+while os.getppid() == parent:
+    for _ in range(200_000):
+        pass
+"""
+
+
 @contextlib.contextmanager
 def busy_loops(n: int, *, settle_s: float = 0.5) -> Iterator[list[int]]:
     """Run ``n`` busy loops while the block runs (their pids are yielded); ``settle_s``
     lets the scheduler spread them before the first measurement."""
     procs = [
-        subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL)
+        subprocess.Popen(
+            [sys.executable, "-c", BUSY_LOOP, str(os.getpid())], stdin=subprocess.DEVNULL
+        )
         for _ in range(max(0, n))
     ]
     try:
