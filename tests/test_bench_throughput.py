@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +39,6 @@ with busy_loops(2, settle_s=0.0) as pids:
 
 
 def test_background_loops_end_with_a_benchmark_that_is_killed() -> None:
-    import subprocess
-    import sys
-
     run = subprocess.run(
         [sys.executable, "-c", _KILLED_BENCHMARK], capture_output=True, text=True, timeout=60
     )
@@ -51,6 +51,33 @@ def test_background_loops_end_with_a_benchmark_that_is_killed() -> None:
         for p in pids:
             if psutil.pid_exists(p):
                 psutil.Process(p).kill()
+
+
+_HUNG_UP_BENCHMARK = """
+import sys, time
+from localspec.bench.command import interruptible
+
+def run(_args):
+    try:
+        print("running", flush=True)
+        time.sleep(60)
+    finally:
+        print("servers stopped", flush=True)
+    return 0
+
+sys.exit(interruptible(run, None))
+"""
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="POSIX signal")
+def test_a_benchmark_whose_terminal_closes_stops_its_servers() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HUNG_UP_BENCHMARK], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None and proc.stdout.readline() == "running\n"
+    proc.send_signal(signal.SIGHUP)
+    assert proc.wait(30) == 130
+    assert proc.stdout.read() == "servers stopped\n"
 
 
 def test_cells_report_aggregate_speed_and_ratios_to_llama_server() -> None:

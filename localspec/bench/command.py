@@ -1,6 +1,7 @@
-"""What the benchmark commands share: their argument parser's shape, and running with SIGTERM
-(or SIGINT in a background job) turned into KeyboardInterrupt, so the servers they started are
-stopped, then the process's own handlers put back."""
+"""What the benchmark commands share: their argument parser's shape, and running with SIGTERM,
+SIGHUP (the terminal closed) or SIGINT (also in a background job) turned into
+KeyboardInterrupt, so the servers they started are stopped, then the process's own handlers
+put back."""
 
 from __future__ import annotations
 
@@ -26,11 +27,16 @@ def _interrupt(signum: int, _frame: object) -> None:
 
 
 def interruptible(run: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
-    """``run(args)`` with SIGTERM and SIGINT raising KeyboardInterrupt (main thread only);
+    """``run(args)`` with SIGTERM, SIGHUP and SIGINT raising KeyboardInterrupt (main thread only);
     an interrupted run (its servers stopped by its own ``finally``) exits 130."""
     if threading.current_thread() is not threading.main_thread():
         return _until_interrupted(run, args)
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    signals = [
+        signal.SIGTERM,
+        signal.SIGINT,
+        *([signal.SIGHUP] if hasattr(signal, "SIGHUP") else []),
+    ]
+    saved = {sig: signal.getsignal(sig) for sig in signals}
     for sig in saved:
         signal.signal(sig, _interrupt)
     try:
