@@ -97,6 +97,8 @@ def _port_is_bound(host: str, port: int) -> bool:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
+        except socket.gaierror:
+            return False  # no such host: nobody holds it, and the server's bind says so
         except OSError:
             return True
     return False

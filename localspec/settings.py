@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import (
     BaseModel,
@@ -31,6 +31,7 @@ from pydantic import (
     Field,
     SecretStr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -43,6 +44,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
+_NUMBERS = (int, float, int | None, float | None)
 LAYER_KINDS = ("default", "system", "user", "env", "flag")
 SECRET_KEYS = frozenset({"server.api_key", "backend.api_key"})
 ENV_PREFIX = "LOCALSPEC_"
@@ -70,7 +72,20 @@ ENV_NOT_SETTINGS = frozenset(
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True, frozen=True)
+    # inf and NaN are never a limit anyone means (inf GB of GPU memory crashed the planner)
+    model_config = ConfigDict(
+        extra="forbid", validate_default=True, frozen=True, allow_inf_nan=False
+    )
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        """``port = true`` is a mistake, not port 1 (pydantic would take it as one)."""
+        if isinstance(value, bool) and info.field_name is not None:
+            annotation = cls.model_fields[info.field_name].annotation
+            if annotation in _NUMBERS:
+                raise ValueError("must be a number, not true or false")
+        return value
 
 
 class ModelsSettings(_Section):
@@ -103,8 +118,10 @@ class HubSettings(_Section):
     @field_validator("endpoint", "proxy")
     @classmethod
     def _url(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith(("http://", "https://")):
-            raise ValueError("must be an http:// or https:// URL")
+        if value is not None and (
+            not value.startswith(("http://", "https://")) or not urlsplit(value).hostname
+        ):
+            raise ValueError("must be an http:// or https:// URL with a host")
         return value.rstrip("/") if value else value
 
 
@@ -114,6 +131,18 @@ class ServerSection(_Section):
         description="address to bind (localhost: 127.0.0.1 and ::1); loopback unless a key is set",
     )
     port: int = Field(8012, ge=1, le=65535, description="TCP port (llama-vscode expects 8012)")
+
+    @field_validator("host")
+    @classmethod
+    def _bare_host(cls, value: str) -> str:
+        """``[::1]`` (as in a URL) is the address ``::1``."""
+        value = value.strip()
+        if value.startswith("[") and value.endswith("]"):
+            value = value[1:-1]
+        if not value:
+            raise ValueError("must be an address or host name")
+        return value
+
     api_key: SecretStr | None = Field(None, description="Bearer key clients must send")
     api_key_file: Path | None = Field(None, description="file holding the API key (mode 600)")
     api_key_required: bool = Field(False, description="refuse to start without an API key")
@@ -218,8 +247,8 @@ class BackendSettings(_Section):
     )
     model: str | None = Field(
         None,
-        description="the upstream's model name (sent as 'model'); openai: required unless the "
-        "upstream serves exactly one",
+        description="the upstream's model name (sent as 'model'); openai: this or fim_model "
+        "is required",
     )
     fim_model: str | None = Field(
         None,
@@ -268,6 +297,11 @@ class BackendSettings(_Section):
     def _remote_needs_url(self) -> BackendSettings:
         if self.kind != "local" and self.url is None:
             raise ValueError(f"kind {self.kind!r} needs backend.url (the upstream's base URL)")
+        if self.kind == "openai" and not (self.model or self.fim_model):
+            raise ValueError(
+                "kind 'openai' needs backend.model (the upstream's model name) or "
+                "backend.fim_model (the catalog model whose FIM tokens lay out prompts)"
+            )
         return self
 
 
@@ -449,10 +483,16 @@ def _check_key_list(names: Any, origin: Origin, what: str) -> tuple[list[str], l
 def read_toml_layer(path: Path, kind: Literal["system", "user"]) -> tuple[Layer, list[str]]:
     """One profile or config file as a layer; problems name the file and the key."""
     origin = Origin(kind, str(path))
-    try:
-        table = tomllib.loads(path.read_text(encoding="utf-8"))
+    try:  # utf-8-sig: Notepad's byte order mark is not a TOML error
+        table = tomllib.loads(path.read_text(encoding="utf-8-sig"))
     except tomllib.TOMLDecodeError as exc:
         return Layer(origin), [f"{origin}: not valid TOML: {exc}"]
+    except UnicodeDecodeError as exc:
+        return Layer(origin), [
+            f"{origin}: not UTF-8 text (byte {exc.start}: {exc.reason}); save it as UTF-8"
+        ]
+    except RecursionError:
+        return Layer(origin), [f"{origin}: not valid TOML: nested too deeply"]
     except OSError as exc:
         return Layer(origin), [f"{origin}: cannot read: {exc.strerror or exc}"]
     locked = table.pop("locked", None)
@@ -507,6 +547,9 @@ def flag_layer(flags: Mapping[str, tuple[Any, str]]) -> tuple[Layer, list[str]]:
         if key not in KEYS:
             problems.append(f"{origin}: unknown key '{key}'{did_you_mean(key, KEYS)}")
             continue
+        if key in SECRET_KEYS:  # it would show in ps, and in a detached daemon's command line
+            problems.append(f"{origin}: a key on the command line shows in ps; set {key}_file")
+            continue
         if isinstance(value, str) and label.startswith("--set"):
             value = _parse_text(KEYS[key], value)
         layer.values[key] = (value, origin)
@@ -529,7 +572,10 @@ def parse_set_options(items: Iterable[str]) -> tuple[dict[str, tuple[Any, str]],
 
 def system_profile_paths(directory: Path | None = None) -> list[Path]:
     directory = directory if directory is not None else paths.system_config_dir()
-    return sorted(directory.glob("*.toml")) if directory.is_dir() else []
+    if not directory.is_dir():
+        return []
+    # dotfiles are an editor's lock or a file put aside (.#10-corp.toml, .old.toml)
+    return sorted(p for p in directory.glob("*.toml") if not p.name.startswith("."))
 
 
 def user_config_path() -> Path:
@@ -689,7 +735,24 @@ def _show(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, list):
         return "[" + ", ".join(_show(v) for v in value) + "]"
-    return str(value)
+    return redact_url(str(value))
+
+
+def redact_url(text: str) -> str:
+    """``text`` with a URL's password and query hidden (a proxy's ``user:password@``, a
+    mirror's ``?token=``); anything else as it is."""
+    if not text.startswith(("http://", "https://")):
+        return text
+    try:
+        parts = urlsplit(text)
+        password = parts.password
+    except ValueError:
+        return text
+    netloc = parts.netloc
+    if password is not None:
+        netloc = f"{parts.username}:<secret>@{netloc.rpartition('@')[2]}"
+    query = "<secret>" if parts.query else ""
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
 @dataclass(frozen=True)
@@ -734,6 +797,8 @@ def to_toml_dict(settings: Settings) -> dict[str, Any]:
             value = "<secret>"
         elif isinstance(value, Path):
             value = str(value)
+        elif isinstance(value, str):
+            value = redact_url(value)
         elif isinstance(value, list):
             value = [str(v) if isinstance(v, Path) else v for v in value]
         flat[key] = value
@@ -765,7 +830,12 @@ def read_secret_file(path: Path, key: str) -> str:
                 f"run: chmod 600 {path}"
             ]
         )
-    text = path.read_text(encoding="utf-8").strip()
+    try:
+        text = path.read_text(encoding="utf-8-sig").strip()
+    except OSError as exc:
+        raise SettingsError([f"{key}: cannot read {path}: {exc.strerror or exc}"]) from None
+    except UnicodeDecodeError:
+        raise SettingsError([f"{key}: {path} is not UTF-8 text; save the key as UTF-8"]) from None
     if not text:
         raise SettingsError([f"{key}: {path} is empty"])
     return text
@@ -778,7 +848,7 @@ def _section_key(section: str, inline: SecretStr | None, file: Path | None) -> s
     if file is not None:
         return read_secret_file(file.expanduser(), f"{section}.api_key_file")
     if inline is not None:
-        return inline.get_secret_value() or None
+        return inline.get_secret_value().strip() or None
     return None
 
 

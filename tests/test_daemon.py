@@ -88,6 +88,11 @@ def test_a_plain_tcp_listener_is_other() -> None:
     assert f"port {port}" in owner.describe() or "HTTP" in owner.describe()
 
 
+def test_a_host_name_that_does_not_resolve_holds_no_port() -> None:
+    # a typo in server.host is the server's bind error to report, not "the port is held"
+    assert daemon.probe_port("no-such-host.invalid", _free_port()).kind == "free"
+
+
 def test_pid_file_roundtrip_and_stale_removal(state_dir: Path) -> None:
     path = daemon.write_pid_file("127.0.0.1", 8123, Path("/tmp/x.log"))
     assert path.parent == state_dir

@@ -115,6 +115,28 @@ def test_setting_the_locked_value_again_is_not_a_violation(dirs) -> None:
         ("user", 'locked = ["server.host"]\n', "'locked' is honoured only in system profiles"),
         ("system", 'locked = ["server.hots"]\n', "did you mean 'server.host'?"),
         ("user", "[hub]\nendpoint = 'ftp://x'\n", "hub.endpoint: must be an http:// or https://"),
+        (
+            "user",
+            "[hub]\nendpoint = 'https://'\n",
+            "hub.endpoint: must be an http:// or https:// URL with a host",
+        ),
+        ("user", "[server]\nport = true\n", "server.port: must be a number, not true"),
+        ("system", "[server]\nslots = false\n", "server.slots: must be a number"),
+        (
+            "user",
+            "[limits]\ngpu_memory_gb = inf\n",
+            "limits.gpu_memory_gb: Input should be a finite number",
+        ),
+        (
+            "user",
+            "[backend]\nfallback_ms = nan\n",
+            "backend.fallback_ms: Input should be a finite number",
+        ),
+        (
+            "system",
+            "[backend]\nkind = 'openai'\nurl = 'https://llm.corp'\n",
+            "kind 'openai' needs backend.model",
+        ),
     ],
 )
 def test_bad_profiles_name_file_and_key(dirs, where, text, expected) -> None:
@@ -125,6 +147,34 @@ def test_bad_profiles_name_file_and_key(dirs, where, text, expected) -> None:
     message = str(info.value)
     assert str(path) in message
     assert expected in message
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        (b"# caf\xe9\n[server]\nport = 9000\n", "not UTF-8 text (byte 5"),
+        ("[server]\nport = 9000\n".encode("utf-16"), "not UTF-8 text"),
+        (b"[models]\nallowed = " + b"[" * 5000 + b"]" * 5000 + b"\n", "nested too deeply"),
+    ],
+    ids=["latin-1", "utf-16", "nested"],
+)
+def test_a_profile_that_is_not_toml_text_is_named_not_a_traceback(dirs, data, expected) -> None:
+    system_dir, _ = dirs
+    path = system_dir / "10-corp.toml"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(data)
+    with pytest.raises(st.SettingsError) as info:
+        _load(dirs)
+    assert str(path) in str(info.value) and expected in str(info.value)
+
+
+def test_a_byte_order_mark_and_editor_files_in_the_profile_directory_are_harmless(dirs) -> None:
+    system_dir, _ = dirs
+    (system_dir).mkdir(parents=True)
+    (system_dir / "10-corp.toml").write_bytes(b"\xef\xbb\xbf[server]\nport = 9000\n")  # Notepad
+    (system_dir / ".#10-corp.toml").symlink_to("/nonexistent/editor-lock")  # emacs, mid-edit
+    _write(system_dir / ".20-old.toml", "[server]\nport = 9999\n")  # put aside
+    assert _load(dirs).settings.server.port == 9000
 
 
 def test_every_problem_is_reported_at_once(dirs) -> None:
@@ -187,11 +237,51 @@ def test_set_option_parses_toml_literals() -> None:
 def test_explain_never_prints_the_api_key(dirs) -> None:
     _, user_file = dirs
     _write(user_file, '[server]\napi_key = "sk-very-secret"\n')
-    resolved = _load(dirs, flags={"server.api_key": ("sk-other-secret", "--set server.api_key")})
+    resolved = _load(dirs, {"LOCALSPEC_SERVER_API_KEY": "sk-other-secret"})
     rows = {r.key: r for r in st.explain(resolved)}
-    assert rows["server.api_key"].value == "set (from flag --set server.api_key)"
+    assert rows["server.api_key"].value == "set (from env LOCALSPEC_SERVER_API_KEY)"
     dumped = repr(st.explain(resolved)) + repr(st.to_toml_dict(resolved.settings))
     assert "secret" not in dumped.replace("<secret>", "")
+
+
+def test_a_key_on_the_command_line_is_refused() -> None:
+    # it would show in ps, and `up --detach` would hand it to the daemon's command line
+    flags, _ = st.parse_set_options(["server.api_key=sk-in-argv", "backend.api_key=sk-2"])
+    layer, problems = st.flag_layer(flags)
+    assert layer.values == {}
+    assert len(problems) == 2 and all("shows in ps" in p for p in problems)
+    assert "server.api_key_file" in problems[0]
+
+
+def test_credentials_in_urls_are_never_shown(dirs) -> None:
+    system_dir, user_file = dirs
+    _write(
+        system_dir / "10-corp.toml",
+        'locked = ["hub.proxy"]\n[hub]\nproxy = "http://svc:Corp0rateProxyPw@proxy.corp:3128"\n'
+        'endpoint = "https://hf-mirror.corp/?token=MIRRORTOKEN"\n',
+    )
+    _write(user_file, '[hub]\nproxy = "http://alice:AlicePw@proxy.corp:3128"\n')
+    resolved = _load(dirs)
+    rows = {r.key: r.value for r in st.explain(resolved)}
+    assert rows["hub.proxy"] == "http://svc:<secret>@proxy.corp:3128"
+    assert rows["hub.endpoint"] == "https://hf-mirror.corp/?<secret>"
+    shown = repr(st.explain(resolved)) + repr(st.to_toml_dict(resolved.settings))
+    shown += "".join(map(str, resolved.violations))
+    assert resolved.violations and "AlicePw" not in shown
+    assert "Corp0rateProxyPw" not in shown and "MIRRORTOKEN" not in shown
+    assert resolved.settings.hub.proxy == "http://svc:Corp0rateProxyPw@proxy.corp:3128"  # used
+
+
+def test_a_locked_hub_endpoint_keeps_hf_endpoint_out(dirs) -> None:
+    from localspec.fetch.plan_files import DEFAULT_HUB, hub_options
+
+    rogue = {"HF_ENDPOINT": "http://127.0.0.1:9"}
+    assert hub_options(_load(dirs, rogue).settings)["endpoint"] == "http://127.0.0.1:9"
+    system_dir, _ = dirs
+    _write(system_dir / "10-corp.toml", 'locked = ["hub"]\n[hub]\noffline = false\n')
+    resolved = _load(dirs, rogue)
+    assert resolved.violations  # reported ...
+    assert hub_options(resolved.settings)["endpoint"] == DEFAULT_HUB  # ... and held
 
 
 def test_every_key_named_in_the_brief_exists() -> None:
@@ -268,3 +358,26 @@ def test_key_file_readable_by_others_is_refused(tmp_path: Path) -> None:
 
 def test_inline_key_allows_non_loopback() -> None:
     assert st.check_security(_settings(host="0.0.0.0", api_key="k")) == "k"
+
+
+def test_a_blank_inline_key_is_no_key() -> None:
+    with pytest.raises(st.SettingsError, match="reachable from other machines"):
+        st.check_security(_settings(host="0.0.0.0", api_key="  "))
+
+
+def test_a_bracketed_ipv6_host_is_the_address() -> None:
+    assert _settings(host="[::1]").server.host == "::1"
+    assert st.check_security(_settings(host="[::1]")) is None
+
+
+@pytest.mark.skipif(os.name != "posix", reason="file modes are POSIX")
+def test_a_key_file_that_is_a_directory_or_not_utf8_is_named(tmp_path: Path) -> None:
+    folder = tmp_path / "keydir"
+    folder.mkdir(mode=0o700)
+    with pytest.raises(st.SettingsError, match=f"server.api_key_file: cannot read {folder}"):
+        st.check_security(_settings(host="0.0.0.0", api_key_file=str(folder)))
+    utf16 = tmp_path / "key16"
+    utf16.write_bytes("sk-123".encode("utf-16"))
+    utf16.chmod(0o600)
+    with pytest.raises(st.SettingsError, match="is not UTF-8 text"):
+        st.check_security(_settings(host="0.0.0.0", api_key_file=str(utf16)))

@@ -93,7 +93,9 @@ def test_plain_http_to_another_host_is_refused_unless_allowed(tmp_path: Path) ->
     for url in ("http://127.0.0.1:8013", "http://localhost:8013", "http://[::1]:8013"):
         loop = _load(tmp_path, user=f'[backend]\nkind = "llama-server"\nurl = "{url}"\n')
         assert st.check_backend(loop.settings) is None
-    https = _load(tmp_path, user='[backend]\nkind = "openai"\nurl = "https://10.1.2.3"\n')
+    https = _load(
+        tmp_path, user='[backend]\nkind = "openai"\nurl = "https://10.1.2.3"\nmodel = "m"\n'
+    )
     assert st.check_backend(https.settings) is None
 
 
@@ -110,7 +112,10 @@ def test_the_key_file_is_permission_checked_and_read(tmp_path: Path) -> None:
     both = text + 'api_key = "sk-inline"\n'
     with pytest.raises(st.SettingsError, match="not both"):
         st.check_backend(_load(tmp_path, user=both).settings)
-    missing = '[backend]\nkind = "openai"\nurl = "https://x.example"\nca_bundle = "/nope.pem"\n'
+    missing = (
+        '[backend]\nkind = "openai"\nurl = "https://x.example"\nmodel = "m"\n'
+        'ca_bundle = "/nope.pem"\n'
+    )
     with pytest.raises(st.SettingsError, match="ca_bundle"):
         st.check_backend(_load(tmp_path, user=missing).settings)
 

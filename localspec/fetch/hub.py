@@ -47,6 +47,7 @@ from localspec.fetch.files import (
     recorded_sha256,
     sha256_file,
 )
+from localspec.settings import redact_url
 from localspec.units import human_bytes
 
 if TYPE_CHECKING:  # huggingface_hub is imported where it is used: the CLI starts without it
@@ -226,8 +227,9 @@ class _Hub:
             )
         if meta.commit_hash is None or meta.etag is None:
             raise FetchError(
-                f"{self.endpoint} answered for {spec.label} without X-Repo-Commit/ETag headers: "
-                "it does not look like a Hugging Face hub (check HF_ENDPOINT, the proxy, the CA)"
+                f"{redact_url(self.endpoint)} answered for {spec.label} without "
+                "X-Repo-Commit/ETag headers: it does not look like a Hugging Face hub "
+                "(check HF_ENDPOINT, the proxy, the CA)"
             )
         return meta
 
@@ -254,7 +256,7 @@ class _hub_errors:
     """Turn huggingface_hub/httpx exceptions into FetchErrors that say what to do."""
 
     def __init__(self, spec: FileSpec, endpoint: str) -> None:
-        self.spec, self.endpoint = spec, endpoint
+        self.spec, self.endpoint = spec, redact_url(endpoint)  # a mirror's credentials stay out
 
     def __enter__(self) -> None:
         return None

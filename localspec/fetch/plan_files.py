@@ -12,6 +12,8 @@ from localspec.fetch.hub import pull
 from localspec.planning.result import Plan
 from localspec.settings import Settings, read_secret_file
 
+DEFAULT_HUB = "https://huggingface.co"  # hub.endpoint unset (and HF_ENDPOINT not set)
+
 
 def apply_network_settings(*, proxy: str | None = None, ca_bundle: Path | None = None) -> None:
     """Route huggingface_hub through a proxy / trust a CA bundle (profile keys).
@@ -48,7 +50,9 @@ def hub_options(settings: Settings) -> HubOptions:
     if hub.token_file is not None:
         token = read_secret_file(hub.token_file.expanduser(), "hub.token_file")
     return HubOptions(
-        endpoint=hub.endpoint,
+        # never None: huggingface_hub would read HF_ENDPOINT itself, which a lock on
+        # hub.endpoint (HF_ENDPOINT's setting) has refused
+        endpoint=hub.endpoint or DEFAULT_HUB,
         offline=hub.offline,
         token=token,
         readonly_dirs=[Path(d).expanduser() for d in settings.models.dirs],

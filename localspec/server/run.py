@@ -137,11 +137,13 @@ def serve(
     try:
         sockets = bind_sockets(server_settings.host, server_settings.port)
     except OSError as exc:
+        busy = exc.errno == errno.EADDRINUSE
         log.error(
-            "cannot listen on %s:%d: %s (is another server already running there?)",
+            "cannot listen on %s:%d: %s%s",
             server_settings.host,
             server_settings.port,
             exc,
+            " (is another server already running there?)" if busy else " (check server.host)",
         )
         return EXIT_BIND_FAILED
     addresses = [s.getsockname()[:2] for s in sockets]
