@@ -414,6 +414,10 @@ def test_preferred_pair_and_allowed_patterns(catalog: Catalog) -> None:
         make_plan(catalog, facts, PlanSettings(allowed=("llama-*",)))
     with pytest.raises(PlanError, match="not in the catalog"):
         make_plan(catalog, facts, PlanSettings(pair="nope+0.5b"))
+    # `--pair` narrows models.allowed to the pair (settings_to.plan_inputs): a typo is named
+    typo = "qwen2.5-coder-7b+0.5"
+    with pytest.raises(PlanError, match=r"did you mean 'qwen2.5-coder-7b\+0.5b'\?"):
+        make_plan(catalog, facts, PlanSettings(pair=typo, allowed=(typo,)))
 
 
 def test_context_below_4096_only_when_asked(catalog: Catalog) -> None:

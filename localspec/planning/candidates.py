@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -81,6 +82,11 @@ def allowed_candidates(catalog: Any, settings: PlanSettings) -> list[Candidate]:
             )
         if candidates:
             raise PlanError(f"pair {settings.pair!r} is not in the catalog or not allowed")
+    known = getattr(catalog, "pairs", {})
+    if not candidates and settings.pair and settings.pair not in known:
+        close = difflib.get_close_matches(settings.pair, list(known), n=1)
+        hint = f"did you mean {close[0]!r}?" if close else "`localspec models` lists them"
+        raise PlanError(f"models.pair {settings.pair!r} is not a catalog pair ({hint})")
     if not candidates:
         raise PlanError(
             "no catalog pair is allowed by the settings (models.allowed = "
