@@ -357,6 +357,10 @@ class KeyInfo:
     def type_name(self) -> str:
         return _type_name(self.annotation)
 
+    @property
+    def holds_paths(self) -> bool:
+        return Path in (self.annotation, *get_args(self.annotation))
+
 
 def _type_name(annotation: Any) -> str:
     origin = get_origin(annotation)
@@ -497,7 +501,7 @@ def read_toml_layer(path: Path, kind: Literal["system", "user"]) -> tuple[Layer,
         return Layer(origin), [f"{origin}: cannot read: {exc.strerror or exc}"]
     locked = table.pop("locked", None)
     values, problems = _flatten(table, origin)
-    layer = Layer(origin, values)
+    layer = Layer(origin, _anchored(values, path.parent))
     if locked is not None:
         if kind != "system":
             problems.append(
@@ -508,6 +512,25 @@ def read_toml_layer(path: Path, kind: Literal["system", "user"]) -> tuple[Layer,
             layer.locks, lock_problems = _check_key_list(locked, origin, "locked")
             problems += lock_problems
     return layer, problems
+
+
+def _anchored(values: dict[str, tuple[Any, Origin]], base: Path) -> dict[str, tuple[Any, Origin]]:
+    """A file's relative paths are relative to the file (the daemon, a login service, runs
+    from any directory); ``~`` stays for the model to expand."""
+
+    def anchor(value: Any) -> Any:
+        if isinstance(value, str) and value and not value.startswith("~"):
+            return str(base / value)  # an absolute value stays as it is
+        return value
+
+    out = dict(values)
+    for key, (value, origin) in values.items():
+        if KEYS[key].holds_paths:
+            out[key] = (
+                [anchor(v) for v in value] if isinstance(value, list) else anchor(value),
+                origin,
+            )
+    return out
 
 
 def _parse_text(info: KeyInfo, text: str) -> Any:

@@ -177,6 +177,16 @@ def test_a_byte_order_mark_and_editor_files_in_the_profile_directory_are_harmles
     assert _load(dirs).settings.server.port == 9000
 
 
+def test_a_files_relative_paths_are_relative_to_the_file(dirs) -> None:
+    system_dir, user_file = dirs
+    _write(system_dir / "10-corp.toml", '[models]\ndirs = ["models", "/srv/models", "~/m"]\n')
+    _write(user_file, '[server]\napi_key_file = "server.key"\n')
+    s = _load(dirs, {"LOCALSPEC_HUB_TOKEN_FILE": "token"}).settings
+    assert s.server.api_key_file == user_file.parent / "server.key"
+    assert s.models.dirs == [system_dir / "models", Path("/srv/models"), Path("~/m")]
+    assert s.hub.token_file == Path("token")  # the environment's: the working directory's
+
+
 def test_every_problem_is_reported_at_once(dirs) -> None:
     _, user_file = dirs
     _write(user_file, "[server]\nprot = 1\n[speculative]\nn_max = 'x'\n")
