@@ -159,6 +159,20 @@ def test_stream_frames_as_llama_server_and_equals_the_plain_answer(sc: httpx.Cli
     assert not any("usage" in ch for ch in chunks)
 
 
+def test_a_continued_assistant_message_begins_the_answer(sc: httpx.Client) -> None:
+    """llama-server's prefill: the answer is the continued message's text and what follows."""
+    messages = [*EDIT, {"role": "assistant", "content": "def "}]
+    body = {"messages": messages, "max_tokens": 8, **GREEDY}
+    content = chat(sc, body)["choices"][0]["message"]["content"]
+    prompt = sc.post("/apply-template", json={"messages": messages}).json()["prompt"]
+    assert prompt.endswith("<|im_start|>assistant\ndef ")
+    rest = sc.post("/completion", json={"prompt": prompt, "n_predict": 8, **GREEDY}).json()
+    assert content == "def " + rest["content"]
+    chunks, text = streamed(sc, body)
+    assert text == content
+    assert chunks[1]["choices"][0]["delta"]["content"].startswith("def ")
+
+
 def test_chat_is_the_completion_of_its_template_prompt(sc: httpx.Client) -> None:
     prompt = sc.post("/apply-template", json={"messages": EDIT}).json()["prompt"]
     via_chat = chat(sc, {"messages": EDIT, "n_predict": 12, **GREEDY})

@@ -560,7 +560,13 @@ def test_openai_completions_with_suffix_is_fim(qwen: Live, qc: httpx.Client) -> 
     stream = qc.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "stream": True})
     lines = [x for x in stream.text.split("\n\n") if x]
     assert lines[-1] == "data: [DONE]"
-    assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] is not None
+    last = json.loads(lines[-2][6:])
+    assert last["choices"][0]["finish_reason"] is not None
+    # as llama-server's: an OpenAI client reads the usage from the last chunk
+    n_text = sum(1 for x in lines[:-2] if json.loads(x[6:])["choices"][0]["text"])
+    assert last["usage"]["completion_tokens"] == last["timings"]["predicted_n"] >= n_text
+    usage = last["usage"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
 
 
 # ---------------------------------------------------------------- a trained model: stop rules

@@ -154,11 +154,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, svc: S
     name = side.model_name
     piece = side.engine.vocab.piece
 
+    # a continued assistant message: the answer carries its text, as llama-server's does
+    prefill = chat.prefill or ""
+
     if not params.stream:
 
         def render_answer(result: JobResult) -> Any:
             done = dispatch.answered(result)
-            messages = [parse_message(d.result.text, fmt, schemas) for d in done]
+            messages = [parse_message(prefill + d.result.text, fmt, schemas) for d in done]
             return chatresults.chat_completion(
                 done, messages, model=name, cmpl_id=cmpl_id, piece=piece
             )
@@ -173,6 +176,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, svc: S
         if index not in parsers:  # the first event of a completion names the role
             parsers[index] = StreamParser(fmt, schemas)
             out.append(chatresults.ROLE_DELTA)
+            if prefill:
+                begun = parsers[index].feed(prefill)
+                out += chatresults.deltas(begun.content, begun.tool_calls)
         if delta is not None:
             out += chatresults.deltas(delta.content, delta.tool_calls)
         return [

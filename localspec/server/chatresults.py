@@ -18,7 +18,13 @@ from typing import Any
 
 from localspec.chat import ChatMessage, ToolCall
 from localspec.engine.types import GenerationResult
-from localspec.server.results import Completion, Piece, completion_probabilities, timings
+from localspec.server.results import (
+    Completion,
+    Piece,
+    completion_probabilities,
+    timings,
+    usage,
+)
 
 FINGERPRINT = "localspec"
 _ID_CHARS = string.ascii_letters + string.digits
@@ -33,18 +39,6 @@ def finish_reason(result: GenerationResult, message: ChatMessage) -> str:
     if result.stop_type in ("eos", "word"):
         return "tool_calls" if message.tool_calls else "stop"
     return "length"
-
-
-def usage(done: Sequence[Completion]) -> dict[str, Any]:
-    """Token counts: the prompt once (every completion shares it), every completion's tokens."""
-    n_prompt = done[0].result.n_prompt if done else 0
-    n_completion = sum(len(d.result.tokens) for d in done)
-    return {
-        "completion_tokens": n_completion,
-        "prompt_tokens": n_prompt,
-        "total_tokens": n_completion + n_prompt,
-        "prompt_tokens_details": {"cached_tokens": done[0].result.n_cached if done else 0},
-    }
 
 
 def _logprobs(result: GenerationResult, piece: Piece) -> dict[str, Any]:

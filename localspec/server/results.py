@@ -241,10 +241,20 @@ def openai_id() -> str:
     return "cmpl-" + uuid.uuid4().hex
 
 
-def openai_completion(done: Sequence[Completion], *, model: str, cmpl_id: str) -> dict[str, Any]:
-    """OpenAI's text_completion object, one choice per completion."""
+def usage(done: Sequence[Completion]) -> dict[str, Any]:
+    """Token counts: the prompt once (every completion shares it), every completion's tokens."""
     n_prompt = done[0].result.n_prompt if done else 0
     n_completion = sum(len(d.result.tokens) for d in done)
+    return {
+        "completion_tokens": n_completion,
+        "prompt_tokens": n_prompt,
+        "total_tokens": n_completion + n_prompt,
+        "prompt_tokens_details": {"cached_tokens": done[0].result.n_cached if done else 0},
+    }
+
+
+def openai_completion(done: Sequence[Completion], *, model: str, cmpl_id: str) -> dict[str, Any]:
+    """OpenAI's text_completion object, one choice per completion."""
     return {
         "choices": [
             {
@@ -259,12 +269,7 @@ def openai_completion(done: Sequence[Completion], *, model: str, cmpl_id: str) -
         "model": model,
         "system_fingerprint": "localspec",
         "object": "text_completion",
-        "usage": {
-            "completion_tokens": n_completion,
-            "prompt_tokens": n_prompt,
-            "total_tokens": n_completion + n_prompt,
-            "prompt_tokens_details": {"cached_tokens": done[0].result.n_cached if done else 0},
-        },
+        "usage": usage(done),
         "id": cmpl_id,
         "timings": timings(done[0].result) if done else {},
     }
@@ -281,3 +286,13 @@ def openai_chunk(
         "object": "text_completion",
         "id": cmpl_id,
     }
+
+
+def openai_final_chunk(done: Completion, *, model: str, cmpl_id: str) -> dict[str, Any]:
+    """A completion's last streamed chunk: its end, usage and timings, as llama-server's
+    (an OpenAI client reads the usage from it with or without ``include_usage``)."""
+    chunk = openai_chunk(
+        text="", index=done.index, model=model, cmpl_id=cmpl_id, finish=finish_reason(done.result)
+    )
+    cmpl_id = chunk.pop("id")
+    return {**chunk, "usage": usage([done]), "id": cmpl_id, "timings": timings(done.result)}

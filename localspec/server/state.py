@@ -320,13 +320,7 @@ class Service:
 
         def final(result: JobResult) -> list[Any]:
             return [
-                results.openai_chunk(
-                    text="",
-                    index=done.index,
-                    model=self.model_name,
-                    cmpl_id=cmpl_id,
-                    finish=results.finish_reason(done.result),
-                )
+                results.openai_final_chunk(done, model=self.model_name, cmpl_id=cmpl_id)
                 for done in dispatch.answered(result)
             ]
 
