@@ -174,6 +174,20 @@ def _looks_like_localspec(pid: int) -> bool:
         return False
 
 
+def _wrote(info: PidInfo) -> bool:
+    """Whether ``info.pid`` is still the ``localspec up`` that wrote the file: a pid reused
+    since (by `localspec logs -f`, an editor on the config: anything naming localspec) is a
+    process started after the file was, and must never get a `down`'s SIGTERM."""
+    try:
+        proc = psutil.Process(info.pid)
+        words = [Path(arg).name.lower() for arg in proc.cmdline()]
+        created = proc.create_time()
+    except psutil.Error:
+        return False
+    runs_up = any(MARKER in w and words[i + 1 : i + 2] == ["up"] for i, w in enumerate(words))
+    return runs_up and created <= info.started + 1.0  # the file is written after the start
+
+
 def read_pid_file(port: int, *, check_alive: bool = True) -> PidInfo | None:
     """The pid file's contents; a stale one (dead or reused pid) is removed and None returned."""
     path = pid_file(port)
@@ -181,7 +195,7 @@ def read_pid_file(port: int, *, check_alive: bool = True) -> PidInfo | None:
         info = PidInfo(**json.loads(path.read_text(encoding="utf-8")))
     except (OSError, ValueError, TypeError):
         return None
-    if check_alive and not _looks_like_localspec(info.pid):
+    if check_alive and not _wrote(info):
         path.unlink(missing_ok=True)
         return None
     return info
@@ -298,6 +312,16 @@ def _ended(proc: psutil.Process, timeout: float) -> bool:
 
 
 # --- logs ------------------------------------------------------------------------------------
+
+
+def lines_from(path: Path, offset: int) -> list[str]:
+    """The lines written to ``path`` after byte ``offset`` (a start's own, in a shared log)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(offset)
+            return fh.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return []
 
 
 def tail(path: Path, lines: int, end: int | None = None) -> list[str]:

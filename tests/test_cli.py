@@ -224,6 +224,32 @@ def test_detach_status_logs_down_with_a_locked_port(
     assert again.returncode == 3 and "no localspec daemon" in again.stdout
 
 
+def test_a_detached_start_shows_its_own_log_lines_and_keeps_its_log_file(
+    env: dict[str, str], smollm_fim_q4: Path, tmp_path: Path
+) -> None:
+    port = _free_port()
+    shared = _state(env) / "localspec.log"
+    shared.parent.mkdir(parents=True)
+    shared.write_text("[ok] loading old.gguf: serving at http://localhost:1\nERROR old run\n")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"<html>a login page, not a model</html>")
+    failed = localspec(env, "up", "--detach", "--port", str(port), "--target", str(bad))
+    assert failed.returncode == 1 and "not a GGUF file" in failed.stderr
+    assert "old" not in failed.stderr  # this start's lines only, not an earlier run's
+    mine = tmp_path / "mine.log"
+    args = ["up", "--detach", "--port", str(port), "--target", str(smollm_fim_q4)]
+    up = localspec(env, *args, "--ctx-size", "512", "--log-file", str(mine))
+    try:
+        assert up.returncode == 0, up.stderr
+        assert f"logs: {mine}" in up.stdout and "serving at" in mine.read_text()
+    finally:
+        assert localspec(env, "down", "--port", str(port)).returncode == 0
+    # a setting that cannot work is the command line's error, before a daemon is spawned
+    draftless = localspec(env, *args, "--spec-mode", "draft")
+    assert draftless.returncode == 2 and "no draft model is given" in draftless.stderr
+    assert "starting localspec" not in draftless.stderr
+
+
 def test_port_held_by_another_program_is_named(env: dict[str, str], smollm_fim_q4: Path) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -233,6 +259,50 @@ def test_port_held_by_another_program_is_named(env: dict[str, str], smollm_fim_q
     assert result.returncode == 4
     assert f"port {port} is held by" in result.stderr
     assert f"(pid {os.getpid()})" in result.stderr  # psutil names the holder
+
+
+def test_status_and_down_leave_a_llama_server_on_the_port_alone(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """llama-vscode's port often has llama-server on it: status is not fooled, and a stale
+    pid file whose pid now belongs to another program never gets it killed."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class LlamaServer(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b'{"status":"ok","model_path":"/models/qwen.gguf","total_slots":1}'
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Server", "llama.cpp")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), LlamaServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    # a daemon that died without cleaning up; its pid reused by `localspec logs -f`
+    reused = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)", "localspec", "logs", "-f"]
+    )
+    pid_file = _state(env) / f"localspec-{port}.pid"
+    pid_file.parent.mkdir(parents=True)
+    pid_file.write_text(json.dumps({"pid": reused.pid, "host": "localhost", "port": port,
+                                    "started": time.time() - 3600}))  # fmt: skip
+    try:
+        status = localspec(env, "status", "--port", str(port))
+        assert status.returncode == 3, status.stdout
+        assert f"localspec is not running: port {port} is held by" in status.stdout
+        down = localspec(env, "down", "--port", str(port))
+        assert down.returncode == 3 and "no localspec daemon" in down.stdout
+        assert reused.poll() is None  # never signalled
+        assert not pid_file.exists()  # the stale file is gone
+    finally:
+        reused.kill()
+        server.shutdown()
 
 
 def test_bad_profiles_stop_up_with_named_errors(env: dict[str, str], smollm_fim_q4: Path) -> None:

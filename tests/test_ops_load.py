@@ -44,10 +44,13 @@ def load(model: Path, clients: int, seconds: float, tmp_path: Path) -> None:
         model=str(model), n_ctx=N_CTX, n_batch=512, n_parallel=4, queue_limit=8
     ) as daemon:
         assert_no_close_calls(daemon.url)
-        report = run_load(daemon.url, clients=clients, seconds=seconds)
+        shown: list[str] = []
+        report = run_load(daemon.url, clients=clients, seconds=seconds, progress=shown.append)
         alive = daemon.proc.poll() is None
         (tmp_path / "load.json").write_text(json.dumps(report.__dict__, indent=2))
     check(report, alive)
+    # the reference answers take a while on a big model: each is announced before it runs
+    assert shown[:6] == [f"  reference answer {n}/6, each request alone ..." for n in range(1, 7)]
 
 
 def test_16_clients_for_15_seconds(qwen_target: Path, tmp_path: Path) -> None:

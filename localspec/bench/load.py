@@ -124,7 +124,9 @@ def run_load(
     with httpx.Client(base_url=url, headers=headers, timeout=120) as admin:
         alone: list[list[int]] = []
         alone_ms: list[float] = []
-        for body in bodies:  # each request run alone: the answers to match
+        for n, body in enumerate(bodies, 1):  # each request run alone: the answers to match
+            if progress is not None:
+                progress(f"  reference answer {n}/{len(bodies)}, each request alone ...")
             t0 = time.perf_counter()
             r = admin.post("/infill", json=body)
             alone_ms.append((time.perf_counter() - t0) * 1e3)

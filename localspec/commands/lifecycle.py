@@ -168,6 +168,10 @@ def gather_status(host: str, port: int, api_key: str | None) -> dict[str, Any]:
     report: dict[str, Any] = {"url": url, "health": state}
     if state == "down":
         return report
+    owner = daemon.probe_port(host, port, api_key)
+    if owner.kind != "localspec":  # llama-server on llama-vscode's port, say
+        report.update(health="not-localspec", localspec=False, held_by=owner.describe())
+        return report
     report["health_body"] = health
     props = _get_json(f"{url}/props", api_key, keep="backend")
     report["props"] = props
@@ -335,9 +339,12 @@ def run_status(args: argparse.Namespace) -> int:
         c.print_json(report)
     elif report["health"] == "down":
         print(f"localspec is not running ({report['url']} does not answer)")
+    elif report["health"] == "not-localspec":
+        print(f"localspec is not running: port {port} is held by {report['held_by']}")
     else:
         print(render_status(report))
-    return c.EXIT_NOT_RUNNING if report["health"] == "down" else c.EXIT_OK
+    running = report["health"] not in ("down", "not-localspec")
+    return c.EXIT_OK if running else c.EXIT_NOT_RUNNING
 
 
 # --- logs ------------------------------------------------------------------------------------

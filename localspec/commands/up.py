@@ -103,6 +103,9 @@ def run(args: argparse.Namespace) -> int:
     if args.chat_draft is not None and args.chat_target is None:
         c.error("--chat-draft needs --chat-target")
         return c.EXIT_USAGE
+    if args.target is not None and args.draft is None and settings.speculative.mode == "draft":
+        c.error("speculative.mode is 'draft' but no draft model is given (--draft)")
+        return c.EXIT_USAGE
     host, port = settings.server.host, settings.server.port
     owner = daemon.probe_port(host, port, api_key)
     if owner.kind == "localspec":
@@ -151,7 +154,10 @@ def _detach(args: argparse.Namespace, host: str, port: int) -> int:
         path = getattr(args, name)
         if path is not None:
             child_argv += [f"--{name.replace('_', '-')}", str(path.expanduser().resolve())]
-    log_path = daemon.log_file()
+    log_path = args.log_file.expanduser().resolve() if args.log_file else daemon.log_file()
+    if args.log_file:
+        child_argv += ["--log-file", str(log_path)]
+    logged = log_path.stat().st_size if log_path.exists() else 0
     proc = daemon.spawn_detached(child_argv, log_path)
     url = daemon.base_url(host, port)
     words = {"down": "starting", "loading": "loading models"}
@@ -183,7 +189,7 @@ def _detach(args: argparse.Namespace, host: str, port: int) -> int:
         return c.EXIT_OK
     if isinstance(outcome, int):
         c.error(f"the daemon exited with code {outcome} before it was ready; its log ends:")
-        for line in daemon.tail(log_path, 20):
+        for line in daemon.lines_from(log_path, logged)[-20:]:  # this start's, not the last's
             print(f"  {line}", file=sys.stderr)
         return outcome if outcome != 0 else c.EXIT_FAILURE
     c.error(
@@ -244,8 +250,6 @@ def _local_models(args: argparse.Namespace, settings: st.Settings) -> Served:
         )
     target, draft, chat_target, chat_draft = models
     assert target is not None  # _local_models serves --target
-    if settings.speculative.mode == "draft" and draft is None:
-        raise UpError("speculative.mode is 'draft' but no draft model is given (--draft)")
     off = settings.models.chat == "off"
     chat = None
     if chat_target is not None and not off:
