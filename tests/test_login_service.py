@@ -167,3 +167,20 @@ def test_cli_dry_run_renders_every_os_without_writing(home: Path) -> None:
         assert marker in result.stdout
         assert "checked with" in result.stderr
     assert not any(home.rglob("localspec.service")) and not any(home.rglob("*.plist"))
+
+
+def test_install_refuses_settings_the_service_would_fail_on(home: Path) -> None:
+    config = home / "config"
+    config.mkdir()
+    (config / "config.toml").write_text("[server]\nprot = 8012\n")
+    env = _env(home, LOCALSPEC_CONFIG_DIR=str(config), LOCALSPEC_SYSTEM_CONFIG_DIR=str(home / "s"))
+    for dry in ([], ["--dry-run"]):
+        result = subprocess.run(
+            [sys.executable, "-m", "localspec", "service", "install", "--os", "linux", *dry],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode == 2 and "unknown key 'server.prot'" in result.stderr
+    assert not any(home.rglob("localspec.service"))

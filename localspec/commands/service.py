@@ -54,6 +54,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_install(args: argparse.Namespace) -> int:
+    # the service runs `localspec up` at every login: settings it would refuse are said now,
+    # not in a unit that fails and restarts every few seconds (a SettingsError: exit 2)
+    c.load_settings(args, quiet=True)
     try:
         if args.dry_run:
             text = login_service.render(args.os_name)
