@@ -167,9 +167,16 @@ def remove_pid_file(port: int) -> None:
         pid_file(port).unlink(missing_ok=True)
 
 
+def _runs_up(proc: psutil.Process) -> bool:
+    """Whether ``proc`` is a ``localspec up`` (a path that merely names localspec, a
+    checkout's venv or `localspec logs -f`, is not)."""
+    words = [Path(arg).name.lower() for arg in proc.cmdline()]
+    return any(MARKER in w and words[i + 1 : i + 2] == ["up"] for i, w in enumerate(words))
+
+
 def _looks_like_localspec(pid: int) -> bool:
     try:
-        return MARKER in " ".join(psutil.Process(pid).cmdline()).lower()
+        return _runs_up(psutil.Process(pid))
     except psutil.Error:
         return False
 
@@ -180,12 +187,10 @@ def _wrote(info: PidInfo) -> bool:
     process started after the file was, and must never get a `down`'s SIGTERM."""
     try:
         proc = psutil.Process(info.pid)
-        words = [Path(arg).name.lower() for arg in proc.cmdline()]
-        created = proc.create_time()
+        # the file is written after the start: a later start is a reused pid
+        return _runs_up(proc) and proc.create_time() <= info.started + 1.0
     except psutil.Error:
         return False
-    runs_up = any(MARKER in w and words[i + 1 : i + 2] == ["up"] for i, w in enumerate(words))
-    return runs_up and created <= info.started + 1.0  # the file is written after the start
 
 
 def read_pid_file(port: int, *, check_alive: bool = True) -> PidInfo | None:

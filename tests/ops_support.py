@@ -198,3 +198,32 @@ def wait_until(cond: Callable[[], object], timeout: float = 60.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
         time.sleep(0.005)
+
+
+@contextlib.contextmanager
+def http_server(
+    body: bytes, status: int = 200, headers: dict[str, str] | None = None
+) -> Iterator[int]:
+    """Another program's HTTP server on a loopback port (its port yielded): every GET gets
+    ``body`` (a llama-server on llama-vscode's port, a stand-in for "not localspec")."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -22,6 +22,7 @@ import pytest
 
 from localspec import cli
 from localspec.settings import SettingsError
+from tests.ops_support import http_server
 
 INFILL = {"input_prefix": "def add(a, b):\n    return ", "input_suffix": "\n", "n_predict": 4}
 
@@ -266,43 +267,26 @@ def test_status_and_down_leave_a_llama_server_on_the_port_alone(
 ) -> None:
     """llama-vscode's port often has llama-server on it: status is not fooled, and a stale
     pid file whose pid now belongs to another program never gets it killed."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    class LlamaServer(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            body = b'{"status":"ok","model_path":"/models/qwen.gguf","total_slots":1}'
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Server", "llama.cpp")
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), LlamaServer)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    port = server.server_address[1]
+    llama_server = b'{"status":"ok","model_path":"/models/qwen.gguf"}'
     # a daemon that died without cleaning up; its pid reused by `localspec logs -f`
     reused = subprocess.Popen(
         [sys.executable, "-c", "import time; time.sleep(60)", "localspec", "logs", "-f"]
     )
-    pid_file = _state(env) / f"localspec-{port}.pid"
-    pid_file.parent.mkdir(parents=True)
-    pid_file.write_text(json.dumps({"pid": reused.pid, "host": "localhost", "port": port,
-                                    "started": time.time() - 3600}))  # fmt: skip
     try:
-        status = localspec(env, "status", "--port", str(port))
-        assert status.returncode == 3, status.stdout
-        assert f"localspec is not running: port {port} is held by" in status.stdout
-        down = localspec(env, "down", "--port", str(port))
-        assert down.returncode == 3 and "no localspec daemon" in down.stdout
-        assert reused.poll() is None  # never signalled
-        assert not pid_file.exists()  # the stale file is gone
+        with http_server(llama_server, headers={"Server": "llama.cpp"}) as port:
+            pid_file = _state(env) / f"localspec-{port}.pid"
+            pid_file.parent.mkdir(parents=True)
+            pid_file.write_text(json.dumps({"pid": reused.pid, "host": "localhost", "port": port,
+                                            "started": time.time() - 3600}))  # fmt: skip
+            status = localspec(env, "status", "--port", str(port))
+            assert status.returncode == 3, status.stdout
+            assert f"localspec is not running: port {port} is held by" in status.stdout
+            down = localspec(env, "down", "--port", str(port))
+            assert down.returncode == 3 and "no localspec daemon" in down.stdout
+            assert reused.poll() is None  # never signalled
+            assert not pid_file.exists()  # the stale file is gone
     finally:
         reused.kill()
-        server.shutdown()
 
 
 def test_bad_profiles_stop_up_with_named_errors(env: dict[str, str], smollm_fim_q4: Path) -> None:

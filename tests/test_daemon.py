@@ -9,12 +9,12 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
 
 from localspec import daemon
+from tests.ops_support import http_server
 
 
 @pytest.fixture(autouse=True)
@@ -29,35 +29,16 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _http_server(body: bytes, status: int = 200) -> Iterator[int]:
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = HTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server.server_address[1]
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
 @pytest.fixture
 def localspec_like() -> Iterator[int]:
-    yield from _http_server(json.dumps({"build_info": "localspec 0.1.0"}).encode())
+    with http_server(json.dumps({"build_info": "localspec 0.1.0"}).encode()) as port:
+        yield port
 
 
 @pytest.fixture
 def other_http() -> Iterator[int]:
-    yield from _http_server(b'{"build_info": "b4000-llama-server"}')
+    with http_server(b'{"build_info": "b4000-llama-server"}') as port:
+        yield port
 
 
 def test_free_port_is_free() -> None:
@@ -123,16 +104,12 @@ def test_wait_until_ready_sees_health(localspec_like: int) -> None:
 
 
 def test_loading_state_and_timeout() -> None:
-    gen = _http_server(b'{"error":{"message":"Loading model"}}', status=503)
-    port = next(gen)
-    try:
+    with http_server(b'{"error":{"message":"Loading model"}}', status=503) as port:
         assert daemon.health(f"http://127.0.0.1:{port}")[0] == "loading"
         assert (
             daemon.wait_until_ready(f"http://127.0.0.1:{port}", None, 0.5, interval=0.1)
             == "loading"
         )
-    finally:
-        next(gen, None)
 
 
 def test_spawn_detached_runs_in_its_own_session_and_logs(tmp_path: Path) -> None:
