@@ -547,6 +547,36 @@ def test_logs_follow_prints_new_lines_and_stops_on_ctrl_c(env: dict[str, str]) -
         proc.wait()
 
 
+@pytest.mark.skipif(os.name != "posix", reason="SIGINT delivery")
+def test_logs_follow_waits_for_a_log_not_written_yet(env: dict[str, str]) -> None:
+    assert localspec(env, "logs", "-n", "-2").returncode == 2
+    log = _state(env) / "localspec.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "localspec", "logs", "-f", "-n", "1"],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+
+    def line() -> str:
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        assert ready, "no output from `localspec logs -f`"
+        return proc.stdout.readline()
+
+    try:
+        assert line().startswith(f"no log yet at {log}")
+        log.parent.mkdir(parents=True)
+        (log.parent / "tmp").write_text("first\n")
+        (log.parent / "tmp").rename(log)  # whole, as the daemon's first lines would be seen
+        assert line() == "first\n"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_catalog_refresh_pins_sizes_and_sha256_from_the_hub(
     env: dict[str, str], tmp_path: Path
 ) -> None:

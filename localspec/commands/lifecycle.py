@@ -65,7 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = c.add_command(sub, LOGS, run_logs, log_file=daemon.log_file())
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
-    p.add_argument("-n", "--lines", type=int, default=50, metavar="N", help="lines to show")
+    p.add_argument("-n", "--lines", type=_count, default=50, metavar="N", help="lines to show")
 
 
 def _address(args: argparse.Namespace) -> tuple[str, int, str | None]:
@@ -350,11 +350,25 @@ def run_status(args: argparse.Namespace) -> int:
 # --- logs ------------------------------------------------------------------------------------
 
 
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
+
+
 def run_logs(args: argparse.Namespace) -> int:
     path = daemon.log_file()
     if not path.exists():
         print(f"no log yet at {path} (a foreground `localspec up` logs to the terminal)")
-        return c.EXIT_OK if not args.follow else c.EXIT_FAILURE
+        if not args.follow:
+            return c.EXIT_OK
+        try:  # as `tail -F`: a daemon about to start writes it
+            with c.Progress(f"waiting for {path}"):
+                while not path.exists():
+                    time.sleep(0.5)
+        except KeyboardInterrupt:
+            return c.EXIT_OK
     end = path.stat().st_size  # one offset for both, so no line is shown twice or lost
     for line in daemon.tail(path, args.lines, end):
         print(line)
