@@ -271,8 +271,17 @@ def install(
         )
         _step(outcome, run, [tool, "/Run", "/TN", TASK_NAME], required=False)
     if not outcome.ok:
+        no_bus = any("connect to bus" in line.lower() for line in outcome.lines)
         outcome.lines.append(
-            "the file is installed; enable it by hand: " + " ".join(_enable_hint(os_name, path))
+            "the file is installed; "
+            + (
+                # ssh, a container, a root shell: no systemd user session to talk to
+                "there is no systemd user session here: log in to a desktop session, or run "
+                "`loginctl enable-linger $USER` and log in again, then: "
+                if no_bus
+                else "enable it by hand: "
+            )
+            + " ".join(_enable_hint(os_name, path))
         )
     return outcome
 

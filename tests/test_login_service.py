@@ -126,7 +126,8 @@ def test_install_enables_with_systemctl_user_and_reports_failure(
     fake.write_text(
         f'#!/bin/sh\necho "$@" >> "{calls}"\n'
         'case "$*" in *is-enabled*) echo enabled;; *is-active*) echo active;; esac\n'
-        'if [ -n "$FAIL_ENABLE" ] && [ "$2" = enable ]; then echo "no user bus" >&2; exit 1; fi\n'
+        'if [ "$FAIL_ENABLE" = 1 ] && [ "$2" = enable ]; then echo "no user bus" >&2; exit 1; fi\n'
+        'if [ -n "$FAIL_ENABLE" ] && [ "$2" = enable ]; then echo "$FAIL_ENABLE" >&2; exit 1; fi\n'
     )
     fake.chmod(0o755)
     env = _env(home, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
@@ -152,6 +153,11 @@ def test_install_enables_with_systemctl_user_and_reports_failure(
     failed = run("install", FAIL_ENABLE="1")
     assert failed.returncode == 1
     assert "no user bus" in failed.stdout and "enable it by hand" in failed.stdout
+    # systemctl's own words in an ssh session or a container: say what the user can do
+    nobus = run("install", FAIL_ENABLE="Failed to connect to bus: No medium found")
+    assert nobus.returncode == 1
+    assert "there is no systemd user session here" in nobus.stdout
+    assert "loginctl enable-linger" in nobus.stdout
 
 
 def test_cli_dry_run_renders_every_os_without_writing(home: Path) -> None:
