@@ -4,6 +4,7 @@ a real llama.cpp model serving real HTTP over loopback."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import select
@@ -13,7 +14,7 @@ import subprocess
 import sys
 import time
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -515,11 +516,10 @@ def test_inline_key_in_a_readable_file_warns_and_missing_model_fails(
     assert "sk-inline-999" not in result.stderr + result.stdout
 
 
-@pytest.mark.skipif(os.name != "posix", reason="SIGINT delivery")
-def test_logs_follow_prints_new_lines_and_stops_on_ctrl_c(env: dict[str, str]) -> None:
-    log = _state(env) / "localspec.log"
-    log.parent.mkdir(parents=True)
-    log.write_text("old 1\nold 2\n")
+@contextlib.contextmanager
+def _following(env: dict[str, str]) -> Iterator[Callable[[], str]]:
+    """`localspec logs -f -n 1` running: its next output line on each call; after the block
+    it gets Ctrl-C and must exit 0."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "localspec", "logs", "-f", "-n", "1"],
         env=env,
@@ -536,10 +536,7 @@ def test_logs_follow_prints_new_lines_and_stops_on_ctrl_c(env: dict[str, str]) -
         return proc.stdout.readline()
 
     try:
-        assert line() == "old 2\n"
-        with log.open("a") as fh:
-            fh.write("new 1\n")
-        assert line() == "new 1\n"
+        yield line
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0
     finally:
@@ -548,33 +545,27 @@ def test_logs_follow_prints_new_lines_and_stops_on_ctrl_c(env: dict[str, str]) -
 
 
 @pytest.mark.skipif(os.name != "posix", reason="SIGINT delivery")
+def test_logs_follow_prints_new_lines_and_stops_on_ctrl_c(env: dict[str, str]) -> None:
+    log = _state(env) / "localspec.log"
+    log.parent.mkdir(parents=True)
+    log.write_text("old 1\nold 2\n")
+    with _following(env) as line:
+        assert line() == "old 2\n"
+        with log.open("a") as fh:
+            fh.write("new 1\n")
+        assert line() == "new 1\n"
+
+
+@pytest.mark.skipif(os.name != "posix", reason="SIGINT delivery")
 def test_logs_follow_waits_for_a_log_not_written_yet(env: dict[str, str]) -> None:
     assert localspec(env, "logs", "-n", "-2").returncode == 2
     log = _state(env) / "localspec.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "localspec", "logs", "-f", "-n", "1"],
-        env=env,
-        stdout=subprocess.PIPE,
-        text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
-
-    def line() -> str:
-        ready, _, _ = select.select([proc.stdout], [], [], 60)
-        assert ready, "no output from `localspec logs -f`"
-        return proc.stdout.readline()
-
-    try:
+    with _following(env) as line:
         assert line().startswith(f"no log yet at {log}")
         log.parent.mkdir(parents=True)
         (log.parent / "tmp").write_text("first\n")
         (log.parent / "tmp").rename(log)  # whole, as the daemon's first lines would be seen
         assert line() == "first\n"
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 0
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def test_catalog_refresh_pins_sizes_and_sha256_from_the_hub(
