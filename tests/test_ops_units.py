@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, ClassVar
 
@@ -259,3 +261,20 @@ def test_two_workers_share_one_engine_thread() -> None:
         threading.Event().wait(0.01)
     else:
         raise AssertionError("the engine thread outlived its workers")
+
+
+@pytest.mark.skipif(os.name != "posix", reason="file modes are POSIX")
+def test_a_benchmarks_key_comes_from_a_file_never_the_command_line(tmp_path: Path) -> None:
+    from localspec.bench import load
+    from localspec.bench.command import key_from_file
+    from localspec.settings import SettingsError
+
+    with pytest.raises(SystemExit):  # it would show in ps
+        load.main(["--api-key", "sk-in-argv"])
+    key = tmp_path / "key"
+    key.write_text("sk-1\n")
+    key.chmod(0o600)
+    assert key_from_file(key) == "sk-1" and key_from_file(None) is None
+    key.chmod(0o644)
+    with pytest.raises(SettingsError, match="chmod 600"):
+        key_from_file(key)

@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 
 def bench_parser(prog: str, doc: str | None, epilog: str) -> argparse.ArgumentParser:
@@ -19,6 +20,7 @@ def bench_parser(prog: str, doc: str | None, epilog: str) -> argparse.ArgumentPa
         description=doc.split("\n\n")[1] if doc else None,
         epilog=epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,  # `--api-key KEY` is refused, not read as --api-key-file
     )
 
 
@@ -52,3 +54,10 @@ def _until_interrupted(run: Callable[[argparse.Namespace], int], args: argparse.
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def key_from_file(path: Path | None) -> str | None:
+    """A benchmark's key for a running daemon, read under the secret files' rule (mode 600)."""
+    from localspec.settings import read_secret_file
+
+    return read_secret_file(path.expanduser(), "--api-key-file") if path is not None else None

@@ -23,11 +23,13 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 from localspec.bench import corpus
+from localspec.bench.command import key_from_file
 from localspec.bench.stats import percentile
 
 ACTIONS = ("complete", "warmup", "abort")
@@ -237,15 +239,20 @@ def run_load(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    # no abbreviations: `--api-key KEY` must be refused, not read as --api-key-file
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--url", default="http://127.0.0.1:8012")
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--n-predict", type=int, default=8)
-    parser.add_argument("--api-key", default=None)
+    parser.add_argument(
+        "--api-key-file", type=Path, default=None, metavar="FILE",
+        help="the daemon's key (mode 600; a key on the command line would show in ps)",
+    )  # fmt: skip
     parser.add_argument("--json", default=None, help="write the figures to this file")
     args = parser.parse_args(argv)
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    api_key = key_from_file(args.api_key_file)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     print(f"{args.clients} clients for {args.seconds:g} s against {args.url} ...", file=sys.stderr)
     report = run_load(
         args.url,

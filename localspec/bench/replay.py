@@ -25,7 +25,7 @@ from typing import Any
 
 from localspec.bench import anchor, editor, proxy, report
 from localspec.bench.background import busy_loops
-from localspec.bench.command import bench_parser, interruptible
+from localspec.bench.command import bench_parser, interruptible, key_from_file
 from localspec.bench.driver import Outcome, Target, replay
 from localspec.bench.stats import fmt, percentile, ratio
 
@@ -97,7 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--flash-attn", choices=("on", "off"), help="localspec's flash attention (default: its own)"
     )
-    srv.add_argument("--api-key", default=os.environ.get("LOCALSPEC_API_KEY"), help="for --url")
+    srv.add_argument(
+        "--api-key-file", type=Path, metavar="FILE",
+        help="for --url: the daemon's key (mode 600; a key on the command line would show in ps)",
+    )  # fmt: skip
     srv.add_argument(
         "--load-timeout", type=float, default=600.0, help="seconds to wait for a server to load"
     )
@@ -462,7 +465,7 @@ def _main(args: argparse.Namespace) -> int:
         targets: list[Target] = []
         if args.url:
             targets.append(Target(f"url:{args.url.rstrip('/').rsplit(':', 1)[-1]}", args.url,
-                                  args.api_key))  # fmt: skip
+                                  key_from_file(args.api_key_file)))  # fmt: skip
         for spec in specs:
             if args.failover and spec.name != proxy.PROXY:
                 continue  # the team server is only reached through the proxy (others idle)
