@@ -172,10 +172,8 @@ def gather_status(host: str, port: int, api_key: str | None) -> dict[str, Any]:
     if owner.kind != "localspec":  # llama-server on llama-vscode's port, say
         report.update(health="not-localspec", localspec=False, held_by=owner.describe())
         return report
-    report["health_body"] = health
-    props = _get_json(f"{url}/props", api_key, keep="backend")
-    report["props"] = props
-    report["localspec"] = bool(props) and daemon.MARKER in str(props).lower()
+    report.update(health_body=health, localspec=True)
+    report["props"] = _get_json(f"{url}/props", api_key, keep="backend")
     models = _get_json(f"{url}/v1/models", api_key)
     if isinstance(models, dict) and isinstance(models.get("models"), list):
         report["chat"] = [
@@ -196,7 +194,7 @@ def gather_status(host: str, port: int, api_key: str | None) -> dict[str, Any]:
 
     except (httpx.HTTPError, ValueError):
         pass
-    pid = _find_pid(host, port, api_key)
+    pid = owner.pid  # the probe's: the pid file's, else the listener's
     if pid is not None:
         report["pid"] = pid
         try:

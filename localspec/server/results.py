@@ -294,5 +294,4 @@ def openai_final_chunk(done: Completion, *, model: str, cmpl_id: str) -> dict[st
     chunk = openai_chunk(
         text="", index=done.index, model=model, cmpl_id=cmpl_id, finish=finish_reason(done.result)
     )
-    cmpl_id = chunk.pop("id")
-    return {**chunk, "usage": usage([done]), "id": cmpl_id, "timings": timings(done.result)}
+    return {**chunk, "usage": usage([done]), "timings": timings(done.result)}
