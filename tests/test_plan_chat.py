@@ -69,8 +69,13 @@ def test_remaining_takes_each_devices_use_away(catalog: Catalog) -> None:
     assert left.cpu.ram_available_bytes == unified.cpu.ram_available_bytes - used
 
 
+# the Qwen2.5 family only: a FIM-only completion model fills the card (left free, the 3060
+# takes Qwen3-Coder-30B-A3B spilled, which serves both)
+QWEN25 = PlanSettings(allowed=("qwen2.5-coder-*",))
+
+
 def test_the_chat_pair_goes_to_ram_when_the_gpu_is_full(catalog: Catalog) -> None:
-    plan = make_plan(catalog, load_hardware_profile("rtx3060-12gb"))
+    plan = make_plan(catalog, load_hardware_profile("rtx3060-12gb"), QWEN25)
     assert plan.chat is not None and plan.chat.mode == "separate"
     chat = plan.chat.plan
     assert chat is not None and chat.target_ngl == 0 and chat.draft_gpu is None
@@ -132,7 +137,7 @@ def test_localspec_settings_reach_the_chat_side(catalog: Catalog) -> None:
 
 
 def test_json_and_table_show_each_pairs_memory(catalog: Catalog) -> None:
-    plan = make_plan(catalog, load_hardware_profile("rtx3060-12gb"))
+    plan = make_plan(catalog, load_hardware_profile("rtx3060-12gb"), QWEN25)
     data = json.loads(json.dumps(plan.to_json()))
     chat = data["chat"]
     assert chat["mode"] == "separate" and chat["plan"]["pair_id"] == plan.chat.plan.pair_id

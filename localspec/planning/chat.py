@@ -72,7 +72,7 @@ def _fits(plan_fn: PlanFn, catalog: Any, facts: HardwareFacts, settings: Any) ->
     """The plan for ``facts`` if its target fits wholly (a spilled chat model is too slow
     beside the completion pair to be worth its memory), else None."""
     try:
-        plan = plan_fn(catalog, facts, settings)
+        plan = plan_fn(catalog, facts, replace(settings, spill=False))
     except PlanError:
         return None
     return plan if plan.fits_wholly else None

@@ -48,6 +48,7 @@ class PlanSettings:
     tokens_per_request: int = 32  # generated tokens per FIM answer
     new_prompt_tokens_per_request: int = 256  # prompt tokens not already in the slot cache
     threads: int | None = None
+    spill: bool = True  # a target that does not fit wholly may spill layers to RAM and win
     allow_q4_kv: bool = False  # q4_0 KV costs quality; off unless asked
     draft_models: bool = True  # False: n-gram pairs only (speculative.mode off or ngram)
     speculative: Speculation = field(default_factory=Speculation)  # handed to the engine

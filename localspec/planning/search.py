@@ -1,6 +1,7 @@
-"""The search and its choice rules: the largest target that fits wholly on the accelerator,
-shrinking context and quantizing KV before spilling layers; spilling only when nothing fits,
-with the smallest target. Pure: data in, Plan out."""
+"""The search and its choice rules: the largest target that decodes within the speed bound,
+wholly on the accelerator if it can (shrinking context and quantizing KV before spilling
+layers), else with the layers that do not fit in RAM; when no target is fast enough, the
+smallest spilled. Pure: data in, Plan out."""
 
 from __future__ import annotations
 
@@ -97,6 +98,7 @@ class _Search:
     """What searching one group found besides a winner: why it failed, the best shortfall."""
 
     too_slow: list[tuple[Candidate, float]] = field(default_factory=list)
+    spill_too_slow: list[tuple[Candidate, float]] = field(default_factory=list)
     draft_loses: list[tuple[str, float]] = field(default_factory=list)
     short: _Fit | None = None  # datacenter: the fit holding most sessions, below the ask
 
@@ -172,30 +174,59 @@ def _why_not(c: SearchContext, group: Sequence[Candidate], found: _Search) -> st
     if r.shared_with:  # unified memory: the GPU's share and the CPU's come from one pool
         where, need = "unified memory", r.used + r.shared_with
         usable = max(0, r.available - r.margin)
+    spilled = ""
+    if found.spill_too_slow:
+        cand, tps = max(reversed(found.spill_too_slow), key=lambda x: x[1])
+        spilled = (
+            f"; with the rest of its layers in RAM it decodes at ~{tps:.0f} tok/s at best "
+            f"({cand.target.quant}), under {c.min_tps:.0f}"
+        )
     return (
         f"even {smallest.target.quant} needs {gib(need)} GiB on {where} but "
-        f"{gib(usable)} GiB is usable (at {ctx} tokens, {kv} KV)"
+        f"{gib(usable)} GiB is usable (at {ctx} tokens, {kv} KV){spilled}"
     )
 
 
+def _spilled_layouts(c: SearchContext, cand: Candidate, draft_dev: int | None) -> _Fit | None:
+    """``cand`` with as many layers on the GPU as fit, at the floor context and the most
+    compact KV: the fastest spill of it (fewer layers on the GPU only decode slower)."""
+    kv, ctx = ladder(c, cand.target)[-1]
+    for ngl in range(c.full_ngl(cand.target) - 1, -1, -1):
+        fitted = fit_first_attention(c, cand, c.layout(ctx, kv, 512, ngl, draft_dev))
+        if fitted is not None:
+            return _finish(c, cand, fitted[0], whole=False)
+    return None
+
+
+def _search_spilled(c: SearchContext, group: Sequence[Candidate], found: _Search) -> _Fit | None:
+    """Nothing of ``group`` fits wholly on the GPU: its highest quant that, spilled, still
+    decodes within the speed bound. A bigger model spilled beats a smaller one wholly on the
+    GPU when both are fast enough, as on a CPU machine the biggest fast enough wins; and
+    more GPU memory only puts more layers there, so the choice stays monotone."""
+    for draft_dev in draft_placements(c, group[0]):
+        for cand in group:
+            fit = _spilled_layouts(c, cand, draft_dev)
+            if fit is None:
+                continue
+            if 1 / fit.target_s < c.min_tps:
+                found.spill_too_slow.append((cand, 1 / fit.target_s))
+                continue
+            if _draft_pays(fit):
+                return fit
+            found.draft_loses.append((c.devices[draft_dev or 0].name, fit.speedup or 0))
+    return None
+
+
 def _search_spill(c: SearchContext, candidates: Sequence[Candidate]) -> _Fit | None:
-    """Nothing fits wholly: the smallest target with as many layers on the GPU as fit, at
-    the floor context and quantized KV. (Smaller runs faster when spilled, and more memory
-    then only ever moves the choice up to a bigger target.)"""
+    """No target is fast enough: the smallest, with as many layers on the GPU as fit, at the
+    floor context and quantized KV (smaller runs faster when spilled)."""
     smallest = min(cand.target.params_b for cand in candidates)
     for group in _groups([cand for cand in candidates if cand.target.params_b == smallest]):
         for draft_dev in draft_placements(c, group[0]):
-            kv, ctx = ladder(c, group[0].target)[-1]
             for cand in reversed(group):  # the smallest quant spills the fewest layers
-                for ngl in range(c.full_ngl(cand.target) - 1, -1, -1):
-                    layout = c.layout(ctx, kv, 512, ngl, draft_dev)
-                    fitted = fit_first_attention(c, cand, layout)
-                    if fitted is None:
-                        continue
-                    fit = _finish(c, cand, fitted[0], whole=False)
-                    if fit is not None and _draft_pays(fit):
-                        return fit
-                    break
+                fit = _spilled_layouts(c, cand, draft_dev)
+                if fit is not None and _draft_pays(fit):
+                    return fit
     return None
 
 
@@ -246,6 +277,8 @@ def make_plan(
     for group in _groups(candidates):
         found = _Search()
         chosen = _search_whole(c, group, found)
+        if chosen is None and c.n_gpus and not c.datacenter and settings.spill:
+            chosen = _search_spilled(c, group, found)
         if chosen is not None:
             break
         rejected.append(Rejection(_group_label(group), _why_not(c, group, found)))
@@ -261,13 +294,20 @@ def make_plan(
             f"{settings.max_token_ms:g} ms/token; this plan holds "
             f"{best_short.capacity.sessions_held}"
         )
+    layers_on_gpu = "{} of {} layers on the GPU, the rest in RAM"
     if chosen is None:
         chosen = _search_spill(c, candidates)
         if chosen is None:
             raise PlanError(_nothing_fits(c, rejected))
         notes.append(
-            "nothing fits wholly on the accelerator: the smallest target runs with "
-            f"{chosen.layout.target_ngl} of {chosen.cand.target.n_layer + 1} layers on the GPU"
+            "no target is fast enough wholly on the accelerator or spilled: the smallest runs "
+            "with " + layers_on_gpu.format(chosen.layout.target_ngl, chosen.cand.target.n_layer + 1)
+        )
+    elif not chosen.whole:
+        notes.append(
+            f"{chosen.cand.target.model_id} does not fit wholly on the accelerator and still "
+            f"decodes within {settings.max_token_ms:g} ms/token spilled: "
+            + layers_on_gpu.format(chosen.layout.target_ngl, chosen.cand.target.n_layer + 1)
         )
     if settings.pair and chosen.cand.pair_id != settings.pair:
         notes.append(
