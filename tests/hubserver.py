@@ -71,6 +71,9 @@ class LocalHub:
         self.fail_after_cut = True
         self.flaky: dict[str, int] = {}  # filename -> bytes every GET sends before the link drops
         self.portal: set[str] = set()  # filenames whose GET gets a login page (HEAD is fine)
+        # (status, Retry-After or None, method or None for any): answered, in order, to the
+        # next requests, as a mirror or proxy does for a moment
+        self.blips: list[tuple[int, str | None, str | None]] = []
         self.ignore_range = False  # answer 200 with the whole file, as some CDNs do
         self.chunk_delay = 0.0  # seconds slept per 64 KiB sent: a slow link
         # when set: a download stops after its first 64 KiB until the event is set (a download
@@ -122,6 +125,7 @@ class LocalHub:
         self.corrupt.clear()
         self.flaky.clear()
         self.portal.clear()
+        self.blips.clear()
 
     def reset_counts(self) -> None:
         with self.lock:
@@ -202,6 +206,17 @@ def _handler_for(hub: LocalHub) -> type[BaseHTTPRequestHandler]:
         def _error(self, status: int, code: str, message: str) -> None:
             self._json(status, {"error": message}, {"X-Error-Code": code})
 
+        def _blip(self) -> bool:
+            """Answer the next blip meant for this method, if any."""
+            with hub.lock:
+                i = next((i for i, b in enumerate(hub.blips) if b[2] in (None, self.command)), -1)
+                if i < 0:
+                    return False
+                status, after, _ = hub.blips.pop(i)
+            headers = {"Retry-After": after} if after is not None else None
+            self._json(status, {"error": f"HTTP {status} from the mirror"}, headers)
+            return True
+
         def _repo(self, repo_id: str, rev: str | None) -> HubRepo | None:
             repo = hub.repos.get(repo_id)
             if repo is None:
@@ -223,6 +238,8 @@ def _handler_for(hub: LocalHub) -> type[BaseHTTPRequestHandler]:
             path = urlsplit(self.path).path
             length = int(self.headers.get("Content-Length") or 0)
             form = parse_qs(self.rfile.read(length).decode())
+            if self._blip():
+                return
             match = _PATHS.match(path)
             if not match:
                 self._error(404, "NotFound", path)
@@ -246,6 +263,8 @@ def _handler_for(hub: LocalHub) -> type[BaseHTTPRequestHandler]:
             self._json(200, out)
 
         def _route(self) -> None:
+            if self._blip():
+                return
             parts = urlsplit(self.path)
             path = unquote(parts.path)
             if match := _RESOLVE.match(path):

@@ -57,6 +57,12 @@ def models(tmp_path: Path) -> Path:
     return tmp_path / "models"
 
 
+@pytest.fixture(autouse=True)
+def quick_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hub that stays down is tried again after 0.05 s, not the seconds a user waits."""
+    monkeypatch.setattr(fetch.hub, "RETRY_DELAYS_S", (0.05, 0.05, 0.05))
+
+
 def spec(**kw: object) -> FileSpec:
     return FileSpec(filename=NAME, repo=REPO, **kw)  # type: ignore[arg-type]
 
@@ -604,3 +610,40 @@ def test_the_hub_token_file_is_read_under_the_secret_files_rule(tmp_path: Path) 
         check_security(settings)
     token_file.chmod(0o600)
     assert fetch.hub_options(settings)["token"] == "hf_secret"
+
+
+def test_a_mirror_that_answers_5xx_for_a_moment_is_tried_again(
+    hub: LocalHub, models: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A proxy's 502 on the metadata, then a 503 on the download itself: the file comes, and
+    the user is told why it waits."""
+    hub.blips = [(502, None, "HEAD"), (503, None, "GET")]
+    (path,) = pull([spec()], models_dir=models, endpoint=hub.url)
+    assert path.read_bytes() == DATA
+    err = capfd.readouterr().err
+    assert "answered HTTP 502" in err and "answered HTTP 503" in err
+    assert "trying again in 0 s (1 of 3)" in err
+    assert [r.status for r in hub.requests if r.method == "GET"] == [503, 200]
+
+
+def test_a_rate_limit_is_waited_out_only_when_it_is_short(hub: LocalHub, models: Path) -> None:
+    hub.blips = [(429, "1", "HEAD")]
+    t0 = time.monotonic()
+    (path,) = pull([spec()], models_dir=models, endpoint=hub.url, progress=False)
+    assert path.read_bytes() == DATA and time.monotonic() - t0 >= 1.0  # its Retry-After
+    path.unlink()
+    hub.blips = [(429, "3600", "HEAD")]
+    hub.reset_counts()
+    t0 = time.monotonic()
+    with pytest.raises(FetchError, match=r"rate-limiting .*wait 3600 s.*HF_TOKEN"):
+        pull([spec()], models_dir=models, endpoint=hub.url, progress=False, force=True)
+    assert time.monotonic() - t0 < 30 and len(hub.requests) == 1  # reported, not slept through
+
+
+def test_a_hub_that_stays_down_is_reported_after_three_more_tries(
+    hub: LocalHub, models: Path
+) -> None:
+    hub.failing.add(NAME)
+    with pytest.raises(FetchError, match="503"):
+        pull([spec()], models_dir=models, endpoint=hub.url, progress=False)
+    assert [r.method for r in hub.requests] == ["HEAD"] * 4

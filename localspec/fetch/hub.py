@@ -47,6 +47,7 @@ from localspec.fetch.files import (
     recorded_sha256,
     sha256_file,
 )
+from localspec.retry_after import retry_after
 from localspec.settings import redact_url
 from localspec.units import human_bytes
 
@@ -57,6 +58,13 @@ if TYPE_CHECKING:  # huggingface_hub is imported where it is used: the CLI start
 Say = Callable[[str], None]  # a progress line for the user (or nothing, without progress)
 DOWNLOAD_CHUNK = 1 << 20  # bytes written (and kept for a resume) at a time
 GGUF_MAGIC = b"GGUF"
+# a mirror or proxy answering these is often back within seconds: the file's request is made
+# again after each delay (or the hub's Retry-After, up to MAX_RETRY_AFTER_S), resuming what
+# came; one that stays down longer is reported
+RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
+RETRY_DELAYS_S = (2.0, 5.0, 15.0)
+MAX_RETRY_AFTER_S = 60.0
+_RESUME_HINT = "run the same command again to resume it"
 
 
 def offline_requested(offline: bool = False) -> bool:
@@ -127,7 +135,7 @@ def pull(
         fetched = 0
         for n, (index, spec, found) in enumerate(todo, 1):
             try:
-                path, nbytes = _fetch_one(
+                path, nbytes = _fetch_retrying(
                     spec,
                     found,
                     client,
@@ -286,6 +294,14 @@ class _hub_errors:
             msg = f"revision {rev} of {spec.repo} not found on {self.endpoint}"
         elif isinstance(exc, errors.RemoteEntryNotFoundError):
             msg = f"{spec.filename} not found in {spec.repo} at {rev} on {self.endpoint}"
+        elif isinstance(exc, errors.HfHubHTTPError) and _status(exc) == 429:
+            after = retry_after(exc.response.headers.get("retry-after"))
+            wait = f"; it asks to wait {after:.0f} s" if after is not None else ""
+            msg = (
+                f"the hub at {self.endpoint} is rate-limiting downloads of {spec.label} (HTTP "
+                f"429{wait}). Run the same command again later (the download resumes), or set "
+                "HF_TOKEN: a logged-in user's limit is higher"
+            )
         elif isinstance(exc, errors.HfHubHTTPError):
             msg = f"the hub at {self.endpoint} refused {spec.label}: {exc}"
         elif "httpx" in type(exc).__module__ or isinstance(exc, ConnectionError):
@@ -300,6 +316,64 @@ class _hub_errors:
         else:
             return False
         raise FetchError(msg) from exc
+
+
+def _status(exc: BaseException) -> int | None:
+    return getattr(getattr(exc, "response", None), "status_code", None)
+
+
+def _fetch_retrying(
+    spec: FileSpec,
+    previous: LocalFile | None,
+    hub: _Hub,
+    models_dir: Path,
+    *,
+    say: Say,
+    **kwargs: Any,
+) -> tuple[Path, int]:
+    """``_fetch_one``, made again after a hub's passing 5xx or 429 (a partial download
+    resumes); other failures, and the last try's, are raised as they are."""
+    for attempt in range(len(RETRY_DELAYS_S) + 1):
+        try:
+            return _fetch_one(spec, previous, hub, models_dir, say=say, **kwargs)
+        except VerifyError:
+            raise
+        except FetchError as exc:
+            wait = _retry_wait(exc, attempt)
+            if wait is None and attempt and _RESUME_HINT not in str(exc):
+                _raise_with_resume_hint(exc, layout_path(spec, models_dir))
+            if wait is None:
+                raise
+            say(
+                f"  {redact_url(hub.endpoint)} answered HTTP {_status(exc.__cause__)} for "
+                f"{spec.label}; trying again in {wait:.0f} s "
+                f"({attempt + 1} of {len(RETRY_DELAYS_S)})"
+            )
+            time.sleep(wait)
+    raise AssertionError("unreachable: the last attempt raises or returns")
+
+
+def _raise_with_resume_hint(exc: FetchError, final: Path) -> None:
+    """``exc`` from a later try: a partial download the earlier ones left is still kept."""
+    partial = final.with_name(final.name + _PARTIAL_SUFFIX)
+    have = partial.stat().st_size if partial.exists() else 0
+    if not have:
+        raise exc
+    raise FetchError(
+        f"{exc}\nThe download stopped at {human_bytes(have)}; {_RESUME_HINT}."
+    ) from exc.__cause__
+
+
+def _retry_wait(exc: FetchError, attempt: int) -> float | None:
+    """Seconds to wait before trying ``exc``'s file again; None when another try cannot
+    help (not a passing status, no tries left, or a Retry-After too long to sit through)."""
+    response = getattr(exc.__cause__, "response", None)
+    if _status(exc.__cause__) not in RETRY_STATUS or attempt >= len(RETRY_DELAYS_S):
+        return None
+    after = retry_after(response.headers.get("retry-after"))
+    if after is None:
+        return RETRY_DELAYS_S[attempt]
+    return after if after <= MAX_RETRY_AFTER_S else None
 
 
 def _fetch_one(
@@ -525,8 +599,7 @@ def _download(
             ) from exc.__cause__
         have = partial.stat().st_size if partial.exists() else 0
         raise FetchError(
-            f"{exc}\nThe download stopped at {human_bytes(have)}; run the same command again "
-            "to resume it."
+            f"{exc}\nThe download stopped at {human_bytes(have)}; {_RESUME_HINT}."
         ) from exc.__cause__
     except OSError as exc:
         if exc.errno in _DISK_FULL:

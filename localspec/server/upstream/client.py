@@ -8,12 +8,11 @@ download.
 
 from __future__ import annotations
 
-import email.utils
 import ssl
-import time
 
 import httpx
 
+from localspec.retry_after import retry_after
 from localspec.server.upstream.config import UpstreamSettings
 
 KEEPALIVE = 32  # pooled connections kept open to the upstream (one editor needs one or two)
@@ -57,22 +56,6 @@ def unavailable(status: int, raw: bytes, headers: httpx.Headers, url: str) -> Up
         f"the upstream {url} answered HTTP {status} ({raw[:200]!r})",
         retry_after_s=retry_after(headers.get("retry-after")),
     )
-
-
-def retry_after(value: str | None) -> float | None:
-    """``Retry-After`` in seconds from now (delta-seconds or an HTTP date); None if absent or
-    unreadable."""
-    if not value:
-        return None
-    value = value.strip()
-    if value.isdigit():
-        return float(value) or None
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    seconds = when.timestamp() - time.time()
-    return seconds if seconds > 0 else None
 
 
 def _tls_cause(exc: BaseException) -> ssl.SSLError | None:
