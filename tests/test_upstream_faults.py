@@ -154,6 +154,41 @@ def test_streams_that_keep_breaking_send_the_editor_to_the_local_model(
         assert 'localspec_upstream_failures_total{phase="stream",reason="closed"} 3.0' in metrics
 
 
+def test_a_stream_closed_before_its_last_event_is_an_error_not_a_short_answer(
+    qwen_target: Path, tmp_path: Path
+) -> None:
+    """HTTP/1.0-style: the answer ends where the connection does, so a cut there is no
+    protocol error; only the missing last event (``stop: true``, ``[DONE]``) tells."""
+
+    def cut(path: str, _body: dict[str, Any]) -> bytes:
+        if path == "/v1/completions":
+            return event_stream({"choices": [{"index": 0, "text": "a", "finish_reason": None}]})
+        return event_stream({"content": "a", "stop": False})
+
+    def whole(path: str, _body: dict[str, Any]) -> bytes:
+        if path == "/v1/completions":
+            return event_stream({"choices": [{"index": 0, "text": "a"}]}, "[DONE]")
+        return event_stream({"content": "a", "stop": False}, {"content": "", "stop": True})
+
+    script: list[Script] = [cut]
+    with proxied(lambda p, b: script[0](p, b), qwen_target, tmp_path) as (_raw, proxy):
+        body = {"prompt": "x", "stream": True, "n_predict": 4}
+        for path in ("/completion", "/v1/completions"):
+            wait_for(lambda: props(proxy.url)["backend"]["status"] == "up", 10, "up")
+            r = httpx.post(proxy.url + path, json=body, timeout=60)
+            assert r.headers["x-localspec-backend"] == "upstream"
+            events = sse_objects(r.text)
+            assert events[-1]["error"]["code"] == 503, events
+            assert "closed its stream before the last event" in events[-1]["error"]["message"]
+        metrics = httpx.get(proxy.url + "/metrics").text
+        assert 'localspec_upstream_failures_total{phase="stream",reason="closed"} 2.0' in metrics
+        script[0] = whole  # a whole stream passes as it came
+        wait_for(lambda: props(proxy.url)["backend"]["status"] == "up", 10, "up again")
+        r = httpx.post(proxy.url + "/completion", json=body | {"prompt": "y"}, timeout=60)
+        assert sse_objects(r.text)[-1] == {"content": "", "stop": True}
+        assert not _errors(proxy)
+
+
 def _piece(text: str) -> dict[str, Any]:
     return {"choices": [{"index": 0, "text": text, "finish_reason": None}]}
 

@@ -9,6 +9,7 @@ own ``Authorization`` never leaves the machine; the upstream gets localspec's ke
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -135,7 +136,7 @@ async def _commit(
     return Answer(
         status,
         content_type,
-        chunks=_prepend(first, chunks, cfg),
+        chunks=_prepend(first, chunks, cfg, generation=generation),
         close=response.aclose,
         upstream_ms=_ms(t0),
     )
@@ -153,14 +154,55 @@ def _ms(t0: float) -> float:
 
 
 async def _prepend(
-    first: bytes, rest: AsyncIterator[bytes], cfg: UpstreamSettings
+    first: bytes, rest: AsyncIterator[bytes], cfg: UpstreamSettings, *, generation: bool
 ) -> AsyncIterator[bytes]:
+    """The stream as it came. A generation stream must end with its last event: one closed
+    before it (a server or proxy speaking HTTP/1.0, whose answer ends where the connection
+    does) would otherwise reach the editor as a whole, shorter answer."""
+    last = _LastEvent()
+    last.feed(first)
     yield first
     try:
         async for chunk in rest:
+            last.feed(chunk)
             yield chunk
     except httpx.HTTPError as exc:
         raise failure(exc, cfg.url) from None
+    if generation and not last.ends_a_stream():
+        raise UpstreamFailure(
+            "closed", f"the upstream {cfg.url} closed its stream before the last event"
+        )
+
+
+# what a finished llama-server (or localspec) stream's last event holds: ``"stop": true``
+# (/completion, /infill), ``[DONE]`` (the OpenAI routes) or an error
+_LAST_EVENT = re.compile(
+    rb'(?<!\\)"stop"\s*:\s*true|^data: \[DONE\]|^error:|(?<!\\)"error"\s*:', re.M
+)
+
+
+class _LastEvent:
+    """The last whole server-sent event of a stream and what follows it (one event's bytes
+    at most are kept, however long the stream)."""
+
+    def __init__(self) -> None:
+        self.event = b""
+        self.pending = b""
+
+    def feed(self, chunk: bytes) -> None:
+        data = self.pending + chunk
+        end = max(data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n"))
+        if end < 0:
+            self.pending = data
+            return
+        head = data[:end]
+        start = max(head.rfind(b"\n\n"), head.rfind(b"\r\n\r\n"))
+        self.event = head[start + 1 :] if start >= 0 else head
+        self.pending = data[end:].lstrip(b"\r\n")
+
+    def ends_a_stream(self) -> bool:
+        tail = self.pending if self.pending.strip() else self.event
+        return _LAST_EVENT.search(tail) is not None
 
 
 def props_with(raw: bytes, backend: dict[str, Any]) -> bytes:
