@@ -144,6 +144,24 @@ def test_a_completion_stops_a_running_warmup_on_its_slot_only() -> None:
         assert other.future.result(10).cancelled is None
 
 
+def test_a_queued_completion_is_never_dropped_for_a_newer_one() -> None:
+    """llama-vscode and llama.vim both pin slot 0: the newer completion may be another
+    editor's. Each editor gets its answer, in turn (its own stale ones it cancels itself)."""
+    engine = CancellableEngine()
+    with _serving(engine, queue_limit=4) as worker:
+        running = _job(4, slot=0)
+        worker.submit(running)
+        assert engine.started.wait(10)
+        first, second = _job(4, slot=0), _job(4, slot=0)
+        worker.submit(first)
+        worker.submit(second)
+        threading.Event().wait(0.1)
+        assert worker.queued == 2 and not first.future.done()
+        engine.release.set()
+        for job in (running, first, second):
+            assert job.future.result(10).cancelled is None
+
+
 class PrefillingEngine(BlockingEngine):
     """Hands back the prefill rule it was given and waits for the test to release it."""
 

@@ -483,7 +483,10 @@ def test_full_queue_answers_503_with_retry_after(qwen: Live) -> None:
     assert [x.status_code for x in results] == [200, 200, 200]
 
 
-def test_newer_request_for_a_slot_supersedes_the_queued_one(qwen: Live) -> None:
+def test_a_newer_request_for_a_slot_replaces_its_queued_warmup(qwen: Live) -> None:
+    """A queued warm-up is a background cache fill: the completion that comes after it for
+    the slot takes its place (that a queued completion is never dropped is in
+    tests/test_ops_units.py, whose worker queues more than this one)."""
     worker = qwen.service.worker
     results: dict[str, httpx.Response] = {}
 
@@ -497,7 +500,7 @@ def test_newer_request_for_a_slot_supersedes_the_queued_one(qwen: Live) -> None:
         running = threading.Thread(target=send, args=("running", long_body))
         running.start()
         hold.wait_reached()
-        old = threading.Thread(target=send, args=("old", {**base, "n_predict": 4}))
+        old = threading.Thread(target=send, args=("old", {**base, "n_predict": 0}))
         old.start()
         wait_until(lambda: worker.queued == 1)
         new = threading.Thread(target=send, args=("new", {**base, "n_predict": 4, "prompt": "c"}))

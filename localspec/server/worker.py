@@ -4,8 +4,8 @@ HTTP handlers never touch llama.cpp; they submit a :class:`Job` and await its fu
 different slots run at the same time (the engine puts all their sequences in one batch per
 step); a job waits in the queue while its slot is busy. The queue is bounded (past
 ``queue_limit`` a submit raises 503 with Retry-After), a job whose client left is dropped
-before it starts, a newer job pinned to a slot supersedes older queued jobs for that slot, and
-a running job's cancel event stops its sequences within one step.
+before it starts, a newer job pinned to a slot supersedes the cache warm-ups queued for that
+slot, and a running job's cancel event stops its sequences within one step.
 
 A daemon's workers (the completion pair's and a chat pair's) share one :class:`EngineThread`:
 every llama.cpp call of the daemon runs on it, one worker's turn after another's.
@@ -286,13 +286,15 @@ class Worker:
         return engine is not None and engine.busy_besides(slot)
 
     def _supersede(self, job: Job) -> None:
-        """A newer job pinned to a slot replaces older queued ones for that slot.
+        """A newer job pinned to a slot replaces the cache warm-ups (n_predict 0) queued for
+        that slot, and a completion also stops a warm-up *running* there: the editor's
+        warm-up caches the ring buffer that heads the completion's own prompt, so the
+        completion's prefill takes over from where the warm-up got to, instead of the
+        keystroke waiting seconds behind it.
 
-        A cache warm-up (n_predict 0) only replaces other warm-ups: a client still waiting
-        for a completion must not lose it to a background cache fill. A completion also stops
-        a warm-up *running* on its slot: the editor's warm-up caches the ring buffer that
-        heads the completion's own prompt, so the completion's prefill takes over from where
-        the warm-up got to, instead of the keystroke waiting seconds behind it.
+        A queued completion is never dropped: llama-vscode and llama.vim both pin slot 0, so
+        a newer completion for the slot may be another editor's, and the editor whose own
+        request went stale cancels it itself (closing its connection drops it here).
         """
         n_slots = max(1, len(self.slots))
         slot = pinned_slot(job.params.id_slot, n_slots)
@@ -305,8 +307,7 @@ class Worker:
         stale = [
             q
             for q in self._queue
-            if pinned_slot(q.params.id_slot, n_slots) == slot
-            and (not job.cache_only or q.cache_only)
+            if pinned_slot(q.params.id_slot, n_slots) == slot and q.cache_only
         ]
         for q in stale:
             self._queue.remove(q)
