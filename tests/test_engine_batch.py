@@ -422,6 +422,30 @@ def test_a_request_waits_for_its_busy_slot_and_others_do_not(engine: Engine) -> 
     assert engine.slot_tokens(0)[: len(b)] == b  # same ran after first, on its slot
 
 
+def test_requests_whose_extra_completions_need_more_sequences_than_are_free_take_turns(
+    engine: Engine,
+) -> None:
+    """Two requests, each with every extra sequence: both pass the check while the
+    sequences are free, but one prompt's completions take them all. The second starts when
+    the first is done (its sequences are taken when it starts), not with an error once its
+    own prompt is in."""
+    a, b = prompts(engine, 2)
+    n = engine.max_completions
+    tasks = [
+        Task([GenerationRequest(slot=s, prompt=p, n_predict=4, sampling=GREEDY)] * n)
+        for s, p in ((0, a), (1, b))
+    ]
+    for task in tasks:
+        engine.submit(task)
+    engine.step()
+    assert [r.task for r in engine.scheduler.running] == tasks[:1]  # the other waits
+    while engine.step():
+        pass
+    for task in tasks:
+        assert task.error is None and len(task.results) == n
+        assert all(len(r.tokens) == 4 for r in task.results)
+
+
 def test_more_completions_than_sequences_are_refused(engine: Engine) -> None:
     (prompt,) = prompts(engine, 1)
     req = GenerationRequest(slot=0, prompt=prompt, n_predict=4)

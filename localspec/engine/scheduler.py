@@ -89,6 +89,9 @@ class _Running:
     inside0: float
     completions: list[Completion] = field(default_factory=list)
     aux: list[_Aux] = field(default_factory=list)  # the extra completions' sequences
+    # taken from the free ones when the task starts, so tasks evaluating their prompts at the
+    # same time cannot all count on the same free sequences; used once the prompt is in
+    reserved: list[_Aux] = field(default_factory=list)
     steps: PrefillSteps | None = None  # the prompt's evaluation while it runs
     piece: Segment | None = None  # its next piece
     pre: PrefillResult | None = None
@@ -265,6 +268,7 @@ class Scheduler:
         first = task.first
         st = e._tcache.slots[task.slot]
         run = _Running(task, time.perf_counter(), e.inside_ms())
+        run.reserved = [self._free_aux.pop() for _ in range(len(task.requests) - 1)]
         self.running.append(run)
         try:
             if not first.cache_prompt:
@@ -366,7 +370,7 @@ class Scheduler:
             return
         slot_st = e._tcache.slots[task.slot]
         for index in range(1, len(task.requests)):
-            aux = self._free_aux.pop()
+            aux = run.reserved.pop()
             run.aux.append(aux)
             e._tcache.share_prefix(slot_st, aux.target, len(slot_st.tokens))
             c = self._completion(run, index, aux.target, aux.draft)
@@ -429,7 +433,8 @@ class Scheduler:
                 window = run.completions[index].dbase if index < len(run.completions) else None
                 e._dcache.release(aux.draft, len(window or ()))
             self._free_aux.append(aux)
-        run.aux = []
+        self._free_aux.extend(run.reserved)  # a request that ended before its prompt was in
+        run.aux, run.reserved = [], []
 
     def _finish(self, run: _Running) -> None:
         if run in self.running:
