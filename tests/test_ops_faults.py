@@ -146,6 +146,44 @@ def test_client_leaving_mid_prefill_generation_or_stream_leaves_a_good_cache(
     assert {f["status"] for f in left} == {499, 200} and len(left) >= 3
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_while_queued_is_a_499_not_a_503(
+    live: Live, caplog: pytest.LogCaptureFixture, stream: bool
+) -> None:
+    """Dropped from the queue because its client left: logged and counted as the client
+    leaving, never as the 503 of a full queue or a superseded request (alerts on 503s)."""
+    caplog.set_level(logging.INFO, logger=logs.REQUESTS)
+    worker = live.service.worker
+    host, port = live.url.removeprefix("http://").split(":")
+    raw = json.dumps({**greedy("def f():", 8), "stream": stream}).encode()
+    head = (
+        f"POST /completion HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(raw)}\r\n\r\n"
+    ).encode()
+    with held_generation(worker.engine) as hold, httpx.Client(base_url=live.url, timeout=60) as c:
+        body = {**greedy(CODE, 100_000), "stream": True}
+        running = c.build_request("POST", "/completion", json=body)
+        sent = c.send(running, stream=True)  # holds the only slot
+        hold.wait_reached()
+        cancelled = worker.n_cancelled
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(head + raw)
+            wait_until(lambda: worker.queued == 1)
+        wait_until(lambda: worker.queued == 0 and worker.n_cancelled == cancelled + 1)
+        worker.cancel_running()
+        sent.close()
+    wait_idle(live)
+
+    def statuses() -> list[Any]:
+        return [getattr(r, "fields", {}).get("status") for r in caplog.records
+                if r.name == logs.REQUESTS]  # fmt: skip
+
+    wait_until(lambda: 499 in statuses())  # logged once its handler returns
+    assert 503 not in statuses(), statuses()
+    metrics = httpx.get(live.url + "/metrics").text
+    assert 'localspec_http_requests_total{route="/completion",status="503"}' not in metrics
+
+
 # ---------------------------------------------------------------------- start-up faults
 
 

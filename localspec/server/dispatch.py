@@ -183,8 +183,8 @@ class Pending:
             outcome = await waiter
         finally:
             timer.cancel()
-        if outcome is None:
-            return None
+        if outcome is None or self.client_gone:  # (a queued job the client left is settled
+            return None  # by the worker's future first: it is still a 499, not its 503)
         if outcome is _TIMEOUT:
             raise self._timed_out()
         return outcome.result()
@@ -280,6 +280,8 @@ async def respond_stream(
             early_tail = finish()
     except Exception as exc:  # one request's failure never takes the daemon down
         pending.close()
+        if pending.client_gone:  # dropped from the queue because it left: not a 503
+            return Response(status_code=499)
         return error_response(exc, request)
     if first is None:
         pending.close()
