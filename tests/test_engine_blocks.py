@@ -104,6 +104,39 @@ def test_a_rotated_ring_of_blocks_is_moved_and_stays_exact(
     causal.ctx.close()
 
 
+@pytest.mark.parametrize("exact_ms", [0.0, 1e9])
+def test_the_cursors_code_after_a_changed_ring_is_moved_unless_exact_kv_is_affordable(
+    model: Model, toks: list[int], exact_ms: float
+) -> None:
+    """The ring turns under the cursor's code (a chunk evicted, one added): that code's KV
+    moves by a KV shift, approximate (it attended to the old ring), as llama-server's
+    ``--cache-reuse`` moves it, unless evaluating it again fits the exact-KV budget. Before,
+    it was evaluated again whatever that cost: ~1 000 tokens after each ring change with
+    llama.vim's 256 lines above the cursor."""
+    c = chunks(toks, 6)
+    tail = toks[400:600]  # the cursor's code: longer than min_chunk
+    first, blocks = layout(c[0:5], tail)
+    second, blocks2 = layout(c[1:6], tail)
+    ctx = new_ctx(model, n_seq=3)
+    try:
+        caches = SlotCaches(ctx, 1)
+        slot = caches.slots[0]
+        caches.prefill(slot, first, PrefillPolicy(min_chunk=64), blocks=blocks)
+        policy = PrefillPolicy(min_chunk=64, exact_ms=exact_ms)
+        pre = caches.prefill(slot, second, policy, blocks=blocks2)
+        assert slot.tokens == second and slot.spans == block_spans(blocks2)
+        if exact_ms:  # affordable: evaluated again, exact
+            assert pre.n_evaluated == CHUNK + len(tail) and slot.exact == len(second)
+        else:  # moved: only the new chunk and the prompt's last token are evaluated
+            assert pre.n_shifted == 4 * CHUNK + len(tail) - 1 and pre.n_evaluated == CHUNK + 1
+            assert slot.exact == 5 * CHUNK  # the blocks; the moved code is approximate
+            # the next keystroke reuses it all (no second move, nothing dropped)
+            again = caches.prefill(slot, [*second, toks[10]], policy, blocks=blocks2)
+            assert again.n_evaluated == 1 and again.n_shifted == 0
+    finally:
+        ctx.close()
+
+
 def test_blocks_in_place_keep_the_cache_and_the_tail_reuses_its_prefix(
     caches: SlotCaches, toks: list[int]
 ) -> None:

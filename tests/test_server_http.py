@@ -351,10 +351,15 @@ def test_ring_warmup_keeps_the_cursor_context_behind_the_ring(
     assert r.json()["tokens_evaluated"] == len(head)  # the prompt: the ring alone
     r = qc.post("/infill", json={**key, "prompt": "    total = v1"})
     assert r.json()["timings"]["prompt_n"] <= 3
-    changed = [{"text": "x = 1\n", "filename": "/p/x.py"}, *ring]  # a new chunk: evaluated
+    # a new chunk: evaluated, and the cursor's context moves behind it (a KV shift, or
+    # evaluated again where the exact-KV budget affords it), not dropped
+    changed = [*ring, {"text": "x = 1\n", "filename": "/p/x.py"}]
+    before = list(slot.tokens)
     r = qc.post("/infill", json={**warmup, "input_extra": changed})
     assert r.status_code == 200 and r.json()["timings"]["prompt_n"] > 0
-    assert FIM_PRE not in slot.tokens
+    assert slot.tokens[slot.tokens.index(FIM_PRE) :] == before[before.index(FIM_PRE) :]
+    r = qc.post("/infill", json={**key, "input_extra": changed, "prompt": "    total = v1"})
+    assert r.json()["timings"]["prompt_n"] <= 3
 
 
 def test_ring_warmup_in_llama_server_layout_drops_the_cursor_context(

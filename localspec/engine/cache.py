@@ -29,7 +29,7 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Concatenate, ParamSpec
 
-from localspec.engine.cache_plan import ReusePlan, Run, plan_reuse, refresh_window
+from localspec.engine.cache_plan import ReusePlan, Run, common_prefix, plan_reuse, refresh_window
 from localspec.engine.errors import DecodeError
 from localspec.engine.llama import Context, Segment
 from localspec.engine.types import Cancel
@@ -146,6 +146,21 @@ class SeqState:
 
     def reset_drift(self) -> None:
         self.tail = TailDrift()
+
+
+def _after_blocks(
+    cached: Sequence[int],
+    old: Sequence[tuple[int, int]],
+    prompt: Sequence[int],
+    end: int,
+    min_chunk: int,
+) -> Run | None:
+    """The run of what followed the old blocks (or, with none, the whole cache) that the
+    prompt repeats right after its new blocks ``end``; None when shorter than ``min_chunk``.
+    The prompt's last token stays out: it is evaluated for its logits."""
+    src = old[-1][1] if old else 0
+    n = common_prefix(cached[src:], prompt[end : len(prompt) - 1])
+    return Run(src, end, n) if n >= max(1, min_chunk) else None
 
 
 @dataclass
@@ -271,7 +286,7 @@ class SlotCaches:
         shift's approximation still held in the prefix."""
         pieces = self._pieces(policy, alone)
         placed = yield from self._blocks_first(
-            st, prompt, blocks, sink=sink, move=policy.min_chunk > 0, cancel=cancel, pieces=pieces
+            st, prompt, blocks, sink=sink, min_chunk=policy.min_chunk, cancel=cancel, pieces=pieces
         )
         if placed.cancelled:
             n, done = len(st.tokens), placed.evaluated
@@ -403,13 +418,16 @@ class SlotCaches:
         blocks: Sequence[int],
         *,
         sink: bool,
-        move: bool,
+        min_chunk: int,
         cancel: Cancel | None,
         pieces: Pieces,
     ) -> Generator[Segment, float | None, _Placed]:
         """Put the prompt's blocks in place (none: undo an earlier request's blocks): leave
-        ``st`` holding them, exact, and nothing after them, unless they are in place already
-        (then the cache is untouched)."""
+        ``st`` holding them, exact, and after them what it held after the old blocks as far
+        as the prompt goes on the same (the cursor's code, under a ring that changed: moved
+        by a KV shift when it is ``min_chunk`` tokens or more, approximate, for the reuse
+        plan and its exact-KV budget to judge), unless they are in place already (then the
+        cache is untouched)."""
         blocks = list(blocks)
         while blocks and sum(blocks) >= len(prompt):  # the last token is evaluated with logits
             blocks.pop()
@@ -419,7 +437,7 @@ class SlotCaches:
             return _Placed()
         if st.iso is None:
             raise ValueError("blocks need a context with a sequence for them (n_seq)")
-        move = move and self.ctx.can_shift  # min_chunk 0: no KV shift at all, as asked
+        move = min_chunk > 0 and self.ctx.can_shift  # min_chunk 0: no KV shift at all
         spans = block_spans(blocks)
         end = spans[-1][1]
         ctx, seq, iso = self.ctx, st.seq, st.iso
@@ -466,7 +484,9 @@ class SlotCaches:
                 # its evaluated start moves along and the block resumes where it stopped
                 moves[s] = Run(part_at, s, min(len(part), e - s))
                 part = ()
-        self._park(st, list(moves.values()), start, len(cached) + len(prompt) + 1)
+        after = _after_blocks(cached, old, prompt, end, min_chunk) if move else None
+        parked = [*moves.values(), *([after] if after else [])]
+        self._park(st, parked, start, len(cached) + len(prompt) + 1)
         toks = list(prompt[:start])
         st.tokens, st.spans = toks, spans
         st.reset_drift()
@@ -505,9 +525,15 @@ class SlotCaches:
             ctx.seq_rm(iso, -1, -1)
             if placed.cancelled:
                 break
-        if moves:
-            ctx.seq_rm(st.scratch, -1, -1)
         st.exact = len(toks)  # every block present is as a cold evaluation makes it
+        if after is not None and not placed.cancelled:
+            self._unpark(st, end, end + after.n)
+            toks.extend(prompt[end : end + after.n])
+            placed.shifted += after.n
+        elif after is not None:  # cut short before it: dropped with the scratch sequence
+            self.holes += after.n
+        if parked:
+            ctx.seq_rm(st.scratch, -1, -1)
         return placed
 
     def _park(self, st: SeqState, runs: Sequence[Run], cut: int, beyond: int) -> None:

@@ -99,6 +99,20 @@ class _Running:
     shared: bool = False  # the prompt shared steps with other sequences (no price sample)
 
 
+def _with_held_context(prompt: Sequence[int], blocks: Sequence[int], held: SeqState) -> list[int]:
+    """A ring warm-up's prompt (new blocks, then at most the start of the cursor's context)
+    with the rest of the cursor's context the slot holds after its old blocks put back: the
+    warm-up then moves that context behind the new ring (``_blocks_first``) instead of
+    dropping it, and the next keystroke reuses it."""
+    end = sum(blocks)
+    if not blocks or not held.spans or end > len(prompt):
+        return list(prompt)
+    frame, tail = list(prompt[end:]), held.tokens[held.spans[-1][1] :]
+    if len(tail) <= len(frame) or tail[: len(frame)] != frame:
+        return list(prompt)
+    return [*prompt[:end], *tail]
+
+
 class Scheduler:
     """Runs tasks in steps; single-threaded (the engine's owner calls ``step``)."""
 
@@ -301,6 +315,8 @@ class Scheduler:
                     self._complete(run, [res])
                     return
                 prompt = list(held.tokens)
+            elif first.n_predict == 0:
+                prompt = _with_held_context(first.prompt, first.blocks, held)
             cancel = task.prefill_cancel if task.prefill_cancel is not None else task.cancel
             run.steps = e._tcache.prefill_steps(
                 st,
