@@ -221,6 +221,9 @@ def test_detach_status_logs_down_with_a_locked_port(
         down = localspec(env, "down")
     assert down.returncode == 0, down.stderr
     assert f"localspec on port {port} stopped" in down.stdout
+    # the log says why the daemon went away, and that it finished stopping
+    tail = localspec(env, "logs", "-n", "5").stdout
+    assert "stopping on SIGTERM" in tail and tail.rstrip().endswith("stopped"), tail
     assert localspec(env, "status").returncode == 3
     again = localspec(env, "down")
     assert again.returncode == 3 and "no localspec daemon" in again.stdout

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import signal
 import socket
 from collections.abc import Callable
 from types import FrameType
@@ -94,6 +95,8 @@ class _Server(uvicorn.Server):
         self._on_exit = on_exit
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.should_exit:  # the log says why the daemon went away (a second signal:
+            log.info("stopping on %s", signal.Signals(sig).name)  # uvicorn forces the exit)
         self._on_exit()
         super().handle_exit(sig, frame)
         captured = getattr(self, "_captured_signals", None)
@@ -162,4 +165,5 @@ def serve(
             sock.close()
     if failure:
         return EXIT_LOAD_FAILED
+    log.info("stopped")
     return 0
