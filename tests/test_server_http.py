@@ -534,6 +534,9 @@ def test_props_models_slots_metrics(qwen: Live, qc: httpx.Client, qwen_target: P
                                     "cache_prompt": False}).status_code == 200  # fmt: skip
     metrics = qc.get("/metrics")
     assert metrics.status_code == 200 and "localspec_prompt_tokens_cached_total" in metrics.text
+    holes, compactions = qwen.service.worker.engine.kv_holes
+    assert f"localspec_kv_holes {float(holes)}" in metrics.text
+    assert f"localspec_kv_compactions_total {float(compactions)}" in metrics.text
     from localspec.bench.driver import prompt_tokens_metric  # what the replay bench reads
 
     engine_work = prompt_tokens_metric(metrics.text)

@@ -131,6 +131,12 @@ class Engine:
         """The most completions one request may ask for (they decode at the same time)."""
         return len(self._tcache.aux) + 1
 
+    @property
+    def kv_holes(self) -> tuple[int, int]:
+        """(cells freed below kept ones, compactions done) in the target's KV buffer: what
+        moved runs leave behind, for /metrics."""
+        return self._tcache.holes, self._tcache.n_compacted
+
     # --- public helpers ------------------------------------------------------------------
     def slot_tokens(self, slot: int) -> list[int]:
         self._check_slot(slot)

@@ -41,6 +41,9 @@ class Probes:
     # (cores the engine's evaluations may use now, cores other processes keep busy); None
     # when the engine does not follow the load
     cpu: Callable[[], tuple[int, float] | None] = lambda: None
+    # the target's KV buffer: (cells freed below kept ones, compactions so far); None before
+    # a model is loaded
+    kv: Callable[[], tuple[int, int] | None] = lambda: None
 
 
 class _StateCollector(Collector):
@@ -110,6 +113,17 @@ class _StateCollector(Collector):
                 "localspec_cpu_other_busy_cores",
                 "Cores other processes kept busy over the last load sample",
                 value=cpu[1],
+            )
+        kv = p.kv()
+        if kv is not None:
+            yield GaugeMetricFamily(
+                "localspec_kv_holes",
+                "Cells freed below kept ones in the KV buffer (each costs evaluated tokens "
+                "a dot product without flash attention, until a compaction)",
+                value=kv[0],
+            )
+            yield CounterMetricFamily(
+                "localspec_kv_compactions", "KV buffer compactions done by prefills", value=kv[1]
             )
         ratio = GaugeMetricFamily(
             "localspec_draft_acceptance_ratio",

@@ -40,8 +40,12 @@ def _probes(worker: Worker) -> Probes:
         governor = getattr(worker.engine, "governor", None)
         return None if governor is None else (governor.free, governor.other_busy)
 
+    def kv() -> tuple[int, int] | None:
+        return getattr(worker.engine, "kv_holes", None)  # (none before the model loads)
+
     return Probes(
         cpu=cpu,
+        kv=kv,
         queued=lambda: worker.queued,
         busy=lambda: worker.busy,
         cancelled=lambda: worker.n_cancelled,
