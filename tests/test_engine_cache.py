@@ -553,3 +553,33 @@ def test_drafts_never_exceed_the_batch(qwen_follow: Path) -> None:
         )
         assert res.tokens == follow_chain(start, 200)
         assert res.spec_steps and max(n for _, n, _ in res.spec_steps) == 31
+
+
+@pytest.mark.parametrize("cache_reuse", [16, 0])
+def test_a_ring_warm_up_under_a_changed_ring_moves_the_cursor_context_when_shifts_may(
+    qwen_target: Path, prompt_text: str, cache_reuse: int
+) -> None:
+    """An editor's warm-up (n_predict 0: the ring, then an empty frame) after its ring gained
+    a chunk: the cursor's context the slot holds moves behind the new ring, so the next
+    keystroke evaluates its typed token only. Without KV shifts (``--cache-reuse 0``) the
+    warm-up caches the ring alone, as before: moving the context would mean evaluating it."""
+    s = EngineSettings(target=ms(qwen_target), n_slots=1, cache_reuse=cache_reuse, exact_ms=0.0)
+    with Engine.load(s) as eng:
+        toks = eng.vocab.tokenize(prompt_text)
+        a, b, c, tail = toks[:40], toks[40:80], toks[80:120], toks[120:320]
+        assert len(tail) == 200
+
+        def ask(ring: list[list[int]], rest: list[int], n_predict: int) -> GenerationResult:
+            prompt = [t for chunk in ring for t in chunk] + rest
+            blocks = tuple(len(chunk) for chunk in ring)
+            req = GenerationRequest(slot=0, prompt=prompt, n_predict=n_predict, blocks=blocks)
+            return eng.generate(req)
+
+        ask([a, b], tail, 0)
+        warm = ask([b, c], tail[:3], 0)  # the ring gained c (and lost a); an empty frame
+        key = ask([b, c], [*tail, toks[5]], 1)
+        if cache_reuse:
+            assert warm.n_shifted >= len(tail) - 1 and key.n_evaluated <= 2
+        else:
+            # (b moves to position 0 only by a shift: evaluated again with c and the frame)
+            assert warm.n_evaluated <= len(b) + len(c) + 3 and key.n_evaluated > len(tail) - 3

@@ -295,6 +295,7 @@ class Scheduler:
                 c.start_pipeline()
             prompt: Sequence[int] = first.prompt
             held = e._tcache.slots[task.slot]
+            policy = e.prefill_policy(first.cache_prompt)
             if (
                 first.n_predict == 0
                 and len(held.tokens) > len(first.prompt)
@@ -315,13 +316,15 @@ class Scheduler:
                     self._complete(run, [res])
                     return
                 prompt = list(held.tokens)
-            elif first.n_predict == 0:
+            elif first.n_predict == 0 and policy.min_chunk > 0:
+                # a ring warm-up under a changed ring: the cursor's context moves behind it
+                # (only where KV shifts may move it: else it would be evaluated again)
                 prompt = _with_held_context(first.prompt, first.blocks, held)
             cancel = task.prefill_cancel if task.prefill_cancel is not None else task.cancel
             run.steps = e._tcache.prefill_steps(
                 st,
                 prompt,
-                e.prefill_policy(first.cache_prompt),
+                policy,
                 first.blocks,
                 first.block_sink,
                 cancel,
