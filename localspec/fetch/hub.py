@@ -340,10 +340,9 @@ def _fetch_retrying(
             raise
         except FetchError as exc:
             wait = _retry_wait(exc, attempt)
-            if wait is None and attempt and _RESUME_HINT not in str(exc):
-                _raise_with_resume_hint(exc, layout_path(spec, models_dir))
-            if wait is None:
-                raise
+            if wait is None:  # a later try's error: say that the earlier ones' bytes are kept
+                hinted = _with_resume_hint(exc, layout_path(spec, models_dir)) if attempt else exc
+                raise hinted from exc.__cause__
             say(
                 f"  {redact_url(hub.endpoint)} answered HTTP {_status(exc.__cause__)} for "
                 f"{spec.label}; trying again in {wait:.0f} s "
@@ -353,22 +352,21 @@ def _fetch_retrying(
     raise AssertionError("unreachable: the last attempt raises or returns")
 
 
-def _raise_with_resume_hint(exc: FetchError, final: Path) -> None:
-    """``exc`` from a later try: a partial download the earlier ones left is still kept."""
+def _with_resume_hint(exc: FetchError, final: Path) -> FetchError:
+    """``exc``, saying so when a partial download of ``final`` is kept for the next run."""
     partial = final.with_name(final.name + _PARTIAL_SUFFIX)
     have = partial.stat().st_size if partial.exists() else 0
-    if not have:
-        raise exc
-    raise FetchError(
-        f"{exc}\nThe download stopped at {human_bytes(have)}; {_RESUME_HINT}."
-    ) from exc.__cause__
+    if not have or _RESUME_HINT in str(exc):
+        return exc
+    return FetchError(f"{exc}\nThe download stopped at {human_bytes(have)}; {_RESUME_HINT}.")
 
 
 def _retry_wait(exc: FetchError, attempt: int) -> float | None:
     """Seconds to wait before trying ``exc``'s file again; None when another try cannot
     help (not a passing status, no tries left, or a Retry-After too long to sit through)."""
     response = getattr(exc.__cause__, "response", None)
-    if _status(exc.__cause__) not in RETRY_STATUS or attempt >= len(RETRY_DELAYS_S):
+    status = getattr(response, "status_code", None)
+    if status not in RETRY_STATUS or attempt >= len(RETRY_DELAYS_S):
         return None
     after = retry_after(response.headers.get("retry-after"))
     if after is None:
