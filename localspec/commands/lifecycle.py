@@ -356,25 +356,28 @@ def _count(text: str) -> int:
 
 
 def run_logs(args: argparse.Namespace) -> int:
+    try:
+        return _show_logs(args)
+    except KeyboardInterrupt:  # Ctrl-C is how `logs -f` ends, wherever it lands
+        if args.follow:
+            return c.EXIT_OK
+        raise
+
+
+def _show_logs(args: argparse.Namespace) -> int:
     path = daemon.log_file()
     if not path.exists():
         print(f"no log yet at {path} (a foreground `localspec up` logs to the terminal)")
         if not args.follow:
             return c.EXIT_OK
-        try:  # as `tail -F`: a daemon about to start writes it
-            with c.Progress(f"waiting for {path}"):
-                while not path.exists():
-                    time.sleep(0.5)
-        except KeyboardInterrupt:
-            return c.EXIT_OK
+        with c.Progress(f"waiting for {path}"):  # as `tail -F`: a daemon about to start writes it
+            while not path.exists():
+                time.sleep(0.5)
     end = path.stat().st_size  # one offset for both, so no line is shown twice or lost
     for line in daemon.tail(path, args.lines, end):
         print(line)
     if args.follow:
         sys.stdout.flush()
-        try:
-            for line in daemon.follow(path, start=end):
-                print(line, flush=True)
-        except KeyboardInterrupt:
-            return c.EXIT_OK
+        for line in daemon.follow(path, start=end):
+            print(line, flush=True)
     return c.EXIT_OK
