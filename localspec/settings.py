@@ -150,6 +150,12 @@ class ServerSection(_Section):
         None, ge=1, le=MAX_SLOTS, description="parallel slots; unset: the plan"
     )
     queue_limit: int = Field(16, ge=0, description="requests waiting beyond the slots; 0: none")
+    slot_choice: Literal["cache", "pinned"] = Field(
+        "cache",
+        description="with several slots: a request's id_slot only breaks ties and the slot "
+        "whose cache holds most of its prompt answers (two editors both send id_slot 0); "
+        "pinned: id_slot picks the slot, as in llama-server",
+    )
     request_timeout_s: float = Field(600.0, gt=0, description="cancel a request after this")
     metrics: bool = Field(True, description="serve Prometheus metrics at /metrics")
     cors_origins: list[str] = Field(default_factory=list, description="allowed CORS origins")

@@ -176,6 +176,7 @@ def server_settings(
         api_key=api_key,
         n_parallel=n_parallel or server.slots or 1,
         queue_limit=server.queue_limit,
+        follow_pins=server.slot_choice == "pinned",
         request_timeout_s=server.request_timeout_s,
         metrics=server.metrics,
         cors_origins=tuple(server.cors_origins),

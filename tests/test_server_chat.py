@@ -204,7 +204,7 @@ def test_warmup_fills_the_cache_the_instruction_then_uses(smol: Live, sc: httpx.
     timings = chunks[-1]["timings"]
     assert timings["prompt_n"] <= 1  # the warm-up's cache: at most the last token again
     assert timings["cache_n"] == warm["usage"]["prompt_tokens"] - timings["prompt_n"]
-    assert smol.service.worker.slots[slot % 2].n_requests >= 2
+    assert max(s.n_requests for s in smol.service.worker.slots) >= 2  # both on one slot
 
 
 def test_logprobs_and_several_choices(sc: httpx.Client) -> None:

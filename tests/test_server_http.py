@@ -28,7 +28,7 @@ from localspec.server import ServerSettings, create_app, logs
 from localspec.server.run import bind_sockets
 from localspec.server.state import Service
 from tests.ops_support import wait_until
-from tests.steer import held_generation
+from tests.steer import held_generation, held_prefill
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -115,12 +115,13 @@ def qc(qwen: Live) -> Iterator[httpx.Client]:
 # ---------------------------------------------------------------- the llama-vscode sequence
 
 
-def ring_chunks(n: int = 16) -> list[dict[str, Any]]:
-    """llama-vscode's ring buffer: chunks of real code (the stdlib) with file names."""
+def ring_chunks(n: int = 16, module: Any = None) -> list[dict[str, Any]]:
+    """llama-vscode's ring buffer: chunks of real code (the stdlib: json.decoder unless
+    ``module`` says otherwise) with file names."""
     import inspect
-    import json as json_module
+    import json.decoder
 
-    source = inspect.getsource(json_module.decoder).splitlines(keepends=True)
+    source = inspect.getsource(module or json.decoder).splitlines(keepends=True)
     return [
         {"text": "".join(source[i * 8 : i * 8 + 8]), "time": 1724000000 + i,
          "filename": f"/work/proj/mod{i}.py"}
@@ -197,6 +198,80 @@ def test_llama_vscode_request_sequence(qwen: Live, qc: httpx.Client) -> None:
     future = qc.post("/infill", json=vscode_request("    args = par" + a["content"]))
     assert future.status_code == 200 and "content" in future.json()
     assert future.json()["timings"]["cache_n"] > w["tokens_evaluated"] // 2
+
+
+def test_two_editors_that_both_pin_slot_0_keep_their_own_caches(qwen: Live) -> None:
+    """llama-vscode and llama.vim both send ``id_slot: 0``. With two slots, each editor's
+    requests go to the slot that holds its context, so neither evicts the other's and every
+    keystroke after the first evaluates only its own few tokens (llama-server, which follows
+    the pin, evaluates each editor's whole prompt again after the other's request)."""
+    import json.encoder
+
+    rings = {"vscode": ring_chunks(8), "vim": ring_chunks(8, json.encoder)}
+    slots: dict[str, set[int]] = {"vscode": set(), "vim": set()}
+    with qwen.client(headers=AUTH) as c:
+        for typed in ("    a", "    ar", "    arg"):
+            for editor, ring in rings.items():
+                r = c.post("/infill", json=vscode_request(typed, input_extra=ring, n_predict=2))
+                assert r.status_code == 200, r.text
+                answer = r.json()
+                slots[editor].add(answer["id_slot"])
+                if typed != "    a":  # after each editor's first request: its cache is there
+                    assert answer["timings"]["prompt_n"] <= 4, (editor, answer["timings"])
+                    assert answer["timings"]["cache_n"] > 400
+    assert len(slots["vscode"]) == len(slots["vim"]) == 1 and slots["vscode"] != slots["vim"]
+
+
+def test_a_keystroke_waits_for_the_slot_that_holds_its_editor(qwen: Live) -> None:
+    """The editor's previous request still runs on its slot (its cancel not seen yet, or the
+    "future" request): the next keystroke waits for that slot rather than evaluating its
+    whole prompt on the idle one; and a keystroke stops the editor's warm-up running there."""
+    import json.encoder
+
+    worker, ring = qwen.service.worker, ring_chunks(8, json.encoder)
+    results: dict[str, httpx.Response] = {}
+
+    def send(name: str, body: dict[str, Any]) -> None:
+        with qwen.client(headers=AUTH) as c:
+            results[name] = c.post("/infill", json=body)
+
+    with qwen.client(headers=AUTH) as c:
+        home = c.post("/infill", json=vscode_request("    x", input_extra=ring, n_predict=1))
+    home_slot = home.json()["id_slot"]
+    other = 1 - home_slot  # what the requests pin from now on: the pin is only a hint
+    keystroke = vscode_request("    xyz", input_extra=ring, id_slot=other, n_predict=1)
+    long_body = vscode_request("    xy", input_extra=ring, id_slot=other, n_predict=3000, top_k=1,
+                               samplers=["top_k"], t_max_predict_ms=0)  # fmt: skip
+    with held_generation(worker.engine) as hold:
+        running = threading.Thread(target=send, args=("running", long_body))
+        running.start()
+        hold.wait_reached()
+        key = threading.Thread(target=send, args=("key", keystroke))
+        key.start()
+        wait_until(lambda: worker.queued == 1)  # waits: the other slot stays idle
+        assert len(worker._running) == 1
+        worker.cancel_running()
+        running.join()
+        hold.release.set()
+        key.join()
+    answer = results["key"].json()
+    assert answer["id_slot"] == home_slot and answer["timings"]["prompt_n"] <= 4
+
+    grown = [*ring, {"text": "def more():\n    return 1\n" * 40, "filename": "/p/more.py"}]
+    warmup = vscode_request("", input_prefix="", input_suffix="", input_extra=grown,
+                            id_slot=other, n_predict=0, samplers=[],
+                            t_max_predict_ms=1)  # fmt: skip
+    with held_prefill(worker.engine) as hold:
+        warming = threading.Thread(target=send, args=("warm-up", warmup))
+        warming.start()
+        hold.wait_reached()
+        key = threading.Thread(target=send, args=("key", keystroke))
+        key.start()
+        warming.join(60)
+        assert not warming.is_alive()  # it ended inside the hold: the keystroke stopped it
+        key.join()
+    assert results["warm-up"].json()["id_slot"] == home_slot
+    assert results["key"].json()["id_slot"] == home_slot
 
 
 def abort_mid_generation(live: Live, path: str, body: dict[str, Any]) -> int:
@@ -291,7 +366,7 @@ def test_fim_layout_is_what_the_slot_evaluates(
     want = [*full_extra[-n_extra:], *fim_block]
     if n_prefix_lines == 400:  # every budget full
         assert len(tok(prefix)) > n_prefix and len(want) == N_CTX - ROOM + 1
-    got = qwen.service.worker.slots[1].tokens
+    got = qwen.service.worker.slots[r.json()["id_slot"]].tokens
     assert got == want
     assert got.count(FIM_PRE) == 1  # the literal "<|fim_prefix|>" in the code stayed text
     assert r.json()["tokens_evaluated"] == len(want)
@@ -313,13 +388,13 @@ def test_default_layout_types_behind_fim_mid(qwen: Live, qc: httpx.Client, qwen_
     head = [FIM_REP, *tok("myproject\n"), FIM_SEP, *tok("filename\n"), FIM_PRE, *tok(prefix),
             FIM_SUF, *tok(suffix)[:n_suffix], FIM_MID]  # fmt: skip
     r = qc.post("/infill", json={**base, "prompt": ""})
-    assert r.status_code == 200 and qwen.service.worker.slots[1].tokens == head
+    assert r.status_code == 200 and qwen.service.worker.slots[r.json()["id_slot"]].tokens == head
     evaluated = []
     for n in range(4, len(line) + 1, 4):
         r = qc.post("/infill", json={**base, "prompt": line[:n]})
         assert r.status_code == 200, r.text
         want = [*head, *tok(line[:n], special=True)]
-        assert qwen.service.worker.slots[1].tokens == want
+        assert qwen.service.worker.slots[r.json()["id_slot"]].tokens == want
         evaluated.append(r.json()["timings"]["prompt_n"])
     # the suffix block (~250 tokens) is never evaluated again: only the line's tail
     assert max(evaluated) <= len(tok(line, special=True)) + 1, evaluated
@@ -338,14 +413,16 @@ def test_ring_warmup_keeps_the_cursor_context_behind_the_ring(
            "input_suffix": "".join(f"print(v{i})\n" for i in range(30))}  # fmt: skip
     warmup = {"id_slot": 1, "input_extra": ring, "n_predict": 0, "input_prefix": "",
               "input_suffix": "", "prompt": ""}  # fmt: skip
-    slot = qwen.service.worker.slots[1]
     # evaluated cold: the slot's KV is exact whatever it held, so the warm-up has no shifted
     # KV to repair (whether a repair fits its budget turns on this machine's measured speed)
     cold_key = {**key, "prompt": "    total =", "cache_prompt": False}
-    assert qc.post("/infill", json=cold_key).status_code == 200
+    r = qc.post("/infill", json=cold_key)
+    assert r.status_code == 200
+    slot = qwen.service.worker.slots[r.json()["id_slot"]]
     held = list(slot.tokens)
     r = qc.post("/infill", json=warmup)
     assert r.status_code == 200 and r.json()["timings"]["prompt_n"] == 0
+    assert r.json()["id_slot"] == slot.id  # the slot that holds the ring
     assert slot.tokens == held  # nothing dropped
     head = held[: held.index(FIM_PRE)]
     assert r.json()["tokens_evaluated"] == len(head)  # the prompt: the ring alone
@@ -370,8 +447,9 @@ def test_ring_warmup_in_llama_server_layout_drops_the_cursor_context(
            "prompt": "c"}  # fmt: skip
     assert qc.post("/infill", json=key).status_code == 200
     warmup = {"id_slot": 1, "n_predict": 0, "input_prefix": "", "input_suffix": "", "prompt": ""}
-    assert qc.post("/infill", json=warmup).status_code == 200
-    assert qwen.service.worker.slots[1].tokens[-3:] == [FIM_PRE, FIM_SUF, FIM_MID]
+    r = qc.post("/infill", json=warmup)
+    assert r.status_code == 200
+    assert qwen.service.worker.slots[r.json()["id_slot"]].tokens[-3:] == [FIM_PRE, FIM_SUF, FIM_MID]
 
 
 def test_empty_extra_layout(qwen: Live, qc: httpx.Client, qwen_vocab: Any) -> None:
@@ -383,7 +461,7 @@ def test_empty_extra_layout(qwen: Live, qc: httpx.Client, qwen_vocab: Any) -> No
     assert r.status_code == 200
     want = [FIM_REP, *tok("myproject\n"), FIM_SEP, *tok("filename\n"), FIM_PRE, *tok("a = 1\n"),
             FIM_SUF, *tok("b\n"), FIM_MID]  # fmt: skip
-    assert qwen.service.worker.slots[1].tokens == want
+    assert qwen.service.worker.slots[r.json()["id_slot"]].tokens == want
 
 
 # ---------------------------------------------------------------- fields, stream, errors
@@ -500,11 +578,14 @@ def test_a_newer_request_for_a_slot_replaces_its_queued_warmup(qwen: Live) -> No
             results[name] = c.post("/infill", json=body)
 
     base = {"input_prefix": "a", "input_suffix": "b", "id_slot": 0}
-    long_body = {**base, "n_predict": 3000, "top_k": 1}  # runs on slot 0: the others queue
-    with held_generation(worker.engine) as hold:  # it runs until cancelled, on any machine
+    long_body = {**base, "n_predict": 3000, "top_k": 1}  # two, on both slots: the others queue
+    with held_generation(worker.engine) as hold:  # they run until cancelled, on any machine
         running = threading.Thread(target=send, args=("running", long_body))
         running.start()
         hold.wait_reached()
+        also = threading.Thread(target=send, args=("also running", long_body))
+        also.start()
+        wait_until(lambda: len(worker._running) == 2)
         old = threading.Thread(target=send, args=("old", {**base, "n_predict": 0}))
         old.start()
         wait_until(lambda: worker.queued == 1)
@@ -514,6 +595,7 @@ def test_a_newer_request_for_a_slot_replaces_its_queued_warmup(qwen: Live) -> No
         assert worker.busy and "running" not in results
         worker.cancel_running()
         running.join()
+        also.join()
         hold.release.set()
         new.join()
     assert results["old"].status_code == 503 and "superseded" in results["old"].text

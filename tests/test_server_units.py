@@ -7,7 +7,13 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from localspec.engine.cache_plan import choose_slot, common_prefix
+from localspec.engine.cache_plan import (
+    SlotChoice,
+    cache_fit,
+    cache_pieces,
+    choose_slot,
+    common_prefix,
+)
 from localspec.engine.types import (
     DraftStats,
     GenerationResult,
@@ -157,18 +163,75 @@ def test_common_prefix_across_chunk_boundaries() -> None:
     assert common_prefix(a, a[:300]) == 300 and common_prefix([], a) == 0
 
 
-def test_slot_choice_prefers_longest_prefix_then_least_recent() -> None:
-    slots = [
-        SlotInfo(0, 512, [1, 2, 3], last_used=5.0),
-        SlotInfo(1, 512, [1, 2, 9, 9], last_used=1.0),
-        SlotInfo(2, 512, [], last_used=0.0),
-    ]
-    assert choose_slot([1, 2, 3, 4], slots) == 0
-    assert choose_slot([7, 7], slots) == 2  # nothing shared: the never-used slot
-    assert choose_slot([1, 2, 3], slots, id_slot=1) == 1
-    assert choose_slot([1], slots, id_slot=4) == 1  # ids wrap around, as in llama-server
+def _editor(seed: int, n: int = 400) -> list[int]:
+    """An editor's prompt: its own ring of project code (tokens no other editor has)."""
+    return [seed * 100_000 + i for i in range(n)]
+
+
+def test_slot_choice_follows_the_cache_that_holds_the_prompt() -> None:
+    """Two editors both pin slot 0: each still gets the slot that holds its own context."""
+    a, b = _editor(1), _editor(2)
+    slots = [SlotInfo(0, 4096, [], last_used=5.0), SlotInfo(1, 4096, [], last_used=1.0)]
+    slots[0].hold([*a, 7, 7])
+    slots[1].hold([*b, 8])
+    assert choose_slot([*b, 9, 9], slots, id_slot=0, follow_pin=False) == SlotChoice(1)
+    assert choose_slot([*a[:200], 5, *a[300:]], slots, 0, follow_pin=False) == SlotChoice(0)
+    # llama-server's rule, where pins are followed: the pinned slot, waited for when busy
+    assert choose_slot([*b, 9], slots, id_slot=0) == SlotChoice(0)
+    assert choose_slot([*b, 9], slots, id_slot=3) == SlotChoice(1)  # ids wrap around
+    # a client on its own pinned slot stays there while another holds a little more of it
+    slots[1].hold(b[:300])
+    slots[0].hold(b)
+    assert choose_slot([*b, 9], slots, id_slot=1, follow_pin=False) == SlotChoice(1)
+    assert choose_slot([*b, 9], slots, id_slot=0, follow_pin=False) == SlotChoice(0)
+    slots[0].hold([*a, 7, 7])
+    slots[1].hold([*b, 8])
     slots[0].is_processing = True
-    assert choose_slot([1, 2, 3, 4], slots) == 1
+    assert choose_slot([*a, 1], slots, id_slot=0) == SlotChoice(0, wait=True)
+
+
+def test_slot_choice_without_a_fit_takes_an_unused_slot_then_the_least_recent() -> None:
+    slots = [SlotInfo(i, 4096, []) for i in range(3)]
+    # nothing cached anywhere (N clients that each pin their own slot): the pin breaks the tie
+    assert choose_slot(_editor(1), slots, id_slot=2, follow_pin=False) == SlotChoice(2)
+    slots[0].hold(_editor(1))
+    slots[0].last_used = 5.0
+    slots[1].hold(_editor(2))
+    slots[1].last_used = 1.0
+    assert choose_slot(_editor(3), slots, id_slot=0, follow_pin=False) == SlotChoice(2)
+    slots[2].hold(_editor(4))
+    slots[2].last_used = 9.0
+    assert choose_slot(_editor(3), slots, id_slot=0, follow_pin=False) == SlotChoice(1)
+    # a shared header of a few pieces is not a fit
+    assert choose_slot([*_editor(1)[:32], *_editor(3)], slots, 0, follow_pin=False).slot == 1
+    # but a short prompt (a chat's) held whole is
+    slots[1].hold(_editor(5, 40))
+    slots[1].last_used = 20.0
+    assert choose_slot([*_editor(5, 40), 1], slots, 0, follow_pin=False).slot == 1
+
+
+def test_slot_choice_waits_for_a_busy_slot_only_when_it_holds_much_more() -> None:
+    a = _editor(1, 1200)
+    slots = [SlotInfo(0, 4096, []), SlotInfo(1, 4096, [])]
+    slots[0].hold(a)
+    slots[0].is_processing = True  # the same editor's previous keystroke, about to stop
+    assert choose_slot([*a, 3], slots, follow_pin=False) == SlotChoice(0, wait=True)
+    slots[1].hold(a[:1000])  # the idle one holds nearly as much: no reason to wait
+    assert choose_slot([*a, 3], slots, follow_pin=False) == SlotChoice(1)
+    # a teammate's busy slot with the same code in another order: the idle slot, at once
+    slots[0].hold([*a[600:], *a[:600]])
+    slots[1].hold([])
+    assert choose_slot([*a, 3], slots, follow_pin=False) == SlotChoice(1)
+    slots[1].is_processing = True
+    assert choose_slot(_editor(2), slots, follow_pin=False).wait
+
+
+def test_cache_fit_counts_pieces_found_anywhere() -> None:
+    ring, code = _editor(1, 640), _editor(2, 320)
+    pieces = cache_pieces([*ring, *code])
+    rotated = [*ring[320:], *_editor(3, 64), *code]  # the ring moved on: its rest is found
+    assert 560 <= cache_fit(rotated, pieces) <= 640
+    assert cache_fit(_editor(4), pieces) == 0
 
 
 def test_api_key_forms() -> None:

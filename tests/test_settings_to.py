@@ -43,7 +43,7 @@ def test_server_settings_carry_every_server_key() -> None:
         server={"host": "127.0.0.2", "port": 9000, "queue_limit": 3, "request_timeout_s": 5,
                 "metrics": False, "cors_origins": ["http://a"], "n_cmpl_max": 2,
                 "max_body_bytes": 4096, "body_timeout_s": 7, "max_connections": 9,
-                "spm_infill": True, "slots": 3},
+                "spm_infill": True, "slots": 3, "slot_choice": "pinned"},
         cache={"infill_layout": "llama-server", "ring_attention": "causal"},
     )  # fmt: skip
     got = settings_to.server_settings(settings, api_key="k", model_alias="m", chat_alias="c")
@@ -52,6 +52,7 @@ def test_server_settings_carry_every_server_key() -> None:
         request_timeout_s=5, metrics=False, cors_origins=("http://a",), model_alias="m",
         spm_infill=True, typed_in_middle=False, ring_blocks=False, n_cmpl_max=2,
         max_body_bytes=4096, body_timeout_s=7, max_connections=9, chat_alias="c",
+        follow_pins=True,
     )  # fmt: skip
     # the engine's slot count, once known, is what the server serves
     assert settings_to.server_settings(settings, api_key=None, n_parallel=5).n_parallel == 5

@@ -79,9 +79,31 @@ class CachedSlot(Protocol):
     @property
     def tokens(self) -> Sequence[int]: ...  # the slot's cached tokens after its last request
     @property
+    def pieces(self) -> frozenset[int]: ...  # ``cache_pieces(tokens)``
+    @property
     def last_used(self) -> float: ...  # monotonic time of its last request; 0 = never
     @property
     def is_processing(self) -> bool: ...
+
+
+PIECE = 16  # tokens per piece compared when choosing a slot
+FIT_MIN = 64  # tokens: a cache that holds fewer of a long prompt shares a header, not context
+PIN_HINT = 256  # tokens a pinned slot that fits at all is worth: clients that each pin their
+# own slot stay there while another slot holds only a little more of a prompt
+FIT_WAIT = 256  # a busy slot sharing a prefix this much longer than the best idle fit: wait
+
+
+def cache_pieces(tokens: Sequence[int]) -> frozenset[int]:
+    """Hashes of every ``PIECE``-token window of a slot's cache, built once per request it
+    ran, so that choosing a slot for a prompt costs a set lookup per piece of the prompt."""
+    return frozenset(hash(tuple(tokens[i : i + PIECE])) for i in range(len(tokens) - PIECE + 1))
+
+
+def cache_fit(prompt: Sequence[int], pieces: frozenset[int]) -> int:
+    """About how many of ``prompt``'s tokens a cache holds, in place or movable: its pieces
+    found anywhere in the cache."""
+    starts = range(0, len(prompt) - PIECE + 1, PIECE)
+    return PIECE * sum(hash(tuple(prompt[i : i + PIECE])) in pieces for i in starts)
 
 
 def pinned_slot(id_slot: int, n_slots: int) -> int | None:
@@ -89,15 +111,55 @@ def pinned_slot(id_slot: int, n_slots: int) -> int | None:
     return None if id_slot < 0 else id_slot % n_slots
 
 
-def choose_slot(prompt: Sequence[int], slots: Sequence[CachedSlot], id_slot: int = -1) -> int:
-    """The slot whose cache keeps most of ``prompt``: the pinned slot, else the idle slot
-    sharing the longest prefix (ties: the least recently used)."""
+@dataclass(frozen=True)
+class SlotChoice:
+    slot: int
+    wait: bool = False  # the slot runs another request: queue for it
+
+
+def choose_slot(
+    prompt: Sequence[int],
+    slots: Sequence[CachedSlot],
+    id_slot: int = -1,
+    *,
+    follow_pin: bool = True,
+) -> SlotChoice:
+    """The slot a prompt runs on: the pinned one when pins are followed (llama-server's rule);
+    else the one whose cache holds most of it, the pinned id a hint worth ``PIN_HINT`` tokens.
+
+    Why pins can be hints: llama-vscode and llama.vim both send ``id_slot: 0``, so two editors
+    on one daemon would take turns evicting each other's context from slot 0 while the other
+    slots sit empty. Each editor's prompts open with its own ring of project code, so the cache
+    that holds most of a prompt is that editor's. A prompt that fits no cache takes an unused
+    slot, else the least recently used. A busy slot whose cache shares a prefix ``FIT_WAIT``
+    tokens longer than every idle slot holds (the same editor's previous keystroke, about to be
+    cancelled) is waited for rather than evaluating the prompt again elsewhere.
+    """
     pinned = pinned_slot(id_slot, len(slots))
-    if pinned is not None:
-        return pinned
-    candidates = [s for s in slots if not s.is_processing] or list(slots)
-    best = max(candidates, key=lambda s: (common_prefix(prompt, s.tokens), -s.last_used))
-    return best.id
+    if len(slots) == 1 or (follow_pin and pinned is not None):
+        slot = slots[pinned or 0]
+        return SlotChoice(slot.id, wait=slot.is_processing)
+    least = min(FIT_MIN, len(prompt) // 2)  # what a shared header never reaches
+    fit, kept = {}, {}  # among equal fits, the longest prefix: kept in place, its KV exact
+    for s in slots:
+        prefix = common_prefix(prompt, s.tokens)
+        found = max(cache_fit(prompt, s.pieces), prefix)
+        fit[s.id], kept[s.id] = (found, prefix) if found >= max(1, least) else (0, 0)
+
+    def rank(s: CachedSlot) -> tuple[int, int, bool, float, bool]:
+        hint = PIN_HINT if s.id == pinned and fit[s.id] else 0
+        return fit[s.id] + hint, kept[s.id], not s.tokens, -s.last_used, s.id == pinned
+
+    idle = [s for s in slots if not s.is_processing]
+    if not idle:
+        return SlotChoice(max(slots, key=rank).id, wait=True)
+    best_idle = max(idle, key=rank)
+    busy = [s for s in slots if s.is_processing]
+    if busy:  # the prefix, not the pieces: a teammate's ring of the same code is no reason
+        held = max(busy, key=lambda s: kept[s.id])
+        if kept[held.id] - fit[best_idle.id] >= FIT_WAIT:
+            return SlotChoice(held.id, wait=True)
+    return SlotChoice(best_idle.id)
 
 
 def _fresh_spans(n_prefix: int, runs: Sequence[Run], n_prompt: int) -> tuple[tuple[int, int], ...]:

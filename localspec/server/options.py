@@ -22,6 +22,7 @@ class ServerSettings:
     api_key: str | None = None  # required for any non-loopback host
     n_parallel: int = 1  # slots, i.e. EngineSettings.n_slots: separate KV caches
     queue_limit: int = _SERVER.queue_limit  # waiting requests past this answer 503 + Retry-After
+    follow_pins: bool = _SERVER.slot_choice == "pinned"  # id_slot picks the slot (else a hint)
     request_timeout_s: float = _SERVER.request_timeout_s  # queued + running, then cancelled
     metrics: bool = _SERVER.metrics  # expose /metrics (Prometheus text)
     cors_origins: tuple[str, ...] = tuple(_SERVER.cors_origins)

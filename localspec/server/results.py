@@ -12,12 +12,13 @@ import math
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pydantic_core
 from starlette.responses import Response
 
+from localspec.engine.cache_plan import cache_pieces
 from localspec.engine.stops import incomplete_utf8_tail
 from localspec.engine.types import GenerationResult, TokenProbs
 
@@ -84,6 +85,18 @@ class SlotInfo:
     n_requests: int = 0
     last_prompt_n: int = 0
     last_cache_n: int = 0
+    _pieces: frozenset[int] | None = field(default=None, repr=False)
+
+    def hold(self, tokens: list[int]) -> None:
+        """The slot's cache now holds ``tokens``."""
+        self.tokens, self._pieces = tokens, None
+
+    @property
+    def pieces(self) -> frozenset[int]:
+        """``cache_pieces(tokens)``, built when a choice of slot first needs it."""
+        if self._pieces is None:
+            self._pieces = cache_pieces(self.tokens)
+        return self._pieces
 
     def to_json(self, *, speculative: bool) -> dict[str, object]:
         return {

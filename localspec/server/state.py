@@ -102,6 +102,7 @@ class Service:
         worker = Worker(
             load,
             queue_limit=settings.queue_limit,
+            follow_pins=settings.follow_pins,
             on_ready=on_ready,
             on_failure=on_failure,
             engine_thread=engine_thread,

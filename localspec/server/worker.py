@@ -51,13 +51,15 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     future: Future[JobResult] = field(default_factory=Future)
     t_submit: float = field(default_factory=time.perf_counter)
-    slot: int = -1  # set by the worker before the first token is streamed
+    slot: int = -1  # set by the worker before the first token is streamed (or when it waits)
     n_prompt: int = 0
     truncate: bool = False  # a prompt longer than the context is cut (llama-server's rule)
     stopped_by: str = ""  # why the worker cancelled it while running (else: the client left)
     # while it runs: what it is filling in, and when the engine took it
     out: JobResult | None = None
     prompt: list[int] = field(default_factory=list)
+    layout: PromptLayout | None = None  # the prompt built (and cut to fit), kept while it waits
+    cut: bool = False  # the prompt was longer than the context and cut
     t_start: float = 0.0
 
     @property
@@ -164,9 +166,14 @@ class Worker:
         on_ready: Callable[[], None] | None = None,
         on_failure: Callable[[BaseException], None] | None = None,
         engine_thread: EngineThread | None = None,
+        follow_pins: bool = True,
     ) -> None:
+        """``follow_pins``: a request's ``id_slot`` picks its slot (llama-server's rule); else
+        it only breaks ties, and the slot whose cache holds most of the prompt answers
+        (``cache_plan.choose_slot``)."""
         self._load = load
         self._queue_limit = queue_limit
+        self._follow_pins = follow_pins
         self._on_ready = on_ready
         self._on_failure = on_failure
         self._engine_thread = engine_thread or EngineThread()
@@ -399,7 +406,9 @@ class Worker:
                 _finish(job, JobResult([], cancelled="client left"))
                 self.n_cancelled += 1
                 continue
-            pinned = pinned_slot(job.params.id_slot, n_slots)
+            pinned = job.slot if job.slot >= 0 else None  # the slot it chose to wait for
+            if pinned is None and self._follow_pins:
+                pinned = pinned_slot(job.params.id_slot, n_slots)
             if pinned is None and free:
                 job.slot = -1  # any free slot: the one whose cache fits best, at start
             elif pinned is not None and pinned in free:
@@ -436,26 +445,19 @@ class Worker:
         out = job.out = JobResult([], t_queue_ms=(job.t_start - job.t_submit) * 1e3)
         try:
             params = job.params
-            layout = job.prepare(engine)
-            prompt = layout.tokens
             n_ctx = engine.n_ctx
-            out.truncated = len(prompt) >= n_ctx
-            if out.truncated:
-                if not job.truncate:
-                    raise ContextExceeded(len(prompt), n_ctx)
-                n_before = len(prompt)
-                prompt = truncate(prompt, n_ctx, params.n_keep)
-                layout = PromptLayout(prompt)  # (a cut prompt's blocks are not what they were)
-                log.info(
-                    "prompt of %d tokens truncated to %d (n_ctx %d)", n_before, len(prompt), n_ctx
-                )
+            if job.layout is None:
+                job.layout = self._layout(engine, job)
+            layout = job.layout
+            prompt = layout.tokens
+            out.truncated = job.cut
             job.prompt = prompt
             out.n_prompt = len(prompt)
             out.t_prep_ms = (time.perf_counter() - job.t_start) * 1e3
-            with self._cond:
-                idle = [s for s in self.slots if s.id not in self._running]
-            slot_id = job.slot if job.slot >= 0 else choose_slot(prompt, idle, -1)
-            job.slot, job.n_prompt = slot_id, len(prompt)
+            if job.slot < 0 and self._wait_for_slot(job, prompt):
+                return
+            slot_id = job.slot
+            job.n_prompt = len(prompt)
             slot = self.slots[slot_id]
             with self._cond:
                 self._running[slot_id] = job
@@ -486,6 +488,38 @@ class Worker:
         except BaseException as exc:  # one request's failure, not the daemon's
             self._failed(job, exc)
 
+    def _layout(self, engine: Any, job: Job) -> PromptLayout:
+        """The job's prompt, cut to the context where its endpoint allows (llama-server's
+        rule), else refused."""
+        layout = job.prepare(engine)
+        prompt, n_ctx = layout.tokens, engine.n_ctx
+        if len(prompt) < n_ctx:
+            return layout
+        if not job.truncate:
+            raise ContextExceeded(len(prompt), n_ctx)
+        job.cut = True
+        cut = truncate(prompt, n_ctx, job.params.n_keep)
+        log.info("prompt of %d tokens truncated to %d (n_ctx %d)", len(prompt), len(cut), n_ctx)
+        return PromptLayout(cut)  # (a cut prompt's blocks are not what they were)
+
+    def _wait_for_slot(self, job: Job, prompt: list[int]) -> bool:
+        """Choose the slot of a job that may run on any (``choose_slot``); True when it goes
+        back to the head of the queue to wait for a busy one. A keystroke stops a warm-up
+        running on its slot and takes over from where it got to, as ``_supersede`` does."""
+        choice = choose_slot(prompt, self.slots, job.params.id_slot, follow_pin=False)
+        job.slot = choice.slot
+        if not choice.wait:
+            return False
+        with self._cond:
+            running = self._running.get(choice.slot)
+            if running is None:  # (freed meanwhile: it runs now)
+                return False
+            if running.cache_only and not job.cache_only:
+                running.stopped_by = "superseded by a completion for the same slot"
+                running.cancel.set()
+            self._queue.appendleft(job)
+        return True
+
     def _done(self, job: Job, results: list[GenerationResult], error: BaseException | None) -> None:
         """The engine finished a job (on the worker thread)."""
         if error is not None:
@@ -495,7 +529,7 @@ class Worker:
         assert out is not None
         slot = self.slots[job.slot]
         out.t_engine_ms = (time.perf_counter() - job.t_start) * 1e3 - out.t_prep_ms
-        slot.tokens = engine.slot_tokens(job.slot) if results and job.prompt else []
+        slot.hold(engine.slot_tokens(job.slot) if results and job.prompt else [])
         n_ctx = engine.n_ctx
         for index, result in enumerate(results):
             if index == 0:
@@ -545,7 +579,7 @@ class Worker:
             self._cond.notify_all()
 
     def _reset_slot(self, slot: SlotInfo) -> None:
-        slot.tokens = []
+        slot.hold([])
         clear = getattr(self.engine, "clear_slot", None)
         if callable(clear):
             try:
