@@ -195,6 +195,7 @@ def test_a_repair_cut_short_keeps_the_cache_consistent(qwen_target: Path, toks: 
             GenerationRequest(slot=0, prompt=second[:300], n_predict=0), prefill_cancel=stop
         )
         assert cut.cancelled and tcache.slots[0].tokens == [] and tcache.slots[0].exact == 0
+        assert cut.n_approx == 0  # nothing held, so nothing approximate (the request log's)
         done = eng.generate(GenerationRequest(slot=0, prompt=second, n_predict=0))
         assert done.n_evaluated == len(second) and done.n_approx == 0
         np.testing.assert_allclose(

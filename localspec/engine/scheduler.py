@@ -408,7 +408,9 @@ class Scheduler:
             res.n_evaluated, res.n_shifted = pre.n_evaluated, pre.n_shifted
         else:  # the prompt's KV is shared with the first completion's
             res.n_cached = n_prompt
-        res.n_approx = max(0, n_prompt - pre.n_exact)
+        # of the prompt's KV the slot holds (not all of it when cut short), what is not exact
+        held = min(n_prompt, pre.n_cached + pre.n_evaluated)
+        res.n_approx = max(0, held - pre.n_exact)
 
     # --- finishing ------------------------------------------------------------------------
     def _live(self) -> list[Completion]:
