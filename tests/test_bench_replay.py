@@ -650,6 +650,11 @@ def test_also_n_cmpl_starts_a_second_localspec(tmp_path: Path) -> None:
     args = replay_parser().parse_args(["--url", "http://x", "--also-n-cmpl", "1"])
     with pytest.raises(ValueError, match="--also-n-cmpl"):
         server_specs(args)
+    args = replay_parser().parse_args(["--target", str(target), "--also-pinned"])
+    first, pinned = server_specs(args)
+    assert pinned.name == "localspec/pinned" and first.port != pinned.port
+    assert pinned.argv[-2:] == ["--set", "server.slot_choice=pinned"]
+    assert "server.slot_choice=pinned" not in first.argv
 
 
 def test_cli_against_a_url_writes_json(code_dir: Path, tmp_path: Path) -> None:
@@ -787,6 +792,8 @@ def test_clients_have_their_own_schedule_slot_and_burst_numbers(
     assert {k.body["id_slot"] for burst in b.bursts for k in burst.keys} == {1}
     assert all(k.body["n_cmpl"] == 2 for burst in a.bursts for k in burst.keys)
     assert [x.index for x in b.bursts] == [CLIENT_STRIDE + x.index for x in a.bursts]
+    same = client_schedule(traffic, sources, 1, 2, same_slot=True)  # as real editors send
+    assert {k.body["id_slot"] for burst in same.bursts for k in burst.keys} == {0}
     assert (a.bursts[0].filename, a.bursts[0].line_no) != (
         b.bursts[0].filename,
         b.bursts[0].line_no,

@@ -155,6 +155,19 @@ def build_parser() -> argparse.ArgumentParser:
         "(servers then run one after the other)",
     )
     tr.add_argument(
+        "--same-slot",
+        action="store_true",
+        help="with --clients: every client sends id_slot 0, as llama-vscode and llama.vim do "
+        "(default: client i sends i)",
+    )
+    tr.add_argument(
+        "--also-pinned",
+        action="store_true",
+        help="also replay against a second localspec whose id_slot picks the slot "
+        "(server.slot_choice=pinned, llama-server's rule): with --clients --same-slot, what "
+        "choosing slots by their cache buys",
+    )
+    tr.add_argument(
         "--background",
         type=int,
         default=0,
@@ -230,8 +243,17 @@ def server_specs(args: argparse.Namespace) -> list[anchor.ServerSpec]:
         if args.also_n_cmpl is not None:
             name = n_cmpl_twin(specs[0].name, args.also_n_cmpl)
             specs.append(replace(anchor.twin(specs[0]), name=name))
-    elif args.also_n_cmpl is not None:
-        raise ValueError("--also-n-cmpl starts a second localspec: drop --url/--no-localspec")
+        if args.also_pinned:
+            pinned = anchor.twin(specs[0])
+            specs.append(
+                replace(
+                    pinned,
+                    name=f"{specs[0].name}/pinned",
+                    argv=[*pinned.argv, "--set", "server.slot_choice=pinned"],
+                )
+            )
+    elif args.also_n_cmpl is not None or args.also_pinned:
+        raise ValueError("--also-n-cmpl and --also-pinned start a second localspec: drop --url")
     if args.vs_llama_server:
         binary = anchor.find_llama_server(args.llama_server_bin)
         for mode in (m.strip() for m in args.vs_llama_server.split(",")):
@@ -374,12 +396,17 @@ CLIENT_STRIDE = 100_000  # client i's bursts are numbered from i x this (one key
 
 
 def client_schedule(
-    traffic: editor.TrafficSettings, sources: Sequence[editor.SourceFile], i: int, n: int
+    traffic: editor.TrafficSettings,
+    sources: Sequence[editor.SourceFile],
+    i: int,
+    n: int,
+    same_slot: bool = False,
 ) -> editor.Schedule:
-    """Client ``i`` of ``n``: its own seed (its own places in the code) and slot."""
+    """Client ``i`` of ``n``: its own seed (its own places in the code) and ``id_slot`` (0 for
+    all with ``same_slot``, as real editors send)."""
     if n == 1:
         return editor.build_schedule(traffic, sources)
-    mine = replace(traffic, seed=traffic.seed + i, id_slot=i)
+    mine = replace(traffic, seed=traffic.seed + i, id_slot=0 if same_slot else i)
     schedule = editor.build_schedule(mine, sources)
     schedule.bursts = [replace(b, index=b.index + i * CLIENT_STRIDE) for b in schedule.bursts]
     return schedule
@@ -431,7 +458,8 @@ def _main(args: argparse.Namespace) -> int:
         skip = editor.SKIP_DIRS | (editor.STDLIB_SKIP_DIRS if args.code is None else frozenset())
         sources = editor.load_sources(code, pattern=args.pattern, skip_dirs=skip)
         schedules = [
-            client_schedule(traffic, sources, i, args.clients) for i in range(args.clients)
+            client_schedule(traffic, sources, i, args.clients, args.same_slot)
+            for i in range(args.clients)
         ]
         schedule = schedules[0]
         specs = server_specs(args)
@@ -555,6 +583,7 @@ def _main(args: argparse.Namespace) -> int:
             "machine": machine(),
             "traffic": {k: v for k, v in vars(traffic).items()},
             "clients": args.clients,
+            "same_slot": args.same_slot,
             "background": args.background,
             "code": str(args.code or editor.default_code_dir()),
             "cold_on": {t.name: t.oracle.name if t.oracle else "self" for t in targets},
