@@ -4,6 +4,7 @@ with the real engine on the tiny Qwen-vocabulary fixture (one daemon for the mod
 from __future__ import annotations
 
 import io
+import http.client
 import json
 import logging
 import os
@@ -151,6 +152,15 @@ def test_oversize_bodies_answer_413_declared_or_chunked(c: httpx.Client) -> None
 
     r = c.post("/completion", content=chunks())
     assert r.status_code == 413
+    # far past the limit and the socket buffers, from a client that sends its whole body
+    # before it reads (Python's http.client, so urllib and requests): it reads the 413, not a
+    # broken pipe (llama-server reads such bodies whole)
+    host, port = str(c.base_url).removeprefix("http://").rstrip("/").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", "/completion", body=b"{" + b" " * (40 * MAX_BODY) + b"}", headers=AUTH)
+    answer = conn.getresponse()
+    assert answer.status == 413 and b"too large" in answer.read()
+    conn.close()
     ok_infill(c)
 
 

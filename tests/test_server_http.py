@@ -500,6 +500,7 @@ def test_server_timing_splits_engine_from_overhead(qc: httpx.Client) -> None:
 def test_auth_and_health(qwen: Live) -> None:
     with qwen.client() as c:
         assert c.get("/health").json() == {"status": "ok"}  # public
+        assert c.head("/health").status_code == 200  # as monitors probe it
         r = c.post("/infill", json={"input_prefix": "", "input_suffix": ""})
         assert r.status_code == 401
         assert r.json() == {"error": {"code": 401, "message": "Invalid API Key",

@@ -59,9 +59,10 @@ Svc = Annotated[Service, Depends(service)]
 router = APIRouter(route_class=LeanRoute)
 
 
-@router.get("/health")
-@router.get("/v1/health", include_in_schema=False)
+@router.api_route("/health", methods=["GET", "HEAD"])
+@router.api_route("/v1/health", methods=["GET", "HEAD"], include_in_schema=False)
 async def health() -> Response:
+    """Also for HEAD: uptime monitors and load balancers probe with it."""
     return CompactJSONResponse({"status": "ok"})
 
 

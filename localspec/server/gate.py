@@ -25,6 +25,7 @@ FastAPI's router, and an exception still reaches the app's error handler.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import inspect
 import time
@@ -51,6 +52,10 @@ Observer = Callable[[logs.RequestLog], None]
 SERVER_HEADER = (b"server", f"localspec/{__version__}".encode())
 CLIENT_GONE = 499  # nginx's code for "the client closed the connection"
 PUBLIC_PATHS = frozenset({"/health", "/v1/health"})  # answered without the API key
+# A body refused for its size is still read (and dropped) up to this much, so a client that
+# sends all of it before reading (Python's http.client, urllib, requests) reads the 413
+# instead of a broken pipe; past it the connection is closed.
+DRAIN_MAX = 256 * 1024 * 1024
 
 
 class Gate:
@@ -129,6 +134,7 @@ class Gate:
         connection and up to ``max_body`` of memory for as long as it likes."""
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body:
+            await self._drain(receive, int(declared))
             await self._too_large(send, int(declared))
             return None
         try:
@@ -149,11 +155,32 @@ class Gate:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body:
+                if message.get("more_body", False):
+                    size += await self._drain(receive, DRAIN_MAX)
                 await self._too_large(send, size)
                 return None
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
+
+    async def _drain(self, receive: Receive, declared: int) -> int:
+        """Read and drop the rest of a refused body (see DRAIN_MAX) within the body timeout;
+        the bytes read."""
+        if declared > DRAIN_MAX:
+            return 0
+        read = 0
+
+        async def drain() -> None:
+            nonlocal read
+            while read <= DRAIN_MAX:
+                message = await receive()
+                read += len(message.get("body", b""))
+                if message["type"] == "http.disconnect" or not message.get("more_body", False):
+                    return
+
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(drain(), self.body_timeout_s)
+        return read
 
     async def _too_large(self, send: Send, size: int) -> None:
         # llama-server's error shape; 413 is not in its table, the type is the closest one
