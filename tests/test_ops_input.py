@@ -3,8 +3,8 @@ with the real engine on the tiny Qwen-vocabulary fixture (one daemon for the mod
 
 from __future__ import annotations
 
-import io
 import http.client
+import io
 import json
 import logging
 import os

@@ -530,6 +530,12 @@ def test_bad_requests_answer_400_in_llama_server_format(qc: httpx.Client) -> Non
     assert too_long.json()["tokens_evaluated"] < N_CTX
     bad_id = qc.post("/completion", json={"prompt": [10**9], "n_predict": 1})
     assert bad_id.status_code == 400
+    # texts without ids are several prompts to llama-server: refused, not joined into one
+    for route in ("/completion", "/v1/completions"):
+        several = qc.post(route, json={"prompt": ["def f", "def g"], "max_tokens": 1})
+        assert several.status_code == 400 and "one prompt per request" in several.text
+    mixed = qc.post("/completion", json={"prompt": ["def ", 69, "()"], "n_predict": 1})
+    assert mixed.status_code == 200  # ids and text: one prompt
     assert qc.get("/nope").json()["error"]["type"] == "not_found_error"
     # the daemon survived all of that
     ok = qc.post("/infill", json={"input_prefix": "a", "input_suffix": "b", "n_predict": 1})
@@ -636,6 +642,15 @@ def test_tokenize_detokenize(qc: httpx.Client) -> None:
     assert "".join(p["piece"] for p in pieces["tokens"]) == "def f"
     text = qc.post("/detokenize", json={"tokens": toks[1:]}).json()["content"]
     assert text == "def"
+    # control tokens render as text, as in llama-server (the same ids tokenize back)
+    assert qc.post("/detokenize", json={"tokens": toks}).json()["content"] == "<|fim_prefix|>def"
+    special = qc.post("/tokenize", json={"content": "<|fim_prefix|>", "with_pieces": True})
+    assert special.json()["tokens"] == [{"id": FIM_PRE, "piece": "<|fim_prefix|>"}]
+    # a character split over tokens: each part's bytes, never a replacement character
+    split = qc.post("/tokenize", json={"content": "\u2e3b x", "with_pieces": True}).json()
+    pieces = [p["piece"] for p in split["tokens"]]
+    raw = b"".join(bytes(p) if isinstance(p, list) else p.encode() for p in pieces)
+    assert raw == "\u2e3b x".encode() and isinstance(pieces[0], list)
     # a JSON body whatever the Content-Type says, as llama-server (curl -d sends a form type)
     for ctype in ("application/x-www-form-urlencoded", "text/plain"):
         r = qc.post("/tokenize", content=b'{"content":"def"}', headers={"Content-Type": ctype})

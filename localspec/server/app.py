@@ -186,7 +186,9 @@ async def tokenize(body: TokenizeRequest, request: Request, svc: Svc) -> Respons
             tokens.insert(0, vocab.bos)
         if not body.with_pieces:
             return {"tokens": tokens}
-        return {"tokens": [{"id": t, "piece": vocab.detokenize([t])} for t in tokens]}
+        return {
+            "tokens": [{"id": t, "piece": _piece(vocab.piece(t, special=True))} for t in tokens]
+        }
 
     try:
         worker = svc.for_model(body.model).worker
@@ -195,11 +197,20 @@ async def tokenize(body: TokenizeRequest, request: Request, svc: Svc) -> Respons
         return error_response(exc, request)
 
 
+def _piece(raw: bytes) -> str | list[int]:
+    """A token's text as llama-server shows it: a string, or its bytes where they are not whole
+    UTF-8 (a character split over several tokens)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(raw)
+
+
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request, svc: Svc) -> Response:
     def run(engine: Any) -> dict[str, Any]:
         prompts.check_ids(body.tokens, engine.vocab.n_vocab)
-        return {"content": engine.vocab.detokenize(body.tokens)}
+        return {"content": engine.vocab.detokenize(body.tokens, special=True)}
 
     try:
         worker = svc.for_model(body.model).worker

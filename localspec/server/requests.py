@@ -163,23 +163,35 @@ class InfillRequest(GenerationFields):
         )
 
 
+def one_prompt(value: Text | PromptPieces) -> Text | PromptPieces:
+    """A prompt is text, token ids, or a list mixing both; llama-server reads a list of texts
+    with no ids as several prompts, each answered on its own, which localspec does not do:
+    refused rather than joined into one prompt that answers something else."""
+    if isinstance(value, list):
+        if not value:
+            raise ValueError("prompt is an empty list")
+        if len(value) > 1 and not any(isinstance(p, int) for p in value):
+            raise ValueError(
+                "a list of several prompts is not supported: send one prompt per request "
+                "(a list that mixes token ids and text is one prompt)"
+            )
+    return value
+
+
 class CompletionRequest(GenerationFields):
     """``POST /completion``: llama-server's native API."""
 
     prompt: Text | PromptPieces
 
-    @field_validator("prompt")
-    @classmethod
-    def _non_empty(cls, value: Text | PromptPieces) -> Text | PromptPieces:
-        if isinstance(value, list) and not value:
-            raise ValueError("prompt is an empty list")
-        return value
+    _one_prompt = field_validator("prompt")(one_prompt)
 
 
 class OpenAICompletionRequest(GenerationFields):
     """``POST /v1/completions``; a ``suffix`` turns it into fill-in-the-middle."""
 
     prompt: Text | PromptPieces
+
+    _one_prompt = field_validator("prompt")(one_prompt)
     suffix: Text | None = None
     echo: bool | None = None
     logprobs: Any = None
