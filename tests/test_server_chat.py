@@ -13,7 +13,9 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import shutil
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -588,3 +590,66 @@ def test_a_chat_pair_that_fails_to_load_leaves_completion_serving(qwen_target: P
             assert infill.status_code == 200
     finally:
         stop(live)
+
+
+# ---------------------------------------------------------------- the chat page
+
+
+def _page_functions(page: str, calls: dict[str, Any]) -> dict[str, Any]:
+    """Run the page's pure functions in Node.js on ``calls`` (the page skips its DOM part
+    where there is no ``document``), so the page is tested on what the server really sends."""
+    script = page.split("<script>", 1)[1].split("</script>", 1)[0]
+    harness = script + """
+const calls = JSON.parse(require("fs").readFileSync(0, "utf8"));
+const stream = { deltas: [], done: false, error: null };
+let buffer = "";
+for (const piece of calls.pieces) {
+  const got = readEvents(buffer + piece);
+  buffer = got.rest;
+  stream.deltas.push(...got.deltas);
+  stream.done = stream.done || got.done;
+  stream.error = stream.error || got.error;
+}
+process.stdout.write(JSON.stringify({
+  request: chatRequest([{ role: "user", content: userContent(calls.text, calls.context) }]),
+  stream: stream,
+  error: errorText(calls.status, calls.body),
+}));
+"""
+    node = shutil.which("node")
+    assert node, "the chat page's tests need Node.js (the build machines have it)"
+    out = subprocess.run(
+        [node, "-e", harness], input=json.dumps(calls), capture_output=True, text=True,
+        timeout=60, check=True,
+    )  # fmt: skip
+    return json.loads(out.stdout)
+
+
+def test_the_chat_page_llama_vscode_opens_streams_the_chat_endpoints_answer(
+    smol: Live, sc: httpx.Client
+) -> None:
+    """llama-vscode's "Chat with AI" opens the chat endpoint's "/" in an iframe: the page is
+    served there without the API key (an iframe sends none), needs nothing from the network,
+    and its request and stream reading give the answer the endpoint streams."""
+    page = httpx.get(smol.url + "/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert httpx.get(smol.url + "/index.html").text == page.text
+    assert not re.search(r"""(src|href)=["']?(https?:)?//""", page.text)  # self-contained
+    assert '"setText"' in page.text and '"escapePressed"' in page.text  # the panel's messages
+
+    asked = {"text": "Say hi.", "context": "def f(): pass", "pieces": [], "status": 0, "body": ""}
+    request = _page_functions(page.text, asked)["request"]
+    assert request["messages"][0]["content"].startswith("Context:\ndef f(): pass\n\n")
+    body = {**request, "max_tokens": 12, **GREEDY}
+    with sc.stream("POST", "/v1/chat/completions", json=body) as r:
+        raw = r.read().decode()
+    _, expected = streamed(sc, body)
+    bad = sc.post("/v1/chat/completions", json={"messages": "nope"})
+    # the stream as the network may cut it: pieces of 7 characters, events split anywhere
+    pieces = [raw[i : i + 7] for i in range(0, len(raw), 7)]
+    run = _page_functions(
+        page.text, {**asked, "pieces": pieces, "status": bad.status_code, "body": bad.text}
+    )
+    assert run["stream"] == {"deltas": run["stream"]["deltas"], "done": True, "error": None}
+    assert "".join(run["stream"]["deltas"]) == expected and expected
+    assert run["error"] == bad.json()["error"]["message"]

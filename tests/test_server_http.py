@@ -501,6 +501,7 @@ def test_auth_and_health(qwen: Live) -> None:
     with qwen.client() as c:
         assert c.get("/health").json() == {"status": "ok"}  # public
         assert c.head("/health").status_code == 200  # as monitors probe it
+        assert c.get("/").status_code == 200  # the chat page: an iframe sends no key
         r = c.post("/infill", json={"input_prefix": "", "input_suffix": ""})
         assert r.status_code == 401
         assert r.json() == {"error": {"code": 401, "message": "Invalid API Key",

@@ -59,6 +59,17 @@ Svc = Annotated[Service, Depends(service)]
 router = APIRouter(route_class=LeanRoute)
 
 
+WEB_UI = Path(__file__).with_name("webui.html")
+
+
+@router.get("/", include_in_schema=False)
+@router.get("/index.html", include_in_schema=False)
+async def web_ui() -> Response:
+    """A chat page where llama-server serves its web UI: llama-vscode's "Chat with AI" panel
+    opens the chat endpoint's "/" in an iframe and sends it the question (webui.html)."""
+    return Response(WEB_UI.read_bytes(), media_type="text/html; charset=utf-8")
+
+
 @router.api_route("/health", methods=["GET", "HEAD"])
 @router.api_route("/v1/health", methods=["GET", "HEAD"], include_in_schema=False)
 async def health() -> Response:

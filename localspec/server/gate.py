@@ -51,7 +51,9 @@ Observer = Callable[[logs.RequestLog], None]
 
 SERVER_HEADER = (b"server", f"localspec/{__version__}".encode())
 CLIENT_GONE = 499  # nginx's code for "the client closed the connection"
-PUBLIC_PATHS = frozenset({"/health", "/v1/health"})  # answered without the API key
+# answered without the API key: the health check, and the chat page (an iframe sends no
+# header; the page asks for the key and sends it with its own requests, as llama-server's UI)
+PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/", "/index.html"})
 # A body refused for its size is still read (and dropped) up to this much, so a client that
 # sends all of it before reading (Python's http.client, urllib, requests) reads the 413
 # instead of a broken pipe; past it the connection is closed.
