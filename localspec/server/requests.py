@@ -7,8 +7,10 @@ explicit ``null`` means "the server default", as in llama-server. Hard limits ar
 here with a 400.
 
 A generation body then becomes a ``TaskParams`` with llama-server's rules: soft limits clamp
-(top_k, top_p, min_p, temperature), sampler names are normalised to llama.cpp's canonical
-names, and a seed of -1 means "random" as in llama.cpp.
+(top_k, top_p, min_p, temperature, xtc, mirostat), sampler names are normalised to llama.cpp's
+canonical names, a seed of -1 means "random" as in llama.cpp, text logit biases are tokenized,
+and a grammar (or a JSON schema, converted) is parsed once by llama.cpp's parser: a bad one is
+a 400 here, never a failure on the engine's thread.
 """
 
 from __future__ import annotations
@@ -376,10 +378,8 @@ def logit_biases(value: Any, vocab: Vocab | None) -> tuple[tuple[int, float], ..
             if not 0 <= tok < n_vocab:
                 raise _field("logit_bias", f"{where}: token {tok} is not in the vocabulary")
             return [tok]
-        if isinstance(tok, str):
-            if vocab is None:
-                raise _field("logit_bias", f"{where}: no vocabulary to tokenize {tok!r}")
-            return vocab.tokenize(tok)
+        if isinstance(tok, str):  # without a vocabulary (an upstream's request): not applied
+            return vocab.tokenize(tok) if vocab is not None else []
         raise _field("logit_bias", f"{where}: a token must be an id or a text, got {tok!r}")
 
     out: list[tuple[int, float]] = []
