@@ -367,3 +367,19 @@ def test_sampling_params_follow_llama_servers_limits(vocab: Any) -> None:
     with pytest.raises(InvalidRequest, match="grammar"):
         parse(grammar="root ::= (")
     assert hash(parse(logit_bias={"5": False}, grammar=YES_NO))  # cached by value
+
+
+def test_parameter_sets_with_nested_json_are_cached_by_value() -> None:
+    """A logit_bias or json_schema body is remembered like any other (one parse per distinct
+    set); a schema's property order is part of the key (it orders the grammar's rules)."""
+    from localspec.server.state import _params_key
+
+    def key(**fields: Any) -> Any:
+        return _params_key(CompletionRequest.model_validate({"prompt": "a", **fields}))
+
+    bias = key(logit_bias=[[5, False], ["x", 1]], json_schema=SCHEMA)
+    assert hash(bias) and bias == key(logit_bias=[[5, False], ["x", 1]], json_schema=SCHEMA)
+    props = SCHEMA["properties"]
+    flipped = {**SCHEMA, "properties": {"sure": props["sure"], "answer": props["answer"]}}
+    assert key(json_schema=SCHEMA) != key(json_schema=flipped)
+    assert key(logit_bias={"5": False}) != key(logit_bias={"5": -1})
