@@ -95,7 +95,7 @@ class Completion:
             # the cost model caps the length; p_min only has to stop hopeless drafts (a
             # small draft model is often unsure of tokens the target then accepts)
             self.p_min = min(self.p_min, ADAPTIVE_P_MIN)
-        self.sampler = Sampler(req.sampling, engine._tctx, engine.vocab.handle)
+        self.sampler = Sampler(req.sampling, engine._tctx, engine.vocab.handle, req.prompt)
         self.result = GenerationResult(tokens=[], text="", stop_type="none")
         self.result.n_prompt = len(req.prompt)
         self.out: list[int] = []

@@ -106,20 +106,87 @@ class EngineSettings:
     aux_room: int = AUX_ROOM
 
 
+# llama-server's default chain (common_params_sampling.samplers); at the default values every
+# sampler but top_k, top_p, min_p and temperature is a no-op
+DEFAULT_SAMPLERS = (
+    "penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature",
+)  # fmt: skip
+DRY_SEQUENCE_BREAKERS = ("\n", ":", '"', "*")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """llama-server's sampling fields; samplers apply in order, then a seeded draw."""
+    """llama-server's sampling fields (common_params_sampling, same defaults); samplers apply
+    in order, then a seeded draw. Hashable: a request's parameters are cached by value.
 
-    samplers: tuple[str, ...] = ("top_k", "top_p", "min_p", "temperature")
+    ``repeat_last_n``/``dry_penalty_last_n`` are already resolved (-1 = the context size);
+    ``logit_bias`` holds (token, bias) pairs, -inf bans, and carries the EOG bans of
+    ``ignore_eos``; ``grammar`` is GBNF text (a JSON schema already converted), checked to parse.
+    """
+
+    samplers: tuple[str, ...] = DEFAULT_SAMPLERS
     top_k: int = 40
     top_p: float = 0.95
     min_p: float = 0.05
     temperature: float = 0.8
     seed: int = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED: random
+    top_n_sigma: float = -1.0
+    typ_p: float = 1.0
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    dynatemp_range: float = 0.0
+    dynatemp_exponent: float = 1.0
+    repeat_last_n: int = 64
+    repeat_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = 64
+    dry_sequence_breakers: tuple[str, ...] = DRY_SEQUENCE_BREAKERS
+    mirostat: int = 0  # 0 off, 1 Mirostat, 2 Mirostat 2.0 (replaces the chain)
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
+    min_keep: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    ignore_eos: bool = False
+    grammar: str = ""
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0 or self.top_k == 1
+
+    @property
+    def penalties_on(self) -> bool:
+        """llama.cpp's penalties sampler does something (else it is an empty sampler)."""
+        return self.repeat_last_n != 0 and (
+            self.repeat_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
+    @property
+    def dry_on(self) -> bool:
+        return self.dry_multiplier != 0.0 and self.dry_base >= 1.0 and self.dry_penalty_last_n != 0
+
+    @property
+    def plain(self) -> bool:
+        """Only top_k, top_p, min_p and temperature shape the draw (every other sampler named
+        in the chain is a no-op at its value, no bias, no grammar): a greedy request may then
+        take llama.cpp's argmax alone, which is what the whole chain would pick."""
+        names = set(self.samplers)
+        return not (
+            self.logit_bias
+            or self.grammar
+            or self.mirostat
+            or ("penalties" in names and self.penalties_on)
+            or ("dry" in names and self.dry_on)
+            or ("top_n_sigma" in names and self.top_n_sigma > 0.0)
+            or ("typ_p" in names and self.typ_p < 1.0)
+            or ("xtc" in names and self.xtc_probability > 0.0 and self.xtc_threshold <= 0.5)
+            or ("temperature" in names and self.dynatemp_range > 0.0)
+        )
 
 
 @dataclass(frozen=True)

@@ -68,26 +68,48 @@ def chat_side(svc: Service) -> tuple[Service, ChatModel]:
 
 def _refuse_unsupported(body: ChatCompletionRequest) -> None:
     """What a client may ask that localspec cannot do is a 400 that says so (as an unknown
-    sampler name is): silently ignoring a JSON-only request would break its caller."""
+    sampler name is): silently ignoring it would break its caller."""
     fmt = body.response_format
     if fmt is not None:
         kind = fmt.get("type") if isinstance(fmt, dict) else None
-        if kind not in (None, "text", "json_object", "json_schema"):
+        if kind not in (None, "", "text", "json_object", "json_schema"):
             raise InvalidRequest(
                 f'response_format type must be one of "text" or "json_object", but got: {kind}'
             )
-        if kind in ("json_object", "json_schema"):
-            raise InvalidRequest(
-                f'response_format "{kind}" is not supported: localspec has no grammar-'
-                'constrained sampling (ask for "text" and validate the JSON yourself)'
-            )
-    for name in ("grammar", "json_schema"):
-        if getattr(body, name) not in (None, "", {}):
-            raise InvalidRequest(f"{name} is not supported: localspec has no grammar sampler")
+    if body.json_schema is not None and body.grammar:
+        raise InvalidRequest("Cannot use both json_schema and grammar")
+    if body.tools and (body.grammar or _schema(body) is not None):
+        # the tool-call format is the template's, not the grammar's (llama-server's text)
+        raise InvalidRequest("Cannot use custom grammar constraints with tools.")
     if body.logprobs and body.tools and body.stream:
         raise InvalidRequest("logprobs is not supported with tools + stream")
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequest("top_logprobs requires logprobs to be set to true")
+
+
+def _schema(body: ChatCompletionRequest) -> Any:
+    """The JSON schema the answer must match, as llama-server reads it: ``json_schema``, or
+    ``response_format`` ``json_object`` (its ``schema``, else any object) or ``json_schema``
+    (``json_schema.schema``, else any object); None: no schema."""
+    schema = body.json_schema
+    fmt = body.response_format
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "json_object":
+        if "schema" in fmt or schema is None:
+            schema = fmt.get("schema") or {}
+    elif kind == "json_schema":
+        wrapper = fmt.get("json_schema")
+        schema = (wrapper.get("schema") if isinstance(wrapper, dict) else None) or {}
+    return schema
+
+
+def _constrained(body: ChatCompletionRequest) -> ChatCompletionRequest:
+    """The body with its response format as the ``json_schema`` the sampler's grammar comes
+    from (``Service.params`` converts and checks it once per distinct schema)."""
+    schema = _schema(body)
+    if schema is body.json_schema:
+        return body
+    return body.model_copy(update={"json_schema": schema})
 
 
 def chat_input(body: ChatCompletionRequest) -> ChatInput:
@@ -142,7 +164,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, svc: S
         side, model = chat_side(svc)
         chat = chat_input(body)
         prompt = render(model, chat, body)
-        params = side.params(_with_logprobs(body))
+        params = side.params(_with_logprobs(_constrained(body)))
     except Exception as exc:
         return dispatch.error_response(exc, request)
     # the prompt as llama-server tokenizes a chat prompt: special tokens parsed, BOS added

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -20,7 +21,7 @@ from localspec.server.errors import ApiError, Unavailable
 from localspec.server.metrics import Metrics, Probes
 from localspec.server.options import ServerSettings
 from localspec.server.prompts import Prepare, TokenCache
-from localspec.server.requests import GenerationFields, TaskParams, task_params
+from localspec.server.requests import GenerationFields, TaskParams, sampling_json, task_params
 from localspec.server.worker import EngineThread, Job, JobResult, Worker
 
 log = logging.getLogger("localspec.server")
@@ -61,14 +62,21 @@ _UNUSED_FIELDS = frozenset({"model", "lora", "t_max_prompt_ms"})
 
 
 def _params_key(body: GenerationFields) -> tuple[Any, ...]:
-    """Everything task_params() reads of the body (every generation field, lists as tuples):
-    hashable, or a TypeError."""
+    """Everything task_params() reads of the body (every generation field, lists as tuples,
+    nested JSON such as ``logit_bias`` or ``json_schema`` as its text, key order kept: a
+    schema's property order is its grammar's): hashable, or a TypeError."""
     values = body.__dict__
     key: list[Any] = []
     for name in GenerationFields.model_fields:
         if name not in _UNUSED_FIELDS:
             value = values[name]
-            key.append(tuple(value) if isinstance(value, list) else value)
+            if isinstance(value, dict) or (
+                isinstance(value, list) and any(isinstance(v, (list, dict)) for v in value)
+            ):
+                value = ("json", json.dumps(value))
+            elif isinstance(value, list):
+                value = tuple(value)
+            key.append(value)
     out = tuple(key)
     hash(out)
     return out
@@ -180,6 +188,7 @@ class Service:
             # as llama-server's n_parallel: the completions decode at the same time
             n_cmpl_max=min(self.settings.n_cmpl_max, self.engine.max_completions),
             default_sampling=SamplingParams(),
+            vocab=self.engine.vocab,
         )
         spec = self.engine_settings.spec
         settings_json = params.settings_json
@@ -342,12 +351,7 @@ class Service:
             "default_generation_settings": {
                 "n_ctx": engine.n_ctx,
                 "params": {
-                    "seed": defaults.seed,
-                    "temperature": defaults.temperature,
-                    "top_k": defaults.top_k,
-                    "top_p": defaults.top_p,
-                    "min_p": defaults.min_p,
-                    "samplers": list(defaults.samplers),
+                    **sampling_json(defaults),
                     "n_predict": -1,
                     "max_tokens": -1,
                     "speculative.n_max": spec.n_max,

@@ -5,7 +5,8 @@ fixed knobs. A sampler left out of the chain is switched off in the body (top_k 
 min_p 0, temperature 1: llama.cpp's final draw is at temperature 1 when no temperature
 sampler runs). ``top_k`` and ``min_p`` are extensions vLLM, SGLang, LM Studio, llama-server
 and localspec take; ``infill``, ``penalties``, ``dry``, ``xtc``, ``typ_p`` and
-``top_n_sigma`` have no OpenAI equivalent and are not applied.
+``top_n_sigma`` have no OpenAI equivalent and are not applied; nor are the other
+llama-server sampling fields (penalties, ``logit_bias``, ``grammar``, ``json_schema``, ...).
 """
 
 from __future__ import annotations
