@@ -8,6 +8,7 @@ prefers on this CPU: an answer matches its grammar, a banned token never appears
 tokens never repeat, speculation never changes an answer.
 """
 
+# ruff: noqa: F811 (the tests take the imported SmolLM2 daemon fixtures by name)
 from __future__ import annotations
 
 import json
@@ -35,6 +36,7 @@ from localspec.server.requests import (
     sampling_params,
     schema_grammar,
 )
+from tests.test_server_chat import sc, smol  # noqa: F401 (the SmolLM2 daemon's fixtures)
 from tests.test_server_http import N_CTX, Live, engine_settings, start, stop
 
 GREEDY = {"temperature": 0, "top_k": 1}
@@ -51,25 +53,12 @@ ASK = "Question: is the sky blue? Answer in JSON.\n"
 
 
 @pytest.fixture(scope="module")
-def smol(smollm_q4: Path) -> Iterator[Live]:
-    live = start(create_app(ServerSettings(port=0, n_parallel=2), engine_settings(smollm_q4)))
-    yield live
-    stop(live)
-
-
-@pytest.fixture(scope="module")
 def pair(qwen_target: Path, qwen_target_f16: Path) -> Iterator[Live]:
     es = engine_settings(qwen_target, qwen_target_f16, n_slots=1)
     es = replace(es, spec=SpecSettings(mode="draft", n_max=8, p_min=0.0))
     live = start(create_app(ServerSettings(port=0, n_parallel=1), es))
     yield live
     stop(live)
-
-
-@pytest.fixture
-def sc(smol: Live) -> Iterator[httpx.Client]:
-    with smol.client() as c:
-        yield c
 
 
 @pytest.fixture
