@@ -274,6 +274,50 @@ def test_a_keystroke_waits_for_the_slot_that_holds_its_editor(qwen: Live) -> Non
     assert results["key"].json()["id_slot"] == home_slot
 
 
+def test_a_keystroke_takes_over_its_editors_first_warm_up(qwen: Live) -> None:
+    """A third editor's first warm-up fills the least recent slot; its first keystroke comes
+    while that runs. The keystroke stops the warm-up and goes on from where it got, on that
+    slot: it does not evaluate the whole prompt on the other slot, evicting the editor whose
+    context is there (seen in the two-editor replay: a 3 800-token prompt evaluated again)."""
+    import json.encoder
+    import textwrap
+
+    worker = qwen.service.worker
+    rings = {"a": ring_chunks(8), "b": ring_chunks(8, json.encoder)}
+    results: dict[str, httpx.Response] = {}
+
+    def send(name: str, body: dict[str, Any]) -> None:
+        with qwen.client(headers=AUTH) as c:
+            results[name] = c.post("/infill", json=body)
+
+    with qwen.client(headers=AUTH) as c:  # editors a and b each on a slot of their own
+        for name in ("a", "b"):
+            body = vscode_request("    x", input_extra=rings[name], n_predict=1)
+            results[name] = c.post("/infill", json=body)
+    slot_b = results["b"].json()["id_slot"]
+    ring_c = ring_chunks(8, textwrap)
+    warmup = vscode_request("", input_prefix="", input_suffix="", input_extra=ring_c,
+                            n_predict=0, samplers=[], t_max_predict_ms=1)  # fmt: skip
+    keystroke = vscode_request("    x", input_extra=ring_c, n_predict=1)
+    with held_prefill(worker.engine) as hold:
+        warming = threading.Thread(target=send, args=("warm-up", warmup))
+        warming.start()
+        hold.wait_reached()  # its first piece is in the slot (a's, the least recent)
+        key = threading.Thread(target=send, args=("key", keystroke))
+        key.start()
+        warming.join(60)
+        assert not warming.is_alive()  # it ended inside the hold: the keystroke stopped it
+        hold.release.set()  # (the keystroke's own prompt takes several steps)
+        key.join()
+    slot_c = results["warm-up"].json()["id_slot"]
+    answer = results["key"].json()
+    assert slot_c != slot_b and answer["id_slot"] == slot_c
+    assert answer["timings"]["cache_n"] > 0  # it went on from the warm-up's first piece
+    with qwen.client(headers=AUTH) as c:  # b's context is still in its slot
+        b = c.post("/infill", json=vscode_request("    xy", input_extra=rings["b"], n_predict=1))
+    assert b.json()["id_slot"] == slot_b and b.json()["timings"]["prompt_n"] <= 4
+
+
 def abort_mid_generation(live: Live, path: str, body: dict[str, Any]) -> int:
     """Send a request on a raw socket, close it once generation runs; return tokens generated.
 

@@ -224,6 +224,13 @@ def test_slot_choice_waits_for_a_busy_slot_only_when_it_holds_much_more() -> Non
     assert choose_slot([*a, 3], slots, follow_pin=False) == SlotChoice(1)
     slots[1].is_processing = True
     assert choose_slot(_editor(2), slots, follow_pin=False).wait
+    # the editor's first warm-up, still filling an empty slot: the prompt it runs counts
+    slots = [SlotInfo(0, 4096, []), SlotInfo(1, 4096, [], last_used=1.0)]
+    slots[1].hold(_editor(2))  # another editor's context, idle
+    slots[0].is_processing, slots[0].running = True, a[:1000]
+    assert choose_slot([*a, 3], slots, follow_pin=False) == SlotChoice(0, wait=True)
+    slots[0].running = _editor(3)  # another editor's request runs there: take the idle slot
+    assert choose_slot([*a, 3], slots, follow_pin=False) == SlotChoice(1)
 
 
 def test_cache_fit_counts_pieces_found_anywhere() -> None:

@@ -84,6 +84,8 @@ class CachedSlot(Protocol):
     def last_used(self) -> float: ...  # monotonic time of its last request; 0 = never
     @property
     def is_processing(self) -> bool: ...
+    @property
+    def running(self) -> Sequence[int]: ...  # the prompt of the request running there, if any
 
 
 PIECE = 16  # tokens per piece compared when choosing a slot
@@ -133,7 +135,9 @@ def choose_slot(
     that holds most of a prompt is that editor's. A prompt that fits no cache takes an unused
     slot, else the least recently used. A busy slot whose cache shares a prefix ``FIT_WAIT``
     tokens longer than every idle slot holds (the same editor's previous keystroke, about to be
-    cancelled) is waited for rather than evaluating the prompt again elsewhere.
+    cancelled, or its warm-up still filling a slot) is waited for rather than evaluating the
+    prompt again elsewhere. A busy slot's prefix counts the prompt running there: it holds
+    that once the running request ends or is stopped (a first warm-up fills an empty slot).
     """
     pinned = pinned_slot(id_slot, len(slots))
     if len(slots) == 1 or (follow_pin and pinned is not None):
@@ -143,6 +147,8 @@ def choose_slot(
     fit, kept = {}, {}  # among equal fits, the longest prefix: kept in place, its KV exact
     for s in slots:
         prefix = common_prefix(prompt, s.tokens)
+        if s.is_processing:
+            prefix = max(prefix, common_prefix(prompt, s.running))
         found = max(cache_fit(prompt, s.pieces), prefix)
         fit[s.id], kept[s.id] = (found, prefix) if found >= max(1, least) else (0, 0)
 

@@ -82,6 +82,7 @@ class SlotInfo:
     tokens: list[int]  # the slot's cached tokens after its last request
     last_used: float = 0.0  # monotonic time of its last request; 0 = never
     is_processing: bool = False
+    running: list[int] = field(default_factory=list)  # the running request's prompt
     n_requests: int = 0
     last_prompt_n: int = 0
     last_cache_n: int = 0

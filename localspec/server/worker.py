@@ -461,7 +461,7 @@ class Worker:
             slot = self.slots[slot_id]
             with self._cond:
                 self._running[slot_id] = job
-            slot.is_processing = True
+            slot.is_processing, slot.running = True, prompt
             if not prompt:  # llama-server answers an empty prompt with an empty completion
                 empty = GenerationResult(tokens=[], text="", stop_type="none")
                 self._done(job, [empty], None)
@@ -572,7 +572,7 @@ class Worker:
             if job.slot >= 0 and self._running.get(job.slot) is job:
                 del self._running[job.slot]
                 slot = self.slots[job.slot]
-                slot.is_processing = False
+                slot.is_processing, slot.running = False, []
                 slot.last_used = time.monotonic()
                 slot.n_requests += 1
             self.n_done += 1
