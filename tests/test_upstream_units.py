@@ -226,6 +226,13 @@ def test_the_samplers_map_to_openai_fields() -> None:
         "min_p": 0.1,
         "seed": 7,
     }
+    penalised = _params(presence_penalty=0.5, frequency_penalty=0.2, repeat_penalty=1.1,
+                        ignore_eos=True, samplers=["penalties", "temperature"])  # fmt: skip
+    fields = sampling_fields(penalised)
+    assert (fields["presence_penalty"], fields["frequency_penalty"]) == (0.5, 0.2)
+    assert fields["repetition_penalty"] == 1.1 and fields["ignore_eos"] is True
+    unchained = _params(presence_penalty=0.5, samplers=["temperature"])  # not in the chain
+    assert "presence_penalty" not in sampling_fields(unchained)
     body = completion_body(prompt="P", params=editor, model="m", end=FIM.end)
     assert body["n"] == 3 and body["stream"] is True and body["prompt"] == "P"
     assert body["model"] == "m" and "<|file_sep|>" in body["stop"] and body["max_tokens"] == 128

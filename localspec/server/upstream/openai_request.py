@@ -4,9 +4,11 @@ llama-server's sampler chain is a list the client chooses (``samplers``); an Ope
 fixed knobs. A sampler left out of the chain is switched off in the body (top_k -1, top_p 1,
 min_p 0, temperature 1: llama.cpp's final draw is at temperature 1 when no temperature
 sampler runs). ``top_k`` and ``min_p`` are extensions vLLM, SGLang, LM Studio, llama-server
-and localspec take; ``infill``, ``penalties``, ``dry``, ``xtc``, ``typ_p`` and
-``top_n_sigma`` have no OpenAI equivalent and are not applied; nor are the other
-llama-server sampling fields (penalties, ``logit_bias``, ``grammar``, ``json_schema``, ...).
+and localspec take; so are ``repetition_penalty`` (llama-server's ``repeat_penalty``) and
+``ignore_eos``; ``presence_penalty`` and ``frequency_penalty`` are OpenAI's own, with
+llama.cpp's formula. ``infill``, ``dry``, ``xtc``, ``typ_p`` and ``top_n_sigma`` have no OpenAI
+equivalent and are not applied; nor are ``logit_bias`` (its ids are this daemon's vocabulary),
+``grammar`` and ``json_schema`` (each server spells constrained output its own way).
 """
 
 from __future__ import annotations
@@ -27,6 +29,15 @@ def sampling_fields(params: TaskParams) -> dict[str, Any]:
         "top_k": s.top_k if "top_k" in chain and s.top_k > 0 else -1,
         "min_p": s.min_p if "min_p" in chain else 0.0,
     }
+    if "penalties" in chain:  # only what differs from no penalty, as servers differ in range
+        if s.presence_penalty:
+            out["presence_penalty"] = s.presence_penalty
+        if s.frequency_penalty:
+            out["frequency_penalty"] = s.frequency_penalty
+        if s.repeat_penalty != 1.0:
+            out["repetition_penalty"] = s.repeat_penalty
+    if s.ignore_eos:
+        out["ignore_eos"] = True
     if s.seed != RANDOM_SEED:
         out["seed"] = s.seed
     return out
