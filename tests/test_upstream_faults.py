@@ -291,3 +291,29 @@ def test_a_kept_alive_connection_the_upstream_closed_is_no_failure(
             proxy.kill()
     finally:
         raw.close()
+
+
+def test_a_multi_choice_stream_cut_before_every_choice_ended_is_an_error(
+    qwen_target: Path, tmp_path: Path
+) -> None:
+    """D4: with ``n_cmpl`` 2 a llama-server stream holds a final event (``stop: true``) per
+    choice; one cut after the first choice's final is short by a whole choice, an error
+    event, not an answer."""
+
+    def events(*finals: int) -> list[dict[str, Any]]:
+        pieces = [{"index": i, "content": "a", "stop": False} for i in (0, 1)]
+        return [*pieces, *({"index": i, "content": "", "stop": True} for i in finals)]
+
+    script = [event_stream(*events(0))]
+    with proxied(lambda _p, _b: script[0], qwen_target, tmp_path) as (_raw, proxy):
+        body = {**INFILL, "n_cmpl": 2, "stream": True}
+        r = httpx.post(proxy.url + "/infill", json=body, timeout=60)
+        assert r.headers["x-localspec-backend"] == "upstream"
+        got = sse_objects(r.text)
+        assert got[:-1] == events(0)
+        assert "closed its stream before the last event" in got[-1]["error"]["message"], got
+        script[0] = event_stream(*events(1, 0))  # every choice ended (in any order): whole
+        wait_for(lambda: props(proxy.url)["backend"]["status"] == "up", 10, "up again")
+        r = httpx.post(proxy.url + "/infill", json=body | {"prompt": "y"}, timeout=60)
+        assert sse_objects(r.text) == events(1, 0)
+        assert not _errors(proxy)

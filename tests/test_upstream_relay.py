@@ -137,6 +137,27 @@ BAD_BODIES = [
 ]
 
 
+def test_multi_choice_streams_arrive_whole_with_their_indexes(team: Daemon, tmp_path: Path) -> None:
+    """D4: every choice's events and its final one (with ``index``) arrive through the relay
+    as the team server sent them: /infill and /completion with ``n_cmpl``, /v1/completions
+    with ``n``."""
+    with daemon(tmp_path, upstream=upstream_config(team.url)) as proxy:
+        for path, body in (
+            ("/infill", {**FIM_BODY, "n_cmpl": 2, "stream": True}),
+            ("/completion", {**LONG, "n_predict": 6, "n_cmpl": 3, "stream": True}),
+        ):
+            events = sse_objects(httpx.post(proxy.url + path, json=body, timeout=60).text)
+            assert all("error" not in e for e in events), events
+            finals = sorted(e["index"] for e in events if e["stop"])
+            assert finals == list(range(body["n_cmpl"])), events
+            assert {e["index"] for e in events if not e["stop"]} == set(finals)
+        body = {"prompt": "def f():\n", "max_tokens": 6, "n": 2, "stream": True}
+        r = httpx.post(proxy.url + "/v1/completions", json=body, timeout=60)
+        assert r.text.rstrip().endswith("data: [DONE]")
+        chunks = [c for e in sse_objects(r.text) for c in e.get("choices", [])]
+        assert sorted(c["index"] for c in chunks if c["finish_reason"]) == [0, 1], chunks
+
+
 def test_a_bad_body_gets_the_local_routes_400_and_never_goes_upstream(
     team: Daemon, tmp_path: Path
 ) -> None:

@@ -123,16 +123,16 @@ class Upstream:
         if plan == "props" and self.cfg.kind == "openai":
             return Answer(200, JSON, self.openai_props())
         content: bytes | None = None
-        stream = False
+        stream, n_choices = False, 1
         if method == "POST":
             generation = path in GENERATION
             slot = self.slot if self.cfg.kind == "llama-server" and generation else None
             model = self.cfg.model if generation else None
-            content, stream = prepare(raw, slot=slot, model=model)
+            content, stream, n_choices = prepare(raw, slot=slot, model=model)
         if self.cfg.kind == "openai":
             path = _OPENAI_PATHS.get(path, path)
         answer = await open_upstream(
-            self.client, self.cfg, method, path, query, content, stream=stream
+            self.client, self.cfg, method, path, query, content, stream=stream, n_choices=n_choices
         )
         if plan == "props" and not answer.streamed:  # an error too: status shows why
             answer.body = props_with(answer.body, self.info("upstream"))
