@@ -151,6 +151,11 @@ def test_prepare_sets_slot_and_model_and_keeps_a_bad_body() -> None:
     assert prepare(b"not json", slot=1, model=None) == (b"not json", False, 1)
     assert prepare(b'{"n_cmpl":3}', slot=None, model=None).n_choices == 3
     assert prepare(b'{"n":2,"stream":true}', slot=None, model=None).n_choices == 2
+    editors = b'{"model":"editor-name","prompt":"x"}'
+    assert json.loads(prepare(editors, slot=None, model=None, replace_model=True).content) == {
+        "prompt": "x"
+    }
+    assert prepare(editors, slot=None, model=None).content == editors  # /tokenize and such
 
 
 # ------------------------------------------------------------------ the FIM prompt as text

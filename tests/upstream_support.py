@@ -239,6 +239,15 @@ class Scripted:
                 return JSONResponse({"choices": choices, "usage": self.usage})
             return StreamingResponse(self._stream(body), media_type="text/event-stream")
 
+        async def chat(request: Request) -> Response:
+            refused = await authorized(request)
+            if refused is not None:
+                return refused
+            self.bodies.append(await request.json())
+            message = {"role": "assistant", "content": "".join(self.pieces)}
+            choice = {"index": 0, "message": message, "finish_reason": self.finish}
+            return JSONResponse({"object": "chat.completion", "choices": [choice]})
+
         async def models(request: Request) -> Response:
             refused = await authorized(request)
             if refused is not None:
@@ -262,6 +271,7 @@ class Scripted:
         return Starlette(
             routes=[
                 Route("/v1/completions", completions, methods=["POST"]),
+                Route("/v1/chat/completions", chat, methods=["POST"]),
                 Route("/v1/models", models),
                 Route("/health", health),
                 Route("/props", props_route),

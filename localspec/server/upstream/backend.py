@@ -6,8 +6,9 @@ Route plans per kind (``route``):
   ``backend`` section added.
 - ``openai``: /infill and /completion are translated (:mod:`.openai_kind`); the OpenAI routes
   (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``) are relayed with
-  ``backend.model``; ``/props`` is localspec's own; routes that need the model's tokenizer
-  (``/tokenize``, ``/detokenize``, ``/apply-template``) and ``/slots`` go to the local model
+  ``backend.model`` (else the upstream's first listed model) in place of the editor's;
+  ``/props`` is localspec's own; routes that need the model's tokenizer (``/tokenize``,
+  ``/detokenize``, ``/apply-template``) and ``/slots`` go to the local model
   (501 without one).
 """
 
@@ -109,6 +110,15 @@ class Upstream:
         return self.routes.get((method, path))
 
     @property
+    def model(self) -> str | None:
+        """The ``model`` a generation request carries upstream, whatever the editor sent:
+        ``backend.model``; else (openai) the model the upstream lists first, as OpenAI servers
+        need one; else none (a llama-server answers with its own)."""
+        if self.cfg.kind == "openai":
+            return self.cfg.model or self.health.state.model
+        return self.cfg.model
+
+    @property
     def slot(self) -> int:
         return pinned_slot(self.cfg, self.health.state.n_slots, self.identity)
 
@@ -127,8 +137,10 @@ class Upstream:
         if method == "POST":
             generation = path in GENERATION
             slot = self.slot if self.cfg.kind == "llama-server" and generation else None
-            model = self.cfg.model if generation else None
-            content, stream, n_choices = prepare(raw, slot=slot, model=model)
+            model = self.model if generation else None
+            content, stream, n_choices = prepare(
+                raw, slot=slot, model=model, replace_model=generation
+            )
         if self.cfg.kind == "openai":
             path = _OPENAI_PATHS.get(path, path)
         answer = await open_upstream(

@@ -3,7 +3,8 @@ another localspec) as it came, streamed answers passed on chunk by chunk.
 
 Two changes to a generation request's body: ``id_slot`` becomes this workstation's stable slot
 (:mod:`.identity`), so its cache survives the other developers' traffic, and ``model`` becomes
-``backend.model`` when set (a llama-server in router mode picks its model by it). The editor's
+``backend.model`` when set (a llama-server in router mode picks its model by it), else the
+editor's own name is dropped (the server answers with its default model). The editor's
 own ``Authorization`` never leaves the machine; the upstream gets localspec's key.
 """
 
@@ -44,11 +45,15 @@ class Prepared(NamedTuple):
     n_choices: int = 1  # completions asked for (n_cmpl, or n): each ends its own stream part
 
 
-def prepare(raw: bytes, *, slot: int | None, model: str | None) -> Prepared:
+def prepare(
+    raw: bytes, *, slot: int | None, model: str | None, replace_model: bool = False
+) -> Prepared:
     """The body to send, with ``id_slot`` (unless None) and ``model`` (when given) set, whether
-    it asks for a stream and for how many completions (one parse for all). A body that is not
-    a JSON object goes as it is (the failover refuses a generation request's with the local
-    route's 400 before it gets here)."""
+    it asks for a stream and for how many completions (one parse for all). ``replace_model``
+    (a generation request): the editor's own ``model`` is dropped when no ``model`` replaces
+    it, since the upstream would refuse a name it does not serve, or pick another model by it.
+    A body that is not a JSON object goes as it is (the failover refuses a generation
+    request's with the local route's 400 before it gets here)."""
     try:
         body = pydantic_core.from_json(raw) if raw else None
     except ValueError:
@@ -58,12 +63,15 @@ def prepare(raw: bytes, *, slot: int | None, model: str | None) -> Prepared:
     stream = bool(body.get("stream"))
     n = body.get("n_cmpl", body.get("n"))
     n_choices = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
-    if slot is None and not model:
+    drop = replace_model and not model and "model" in body
+    if slot is None and not model and not drop:
         return Prepared(raw, stream, n_choices)
     if slot is not None:
         body["id_slot"] = slot
     if model:
         body["model"] = model
+    elif drop:
+        del body["model"]
     return Prepared(dumps(body), stream, n_choices)
 
 
