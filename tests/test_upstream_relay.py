@@ -364,6 +364,35 @@ def test_a_slow_upstream_gives_way_to_the_local_model(qwen_target: Path, tmp_pat
             assert props(proxy.url)["backend"]["status"] == "slow"
 
 
+@pytest.mark.parametrize(
+    ("kind", "stream", "over", "reason"),
+    [
+        ("llama-server", False, {"fallback_ms": 1000.0}, "slow"),  # late: given up at 1 s
+        ("openai", True, {"status": 503}, "unavailable"),  # failed after 1 s of waiting
+    ],
+)
+def test_the_local_model_gets_what_is_left_of_the_requests_time(
+    kind: str, stream: bool, over: dict[str, Any], reason: str, qwen_target: Path, tmp_path: Path
+) -> None:
+    """D1: the time spent on the upstream counts against the request's ``t_max_predict_ms``:
+    the local model answering after it gets what is left, not the whole budget again."""
+    status = over.pop("status", 200)
+    late = Scripted(pieces=["from upstream"], delay_s=6.0 if status == 200 else 1.0)
+    late.status = status
+    with serve_app(late.app()) as served:
+        config = upstream_config(served.url, kind, health_interval_s=30.0, **over)
+        with daemon(tmp_path, model=str(qwen_target), upstream=config, alias="local") as proxy:
+            wait_local(proxy)
+            body = {**FIM_BODY, "t_max_predict_ms": 60000, "stream": stream}
+            r = httpx.post(proxy.url + "/infill", json=body, timeout=60)
+            assert r.status_code == 200 and r.headers["x-localspec-backend"] == "local", r.text
+            final = sse_objects(r.text)[-1] if stream else r.json()
+            assert final["stop"] is True and final["model"] == "local"
+            budget = final["generation_settings"]["t_max_predict_ms"]
+            assert 0 < budget <= 60000 - 1000  # at least the second spent upstream is gone
+            assert proxy.lines("/infill")[-1]["fallback"] == reason
+
+
 def test_an_untrusted_certificate_is_a_clear_error_and_ca_bundle_fixes_it(
     tmp_path: Path,
 ) -> None:
