@@ -190,6 +190,7 @@ class Upstream:
             "error": state.error,
             "answering": answering,
             "fallback": "local" if local_model else "none",
+            "no_local": self.cfg.no_local or None,  # why none, when one was asked for
             "fallback_ms": self.cfg.fallback_ms,
             "local_model": local_model,
             "local_state": self._local_state(),
@@ -234,6 +235,8 @@ class Upstream:
         why = self.health.why_not()
         detail = f" ({state.error})" if state.error else ""
         head = f"the upstream {self.cfg.url} is {why}{detail}"
+        if self.local_model is None and self.cfg.no_local:
+            return f"{head}, and there is no local model to answer ({self.cfg.no_local})"
         if self.local_model is None:
             return f"{head}, and backend.fallback = none: no local model answers"
         return f"{head}, and the local model cannot answer ({local or 'not available'})"
