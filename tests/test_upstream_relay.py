@@ -414,3 +414,23 @@ def test_an_untrusted_certificate_is_a_clear_error_and_ca_bundle_fixes_it(
             assert json.loads(json.dumps(scripted.bodies[-1]))["id_slot"] == stable_slot(
                 4, workstation()
             )
+
+
+def test_chat_is_kept_off_the_workstations_fim_slot(tmp_path: Path) -> None:
+    """D3: the stable slot holds this editor's ring of files; a chat request relayed with it
+    would evict that cache on the team server. Chat goes with ``id_slot`` -1 (the server
+    picks), whatever the editor sent; completions keep the stable slot."""
+    team = Scripted(pieces=["a"])  # llama-server-style: /props says 4 slots
+    with (
+        serve_app(team.app()) as served,
+        daemon(tmp_path, upstream=upstream_config(served.url)) as proxy,
+    ):
+        wait_for(lambda: props(proxy.url)["backend"]["upstream_slots"] == 4, 10, "4 slots")
+        slot = stable_slot(4, workstation())
+        r = httpx.post(proxy.url + "/infill", json=FIM_BODY, timeout=60)
+        assert r.status_code == 200 and team.bodies[-1]["id_slot"] == slot
+        for id_slot in ({}, {"id_slot": slot}):
+            chat = {"messages": [{"role": "user", "content": "hi"}], **id_slot}
+            r = httpx.post(proxy.url + "/v1/chat/completions", json=chat, timeout=60)
+            assert r.status_code == 200, r.text
+            assert team.bodies[-1]["id_slot"] == -1

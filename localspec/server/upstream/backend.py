@@ -30,6 +30,7 @@ from localspec.server.upstream.identity import workstation
 from localspec.server.upstream.metrics import BackendMetrics
 from localspec.server.upstream.openai_kind import Limits, OpenAIBackend
 from localspec.server.upstream.relay import (
+    CHAT,
     GENERATION,
     open_upstream,
     pinned_slot,
@@ -136,7 +137,9 @@ class Upstream:
         stream, n_choices = False, 1
         if method == "POST":
             generation = path in GENERATION
-            slot = self.slot if self.cfg.kind == "llama-server" and generation else None
+            slot = None
+            if self.cfg.kind == "llama-server" and generation:
+                slot = -1 if path in CHAT else self.slot
             model = self.model if generation else None
             content, stream, n_choices = prepare(
                 raw, slot=slot, model=model, replace_model=generation

@@ -2,10 +2,12 @@
 another localspec) as it came, streamed answers passed on chunk by chunk.
 
 Two changes to a generation request's body: ``id_slot`` becomes this workstation's stable slot
-(:mod:`.identity`), so its cache survives the other developers' traffic, and ``model`` becomes
-``backend.model`` when set (a llama-server in router mode picks its model by it), else the
-editor's own name is dropped (the server answers with its default model). The editor's
-own ``Authorization`` never leaves the machine; the upstream gets localspec's key.
+(:mod:`.identity`), so its cache survives the other developers' traffic (a chat request's
+becomes -1, the server's choice: a chat in that slot would evict the editor's ring of files),
+and ``model`` becomes ``backend.model`` when set (a llama-server in router mode picks its
+model by it), else the editor's own name is dropped (the server answers with its default
+model). The editor's own ``Authorization`` never leaves the machine; the upstream gets
+localspec's key.
 """
 
 from __future__ import annotations
@@ -24,11 +26,13 @@ from localspec.server.upstream.client import UNAVAILABLE, UpstreamFailure, failu
 from localspec.server.upstream.config import UpstreamSettings
 from localspec.server.upstream.identity import stable_slot
 
-# routes whose body is a generation request: these get the stable slot
+# routes whose body is a generation request
 GENERATION = frozenset(
     {"/infill", "/completion", "/completions", "/v1/completions", "/v1/chat/completions",
      "/chat/completions"}
 )  # fmt: skip
+# chat: kept off the stable slot (the editor's ring of files lives there), the server picks one
+CHAT = frozenset({"/v1/chat/completions", "/chat/completions"})
 
 
 def pinned_slot(cfg: UpstreamSettings, n_slots: int | None, identity: str) -> int:
