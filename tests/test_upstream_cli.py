@@ -170,3 +170,26 @@ def test_up_serves_through_the_team_server_when_no_local_model_can_stand_in(
         log = out.read()
         assert code == 0, log
         assert "no local model to stand in for the upstream" in log, log
+
+
+def test_validate_and_service_install_refuse_the_backend_up_refuses(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """B3: a backend ``up`` refuses (plain http to another host) is refused, with the same
+    message, by ``profile validate`` (a file, and the effective settings) and by ``service
+    install`` (which would install a unit that fails at every login)."""
+    profile = '[backend]\nkind = "llama-server"\nurl = "http://10.9.9.9:8012"\nfallback = "none"\n'
+    corp = tmp_path / "corp.toml"
+    corp.write_text(profile)
+    _user_config(env).write_text(profile)
+    up = localspec(env, "up", "--port", str(_free_port()))
+    assert up.returncode == 2 and "plain http to 10.9.9.9" in up.stderr
+    said = next(line for line in up.stderr.splitlines() if "plain http" in line)
+    for args in (
+        ("profile", "validate", str(corp)),
+        ("profile", "validate"),
+        ("service", "install", "--dry-run"),
+    ):
+        result = localspec(env, *args)
+        assert result.returncode == 2, (args, result.stdout, result.stderr)
+        assert said in result.stderr.splitlines(), (args, result.stderr)
