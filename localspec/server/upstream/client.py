@@ -25,10 +25,11 @@ _STALE = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
 class _FreshRetry(httpx.AsyncBaseTransport):
     """A request that failed on a reused (kept-alive) connection before any answer came is
-    sent once more on a new connection: the server closing an idle connection as the request
-    crossed it is no failure of the server (RFC 9112 9.3.1), and must not mark it down. A
-    failure on a new connection is the server's, and is raised; so is the first failure when
-    the server no longer takes connections (it was killed mid-answer, not idle)."""
+    sent again, until it goes on a new connection: the server closing idle connections (all
+    of them at once, often) as the request crossed one is no failure of the server (RFC 9112
+    9.3.1), and must not mark it down. A failure on a new connection is the server's, and is
+    raised; so is the first failure when the server no longer takes connections (it was
+    killed mid-answer, not idle)."""
 
     def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
         self.inner = inner
@@ -45,16 +46,21 @@ class _FreshRetry(httpx.AsyncBaseTransport):
                 await outer(name, info)
 
         request.extensions = {**request.extensions, "trace": trace}
-        try:
-            return await self.inner.handle_async_request(request)
-        except _STALE as exc:
-            if fresh:
-                raise
-            stale = exc
-        try:
-            return await self.inner.handle_async_request(request)
-        except httpx.ConnectError:  # it is gone: it closed mid-answer, as the first try said
-            raise stale from None
+        stale: httpx.TransportError | None = None
+        for _ in range(KEEPALIVE + 1):  # each failed pooled connection leaves the pool
+            fresh = False
+            try:
+                return await self.inner.handle_async_request(request)
+            except httpx.ConnectError:
+                if stale is None:
+                    raise
+                raise stale from None  # it is gone: it closed mid-answer, as the first try said
+            except _STALE as exc:
+                if fresh:
+                    raise
+                stale = stale or exc
+        assert stale is not None
+        raise stale
 
     async def aclose(self) -> None:
         await self.inner.aclose()
