@@ -909,15 +909,16 @@ def check_security(settings: Settings) -> str | None:
     return api_key
 
 
-def check_backend(settings: Settings) -> str | None:
-    """The upstream's key, after the rules for talking to it; raises SettingsError to refuse.
+def check_backend_url(settings: Settings) -> None:
+    """The rule for the upstream's URL alone (no file read: ``profile validate`` applies it
+    to a profile meant for other machines); raises SettingsError to refuse.
 
     Plain http to a host that is not loopback would send the code being edited, and the key,
     across the network in the clear: refused unless backend.allow_insecure_http says so.
     """
     backend = settings.backend
     if backend.kind == "local":
-        return None
+        return
     assert backend.url is not None  # the section's own rule
     parts = urlsplit(backend.url)
     host = parts.hostname or ""
@@ -930,6 +931,16 @@ def check_backend(settings: Settings) -> str | None:
                 "backend.allow_insecure_http = true to accept that"
             ]
         )
+
+
+def check_backend(settings: Settings) -> str | None:
+    """The upstream's key, after every rule for talking to it (``up``, ``service install``
+    and ``profile validate`` of this machine's settings apply the same); raises SettingsError
+    to refuse."""
+    check_backend_url(settings)
+    backend = settings.backend
+    if backend.kind == "local":
+        return None
     if backend.ca_bundle is not None:
         bundle = backend.ca_bundle.expanduser()
         if not bundle.is_file():

@@ -598,7 +598,9 @@ def _page_functions(page: str, calls: dict[str, Any]) -> dict[str, Any]:
     """Run the page's pure functions in Node.js on ``calls`` (the page skips its DOM part
     where there is no ``document``), so the page is tested on what the server really sends."""
     script = page.split("<script>", 1)[1].split("</script>", 1)[0]
-    harness = script + """
+    harness = (
+        script
+        + """
 const calls = JSON.parse(require("fs").readFileSync(0, "utf8"));
 const stream = { deltas: [], done: false, error: null };
 let buffer = "";
@@ -615,6 +617,7 @@ process.stdout.write(JSON.stringify({
   error: errorText(calls.status, calls.body),
 }));
 """
+    )
     node = shutil.which("node")
     assert node, "the chat page's tests need Node.js (the build machines have it)"
     out = subprocess.run(

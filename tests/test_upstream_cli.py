@@ -130,3 +130,66 @@ def test_up_with_an_unreachable_team_server_and_no_fallback_says_why(
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
+
+
+@pytest.mark.parametrize(
+    "local_rule",
+    ["[hub]\noffline = true\n", '[models]\nallowed = ["no-such-model-*"]\n'],
+    ids=["offline-nothing-downloaded", "profile-forbids-every-local-model"],
+)
+def test_up_serves_through_the_team_server_when_no_local_model_can_stand_in(
+    local_rule: str, env: dict[str, str], qwen_target: Path, tmp_path: Path
+) -> None:
+    """B2: backend.fallback = local (the default), but no local model can be had (nothing
+    downloaded and the hub is off limits, or the profile allows none): ``up`` still serves
+    through the team server, and says there is no local fallback and why."""
+    with daemon(tmp_path, model=str(qwen_target), n_parallel=4) as team:
+        _system(env).joinpath("50-team.toml").write_text(
+            f'{local_rule}[backend]\nkind = "llama-server"\nurl = "{team.url}"\n'
+        )
+        port = _free_port()
+        out = (tmp_path / "up.out").open("w+")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "localspec", "up", "--port", str(port)],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            _wait_ready(port, proc)
+            answer = httpx.post(f"http://127.0.0.1:{port}/infill", json=INFILL, timeout=60)
+            assert answer.status_code == 200, answer.text
+            assert answer.headers["x-localspec-backend"] == "upstream"
+            status = localspec(env, "status", "--port", str(port))
+            assert "answering    upstream" in status.stdout
+            assert "  fallback     none (no local model: " in status.stdout, status.stdout
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(60)
+        out.seek(0)
+        log = out.read()
+        assert code == 0, log
+        assert "no local model to stand in for the upstream" in log, log
+
+
+def test_validate_and_service_install_refuse_the_backend_up_refuses(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """B3: a backend ``up`` refuses (plain http to another host) is refused, with the same
+    message, by ``profile validate`` (a file, and the effective settings) and by ``service
+    install`` (which would install a unit that fails at every login)."""
+    profile = '[backend]\nkind = "llama-server"\nurl = "http://10.9.9.9:8012"\nfallback = "none"\n'
+    corp = tmp_path / "corp.toml"
+    corp.write_text(profile)
+    _user_config(env).write_text(profile)
+    up = localspec(env, "up", "--port", str(_free_port()))
+    assert up.returncode == 2 and "plain http to 10.9.9.9" in up.stderr
+    said = next(line for line in up.stderr.splitlines() if "plain http" in line)
+    for args in (
+        ("profile", "validate", str(corp)),
+        ("profile", "validate"),
+        ("service", "install", "--dry-run"),
+    ):
+        result = localspec(env, *args)
+        assert result.returncode == 2, (args, result.stdout, result.stderr)
+        assert said in result.stderr.splitlines(), (args, result.stderr)

@@ -250,3 +250,70 @@ def test_a_team_server_that_never_answers_its_checks_does_not_hold_the_daemon(
             proxy.kill()
     finally:
         raw.close()
+
+
+@pytest.mark.parametrize("kind", ["llama-server", "openai"])
+def test_a_kept_alive_connection_the_upstream_closed_is_no_failure(
+    kind: str, tmp_path: Path
+) -> None:
+    """D2: the upstream closes a pooled connection just as a check or a request is sent on it
+    (its idle timeout crossing the request): that is sent again on a new connection, not
+    counted a failure that marks the upstream down. No local model: a spurious failure would
+    be a 503 here."""
+    done = {"choices": [{"index": 0, "text": "a", "finish_reason": "stop"}]}
+    answers = {
+        "/completion": http_answer(200, {"content": "a", "stop": True}),
+        "/v1/completions": http_answer(200, done),
+    }
+    raw = RawUpstream(lambda path, _b: answers[path], keep_alive=True, answers_per_connection=1)
+    try:
+        proxy = launch(tmp_path, upstream=upstream_config(raw.url, kind), ready=False)
+        try:
+
+            def status() -> str:
+                r = httpx.get(proxy.url + "/props", timeout=10)
+                return r.json()["backend"]["status"] if r.status_code == 200 else r.text
+
+            wait_for(lambda: status() == "up", 20, f"the upstream is up ({status()})")
+            for _ in range(4):  # each after the checks (every 0.5 s) used the pooled connection
+                time.sleep(0.6)
+                r = httpx.post(proxy.url + "/completion", json={"prompt": "x"}, timeout=30)
+                assert r.status_code == 200, r.text
+                assert r.headers["x-localspec-backend"] == "upstream"
+            backend = props(proxy.url)["backend"]
+            assert backend["status"] == "up" and backend["error"] == ""
+            assert raw.dropped >= 4  # the race did happen, to checks and requests
+            assert (
+                "localspec_upstream_failures_total{" not in httpx.get(proxy.url + "/metrics").text
+            )
+            assert [e.get("fallback") for e in proxy.lines("/completion", 4)] == [None] * 4
+        finally:
+            proxy.kill()
+    finally:
+        raw.close()
+
+
+def test_a_multi_choice_stream_cut_before_every_choice_ended_is_an_error(
+    qwen_target: Path, tmp_path: Path
+) -> None:
+    """D4: with ``n_cmpl`` 2 a llama-server stream holds a final event (``stop: true``) per
+    choice; one cut after the first choice's final is short by a whole choice, an error
+    event, not an answer."""
+
+    def events(*finals: int) -> list[dict[str, Any]]:
+        pieces = [{"index": i, "content": "a", "stop": False} for i in (0, 1)]
+        return [*pieces, *({"index": i, "content": "", "stop": True} for i in finals)]
+
+    script = [event_stream(*events(0))]
+    with proxied(lambda _p, _b: script[0], qwen_target, tmp_path) as (_raw, proxy):
+        body = {**INFILL, "n_cmpl": 2, "stream": True}
+        r = httpx.post(proxy.url + "/infill", json=body, timeout=60)
+        assert r.headers["x-localspec-backend"] == "upstream"
+        got = sse_objects(r.text)
+        assert got[:-1] == events(0)
+        assert "closed its stream before the last event" in got[-1]["error"]["message"], got
+        script[0] = event_stream(*events(1, 0))  # every choice ended (in any order): whole
+        wait_for(lambda: props(proxy.url)["backend"]["status"] == "up", 10, "up again")
+        r = httpx.post(proxy.url + "/infill", json=body | {"prompt": "y"}, timeout=60)
+        assert sse_objects(r.text) == events(1, 0)
+        assert not _errors(proxy)

@@ -215,3 +215,35 @@ def test_a_server_that_does_not_stream_is_understood(tmp_path: Path) -> None:
             events = sse_objects(streamed.text)
             assert "".join(e.get("content", "") for e in events) == "a = 1\nb = 2\n"
             assert events[-1]["stop"] is True
+
+
+@pytest.mark.parametrize(
+    ("kind", "model", "expected"),
+    [
+        ("openai", None, "scripted"),  # the model the upstream lists (OpenAI servers need one)
+        ("openai", "team-model", "team-model"),
+        ("llama-server", None, None),  # dropped: the server answers with its own model
+        ("llama-server", "team-model", "team-model"),
+    ],
+)
+def test_the_editors_model_name_never_reaches_the_upstream(
+    kind: str, model: str | None, expected: str | None, tmp_path: Path
+) -> None:
+    """C6: llama-vscode sends its own model names, which the team server may refuse or use to
+    pick another model: every generation request gets the profile's ``backend.model``, else
+    (openai) the model the upstream lists, else (llama-server) none."""
+    scripted = Scripted(pieces=["x"])
+    with serve_app(scripted.app()) as served:
+        over = {"model": model} if model else {}
+        with daemon(tmp_path, upstream=upstream_config(served.url, kind=kind, **over)) as proxy:
+            editor = "qwen2.5-coder:1.5b-editors-own"
+            chat = {"model": editor, "messages": [{"role": "user", "content": "hi"}]}
+            for path, body in (
+                ("/infill", {**FIM_BODY, "model": editor}),
+                ("/v1/completions", {"model": editor, "prompt": "x", "stream": True}),
+                ("/v1/chat/completions", chat),
+            ):
+                r = httpx.post(proxy.url + path, json=body, timeout=60)
+                assert r.status_code == 200, (path, r.text)
+                assert r.headers["x-localspec-backend"] == "upstream"
+                assert scripted.bodies[-1].get("model") == expected, path

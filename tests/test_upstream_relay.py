@@ -137,6 +137,27 @@ BAD_BODIES = [
 ]
 
 
+def test_multi_choice_streams_arrive_whole_with_their_indexes(team: Daemon, tmp_path: Path) -> None:
+    """D4: every choice's events and its final one (with ``index``) arrive through the relay
+    as the team server sent them: /infill and /completion with ``n_cmpl``, /v1/completions
+    with ``n``."""
+    with daemon(tmp_path, upstream=upstream_config(team.url)) as proxy:
+        for path, body in (
+            ("/infill", {**FIM_BODY, "n_cmpl": 2, "stream": True}),
+            ("/completion", {**LONG, "n_predict": 6, "n_cmpl": 3, "stream": True}),
+        ):
+            events = sse_objects(httpx.post(proxy.url + path, json=body, timeout=60).text)
+            assert all("error" not in e for e in events), events
+            finals = sorted(e["index"] for e in events if e["stop"])
+            assert finals == list(range(body["n_cmpl"])), events
+            assert {e["index"] for e in events if not e["stop"]} == set(finals)
+        body = {"prompt": "def f():\n", "max_tokens": 6, "n": 2, "stream": True}
+        r = httpx.post(proxy.url + "/v1/completions", json=body, timeout=60)
+        assert r.text.rstrip().endswith("data: [DONE]")
+        chunks = [c for e in sse_objects(r.text) for c in e.get("choices", [])]
+        assert sorted(c["index"] for c in chunks if c["finish_reason"]) == [0, 1], chunks
+
+
 def test_a_bad_body_gets_the_local_routes_400_and_never_goes_upstream(
     team: Daemon, tmp_path: Path
 ) -> None:
@@ -343,6 +364,35 @@ def test_a_slow_upstream_gives_way_to_the_local_model(qwen_target: Path, tmp_pat
             assert props(proxy.url)["backend"]["status"] == "slow"
 
 
+@pytest.mark.parametrize(
+    ("kind", "stream", "over", "reason"),
+    [
+        ("llama-server", False, {"fallback_ms": 1000.0}, "slow"),  # late: given up at 1 s
+        ("openai", True, {"status": 503}, "unavailable"),  # failed after 1 s of waiting
+    ],
+)
+def test_the_local_model_gets_what_is_left_of_the_requests_time(
+    kind: str, stream: bool, over: dict[str, Any], reason: str, qwen_target: Path, tmp_path: Path
+) -> None:
+    """D1: the time spent on the upstream counts against the request's ``t_max_predict_ms``:
+    the local model answering after it gets what is left, not the whole budget again."""
+    status = over.pop("status", 200)
+    late = Scripted(pieces=["from upstream"], delay_s=6.0 if status == 200 else 1.0)
+    late.status = status
+    with serve_app(late.app()) as served:
+        config = upstream_config(served.url, kind, health_interval_s=30.0, **over)
+        with daemon(tmp_path, model=str(qwen_target), upstream=config, alias="local") as proxy:
+            wait_local(proxy)
+            body = {**FIM_BODY, "t_max_predict_ms": 60000, "stream": stream}
+            r = httpx.post(proxy.url + "/infill", json=body, timeout=60)
+            assert r.status_code == 200 and r.headers["x-localspec-backend"] == "local", r.text
+            final = sse_objects(r.text)[-1] if stream else r.json()
+            assert final["stop"] is True and final["model"] == "local"
+            budget = final["generation_settings"]["t_max_predict_ms"]
+            assert 0 < budget <= 60000 - 1000  # at least the second spent upstream is gone
+            assert proxy.lines("/infill")[-1]["fallback"] == reason
+
+
 def test_an_untrusted_certificate_is_a_clear_error_and_ca_bundle_fixes_it(
     tmp_path: Path,
 ) -> None:
@@ -364,3 +414,23 @@ def test_an_untrusted_certificate_is_a_clear_error_and_ca_bundle_fixes_it(
             assert json.loads(json.dumps(scripted.bodies[-1]))["id_slot"] == stable_slot(
                 4, workstation()
             )
+
+
+def test_chat_is_kept_off_the_workstations_fim_slot(tmp_path: Path) -> None:
+    """D3: the stable slot holds this editor's ring of files; a chat request relayed with it
+    would evict that cache on the team server. Chat goes with ``id_slot`` -1 (the server
+    picks), whatever the editor sent; completions keep the stable slot."""
+    team = Scripted(pieces=["a"])  # llama-server-style: /props says 4 slots
+    with (
+        serve_app(team.app()) as served,
+        daemon(tmp_path, upstream=upstream_config(served.url)) as proxy,
+    ):
+        wait_for(lambda: props(proxy.url)["backend"]["upstream_slots"] == 4, 10, "4 slots")
+        slot = stable_slot(4, workstation())
+        r = httpx.post(proxy.url + "/infill", json=FIM_BODY, timeout=60)
+        assert r.status_code == 200 and team.bodies[-1]["id_slot"] == slot
+        for id_slot in ({}, {"id_slot": slot}):
+            chat = {"messages": [{"role": "user", "content": "hi"}], **id_slot}
+            r = httpx.post(proxy.url + "/v1/chat/completions", json=chat, timeout=60)
+            assert r.status_code == 200, r.text
+            assert team.bodies[-1]["id_slot"] == -1

@@ -142,11 +142,20 @@ def test_the_stable_slot_is_stable_in_range_and_spread() -> None:
 
 
 def test_prepare_sets_slot_and_model_and_keeps_a_bad_body() -> None:
-    raw, stream = prepare(b'{"id_slot":0,"prompt":"x","model":"","stream":true}', slot=3, model="m")
+    raw, stream, n = prepare(
+        b'{"id_slot":0,"prompt":"x","model":"","stream":true}', slot=3, model="m"
+    )
     assert json.loads(raw) == {"id_slot": 3, "prompt": "x", "model": "m", "stream": True}
-    assert stream is True
-    assert prepare(b'{"prompt":"x"}', slot=None, model=None) == (b'{"prompt":"x"}', False)
-    assert prepare(b"not json", slot=1, model=None) == (b"not json", False)
+    assert stream is True and n == 1
+    assert prepare(b'{"prompt":"x"}', slot=None, model=None) == (b'{"prompt":"x"}', False, 1)
+    assert prepare(b"not json", slot=1, model=None) == (b"not json", False, 1)
+    assert prepare(b'{"n_cmpl":3}', slot=None, model=None).n_choices == 3
+    assert prepare(b'{"n":2,"stream":true}', slot=None, model=None).n_choices == 2
+    editors = b'{"model":"editor-name","prompt":"x"}'
+    assert json.loads(prepare(editors, slot=None, model=None, replace_model=True).content) == {
+        "prompt": "x"
+    }
+    assert prepare(editors, slot=None, model=None).content == editors  # /tokenize and such
 
 
 # ------------------------------------------------------------------ the FIM prompt as text

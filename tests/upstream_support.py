@@ -239,6 +239,15 @@ class Scripted:
                 return JSONResponse({"choices": choices, "usage": self.usage})
             return StreamingResponse(self._stream(body), media_type="text/event-stream")
 
+        async def chat(request: Request) -> Response:
+            refused = await authorized(request)
+            if refused is not None:
+                return refused
+            self.bodies.append(await request.json())
+            message = {"role": "assistant", "content": "".join(self.pieces)}
+            choice = {"index": 0, "message": message, "finish_reason": self.finish}
+            return JSONResponse({"object": "chat.completion", "choices": [choice]})
+
         async def models(request: Request) -> Response:
             refused = await authorized(request)
             if refused is not None:
@@ -262,6 +271,7 @@ class Scripted:
         return Starlette(
             routes=[
                 Route("/v1/completions", completions, methods=["POST"]),
+                Route("/v1/chat/completions", chat, methods=["POST"]),
                 Route("/v1/models", models),
                 Route("/health", health),
                 Route("/props", props_route),
@@ -348,11 +358,25 @@ class RawUpstream:
     framework would not send: streams cut or ended early, gzip a proxy added, a login page.
     Its checks (/health, /props, /v1/models) answer as a healthy server's, or never with
     ``checks_hang``; a generation request gets ``script(path, body)`` written as it is, then
-    the connection closes."""
+    the connection closes (with ``keep_alive``: stays open for the next request).
 
-    def __init__(self, script: Script, *, checks_hang: bool = False) -> None:
+    ``answers_per_connection``: a connection that has answered that many requests reads the
+    next one and closes without answering, as a server whose idle timeout closes a kept-alive
+    connection just as the client sends on it (the race every pooled client meets)."""
+
+    def __init__(
+        self,
+        script: Script,
+        *,
+        checks_hang: bool = False,
+        keep_alive: bool = False,
+        answers_per_connection: int | None = None,
+    ) -> None:
         self.script = script
         self.checks_hang = checks_hang
+        self.keep_alive = keep_alive
+        self.answers_per_connection = answers_per_connection
+        self.dropped = 0  # requests read and left unanswered (answers_per_connection)
         self.posts: list[tuple[str, dict[str, str]]] = []  # (path, headers) per generation
         self.loop = asyncio.new_event_loop()
         self.port = free_port()
@@ -383,6 +407,7 @@ class RawUpstream:
         self.thread.join(10)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        answered = 0
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -394,6 +419,12 @@ class RawUpstream:
                     if k
                 }
                 body = await reader.readexactly(int(headers.get("content-length", "0")))
+                if self.answers_per_connection is not None and (
+                    answered >= self.answers_per_connection
+                ):
+                    self.dropped += 1
+                    break
+                answered += 1
                 if method == b"GET":
                     if self.checks_hang:
                         await asyncio.sleep(3600)
@@ -403,7 +434,8 @@ class RawUpstream:
                 self.posts.append((path.decode(), headers))
                 writer.write(self.script(path.decode(), json.loads(body or b"{}")))
                 await writer.drain()
-                break
+                if not self.keep_alive:
+                    break
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:

@@ -318,6 +318,8 @@ def _backend_lines(backend: dict[str, Any]) -> list[str]:
     if backend.get("local_model"):
         local = backend.get("local_state", "?")
         lines.append(f"  fallback     local model {backend['local_model']} ({local})")
+    elif backend.get("no_local"):
+        lines.append(f"  fallback     none (no local model: {backend['no_local']})")
     else:
         lines.append("  fallback     none (backend.fallback = none)")
     counts = backend.get("answered") or {}

@@ -109,6 +109,7 @@ def run_explain(args: argparse.Namespace) -> int:
 def run_validate(args: argparse.Namespace) -> int:
     if not args.files:
         resolved = st.load()
+        st.check_backend(resolved.settings)  # as `up` would: its refusal, its words
         files = [
             layer.origin for layer in resolved.layers if layer.origin.kind in ("system", "user")
         ]
@@ -125,7 +126,8 @@ def run_validate(args: argparse.Namespace) -> int:
         layer_problems += st.validate_layer(layer)
         if not layer_problems:
             try:
-                st.resolve([st.Layer(st.DEFAULT_ORIGIN), layer])
+                # the backend URL rule `up` applies (the key and CA files are the target's)
+                st.check_backend_url(st.resolve([st.Layer(st.DEFAULT_ORIGIN), layer]).settings)
             except st.SettingsError as exc:
                 layer_problems += exc.problems
         if layer_problems:

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from localspec import daemon, login_service
+from localspec import settings as st
 from localspec.commands import common as c
 
 SERVICE = c.Command(
@@ -56,7 +57,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_install(args: argparse.Namespace) -> int:
     # the service runs `localspec up` at every login: settings it would refuse are said now,
     # not in a unit that fails and restarts every few seconds (a SettingsError: exit 2)
-    c.load_settings(args, quiet=True)
+    st.check_backend(c.load_settings(args, quiet=True).settings)  # `up`'s backend rules
     try:
         if args.dry_run:
             text = login_service.render(args.os_name)

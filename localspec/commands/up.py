@@ -348,6 +348,15 @@ def _upstream_settings(settings: st.Settings, key: str | None) -> UpstreamSettin
     )
 
 
+def _upstream_alone(upstream: UpstreamSettings, why: str) -> UpstreamSettings:
+    """No local model can stand in (none on this machine and none to download, or the
+    profile allows none): the upstream serves alone, and /props, ``status`` and a 503 say
+    why, rather than ``up`` failing while the team server could answer."""
+    first = why.splitlines()[0] if why else "not available"
+    c.warn(f"no local model to stand in for the upstream ({first}); serving through the upstream")
+    return dataclasses.replace(upstream, fallback=False, no_local=first)
+
+
 def _server_settings(
     settings: st.Settings, api_key: str | None, served: Served | None
 ) -> ServerSettings:
@@ -385,8 +394,13 @@ def _serve(
     served: Served | None = None
     try:
         upstream = _upstream_settings(settings, upstream_key)
-        if upstream is None or upstream.fallback:  # a local model serves, or stands in
+        if upstream is None:  # the local model serves
             served = _local_models(args, settings) if args.target else _planned_models(settings)
+        elif upstream.fallback:  # it stands in
+            try:
+                served = _local_models(args, settings) if args.target else _planned_models(settings)
+            except UpError as exc:
+                upstream = _upstream_alone(upstream, str(exc))
         server_settings = _server_settings(settings, api_key, served)
     except UpError as exc:
         c.error(str(exc))

@@ -6,8 +6,9 @@ Route plans per kind (``route``):
   ``backend`` section added.
 - ``openai``: /infill and /completion are translated (:mod:`.openai_kind`); the OpenAI routes
   (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``) are relayed with
-  ``backend.model``; ``/props`` is localspec's own; routes that need the model's tokenizer
-  (``/tokenize``, ``/detokenize``, ``/apply-template``) and ``/slots`` go to the local model
+  ``backend.model`` (else the upstream's first listed model) in place of the editor's;
+  ``/props`` is localspec's own; routes that need the model's tokenizer (``/tokenize``,
+  ``/detokenize``, ``/apply-template``) and ``/slots`` go to the local model
   (501 without one).
 """
 
@@ -29,6 +30,7 @@ from localspec.server.upstream.identity import workstation
 from localspec.server.upstream.metrics import BackendMetrics
 from localspec.server.upstream.openai_kind import Limits, OpenAIBackend
 from localspec.server.upstream.relay import (
+    CHAT,
     GENERATION,
     open_upstream,
     pinned_slot,
@@ -109,6 +111,15 @@ class Upstream:
         return self.routes.get((method, path))
 
     @property
+    def model(self) -> str | None:
+        """The ``model`` a generation request carries upstream, whatever the editor sent:
+        ``backend.model``; else (openai) the model the upstream lists first, as OpenAI servers
+        need one; else none (a llama-server answers with its own)."""
+        if self.cfg.kind == "openai":
+            return self.cfg.model or self.health.state.model
+        return self.cfg.model
+
+    @property
     def slot(self) -> int:
         return pinned_slot(self.cfg, self.health.state.n_slots, self.identity)
 
@@ -123,16 +134,20 @@ class Upstream:
         if plan == "props" and self.cfg.kind == "openai":
             return Answer(200, JSON, self.openai_props())
         content: bytes | None = None
-        stream = False
+        stream, n_choices = False, 1
         if method == "POST":
             generation = path in GENERATION
-            slot = self.slot if self.cfg.kind == "llama-server" and generation else None
-            model = self.cfg.model if generation else None
-            content, stream = prepare(raw, slot=slot, model=model)
+            slot = None
+            if self.cfg.kind == "llama-server" and generation:
+                slot = -1 if path in CHAT else self.slot
+            model = self.model if generation else None
+            content, stream, n_choices = prepare(
+                raw, slot=slot, model=model, replace_model=generation
+            )
         if self.cfg.kind == "openai":
             path = _OPENAI_PATHS.get(path, path)
         answer = await open_upstream(
-            self.client, self.cfg, method, path, query, content, stream=stream
+            self.client, self.cfg, method, path, query, content, stream=stream, n_choices=n_choices
         )
         if plan == "props" and not answer.streamed:  # an error too: status shows why
             answer.body = props_with(answer.body, self.info("upstream"))
@@ -178,6 +193,7 @@ class Upstream:
             "error": state.error,
             "answering": answering,
             "fallback": "local" if local_model else "none",
+            "no_local": self.cfg.no_local or None,  # why none, when one was asked for
             "fallback_ms": self.cfg.fallback_ms,
             "local_model": local_model,
             "local_state": self._local_state(),
@@ -222,6 +238,8 @@ class Upstream:
         why = self.health.why_not()
         detail = f" ({state.error})" if state.error else ""
         head = f"the upstream {self.cfg.url} is {why}{detail}"
+        if self.local_model is None and self.cfg.no_local:
+            return f"{head}, and there is no local model to answer ({self.cfg.no_local})"
         if self.local_model is None:
             return f"{head}, and backend.fallback = none: no local model answers"
         return f"{head}, and the local model cannot answer ({local or 'not available'})"

@@ -16,6 +16,54 @@ from localspec.retry_after import retry_after
 from localspec.server.upstream.config import UpstreamSettings
 
 KEEPALIVE = 32  # pooled connections kept open to the upstream (one editor needs one or two)
+# An idle pooled connection is dropped before the servers close it themselves (llama-server's
+# cpp-httplib, and uvicorn under vLLM, both after 5 s idle), so a request rarely meets a close.
+KEEPALIVE_EXPIRY_S = 4.0
+# what a request sent on a connection the server had just closed fails with, before any answer
+_STALE = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+
+
+class _FreshRetry(httpx.AsyncBaseTransport):
+    """A request that failed on a reused (kept-alive) connection before any answer came is
+    sent again, until it goes on a new connection: the server closing idle connections (all
+    of them at once, often) as the request crossed one is no failure of the server (RFC 9112
+    9.3.1), and must not mark it down. A failure on a new connection is the server's, and is
+    raised; so is the first failure when the server no longer takes connections (it was
+    killed mid-answer, not idle)."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner = inner
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        outer = request.extensions.get("trace")
+        fresh = False
+
+        async def trace(name: str, info: dict[str, object]) -> None:
+            nonlocal fresh
+            if name.startswith("connection.connect_"):  # a new connection, not a pooled one
+                fresh = True
+            if outer is not None:
+                await outer(name, info)
+
+        request.extensions = {**request.extensions, "trace": trace}
+        stale: httpx.TransportError | None = None
+        for _ in range(KEEPALIVE + 1):  # each failed pooled connection leaves the pool
+            fresh = False
+            try:
+                return await self.inner.handle_async_request(request)
+            except httpx.ConnectError:
+                if stale is None:
+                    raise
+                raise stale from None  # it is gone: it closed mid-answer, as the first try said
+            except _STALE as exc:
+                if fresh:
+                    raise
+                stale = stale or exc
+        assert stale is not None
+        raise stale
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
 
 
 def make_client(cfg: UpstreamSettings) -> httpx.AsyncClient:
@@ -23,12 +71,14 @@ def make_client(cfg: UpstreamSettings) -> httpx.AsyncClient:
     verify: ssl.SSLContext | bool = True
     if cfg.url.startswith("https://"):
         verify = ssl.create_default_context(cafile=cfg.ca_bundle)
+    limits = httpx.Limits(max_keepalive_connections=KEEPALIVE, keepalive_expiry=KEEPALIVE_EXPIRY_S)
     return httpx.AsyncClient(
         base_url=cfg.url,
         headers=headers,
         verify=verify,
         timeout=httpx.Timeout(cfg.read_timeout_s, connect=cfg.connect_timeout_s),
-        limits=httpx.Limits(max_keepalive_connections=KEEPALIVE, keepalive_expiry=30.0),
+        limits=limits,
+        transport=_FreshRetry(httpx.AsyncHTTPTransport(verify=verify, limits=limits)),
         follow_redirects=False,  # a redirect would carry the key to wherever it points
     )
 

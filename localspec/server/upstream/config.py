@@ -28,6 +28,7 @@ class UpstreamSettings:
     read_timeout_s: float = _BACKEND.read_timeout_s
     fallback: bool = _BACKEND.fallback == "local"  # a local model answers while it cannot
     fallback_ms: float = _BACKEND.fallback_ms  # 0: wait for read_timeout_s
+    no_local: str = ""  # why no local model stands in although backend.fallback = local
     health_interval_s: float = _BACKEND.health_interval_s
     slow_strikes: int = 3  # answers late in a row before the upstream is skipped for a while
 

@@ -27,16 +27,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
+import pydantic_core
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from localspec.server.dispatch import LOG_KEY
 from localspec.server.errors import ApiError, NotSupported, Unavailable
 from localspec.server.gate import replay_body
 from localspec.server.requests import parse_body
-from localspec.server.results import sse
+from localspec.server.results import dumps, sse
 from localspec.server.upstream.answer import Answer, error_answer, json_answer
 from localspec.server.upstream.backend import Plan, Upstream
 from localspec.server.upstream.client import UpstreamFailure
@@ -124,6 +126,7 @@ class Failover:
         self, scope: Scope, raw: bytes, receive: Receive, send: Send, plan: Plan
     ) -> None:
         up = self.upstream
+        t0 = time.monotonic()
         gone = asyncio.ensure_future(_disconnect(receive))
         task = asyncio.ensure_future(
             up.open(
@@ -146,7 +149,7 @@ class Failover:
                     return
                 up.health.mark_late()
                 gone.cancel()
-                await self._local(scope, raw, receive, send, plan, reason="slow")
+                await self._local(scope, _spent(raw, scope, t0), receive, send, plan, reason="slow")
                 return
             try:
                 answer = task.result()
@@ -154,12 +157,16 @@ class Failover:
                 up.failed(exc, started=False)
                 gone.cancel()
                 log.warning("upstream request failed: %s", exc.message)
-                await self._local(scope, raw, receive, send, plan, reason=exc.reason)
+                await self._local(
+                    scope, _spent(raw, scope, t0), receive, send, plan, reason=exc.reason
+                )
                 return
             except Exception:  # a bug here: this request goes local (or gets a clean 500)
                 log.exception("relaying a request upstream failed")
                 gone.cancel()
-                await self._local(scope, raw, receive, send, plan, reason="error")
+                await self._local(
+                    scope, _spent(raw, scope, t0), receive, send, plan, reason="error"
+                )
                 return
             if answer.status < 500 and not answer.streamed:
                 up.health.mark_answered(completion=scope["path"] in GENERATION)
@@ -207,6 +214,25 @@ class Failover:
             await _send(json_answer(body), send, None, scope, self.upstream, b"local")
             return
         await self.app(scope, replay_body(raw, receive), _tagged(send, b"local"))
+
+
+def _spent(raw: bytes, scope: Scope, t0: float) -> bytes:
+    """A generation body with the time already spent on the upstream (since ``t0``) taken
+    off its ``t_max_predict_ms``: the editor's deadline is the request's, so the local model
+    answering after the upstream failed or came late gets what is left of it (at least 1 ms:
+    0 would mean no limit), not the whole budget again."""
+    if scope["path"] not in GENERATION:
+        return raw
+    try:
+        body = pydantic_core.from_json(raw)
+    except ValueError:
+        return raw
+    budget = body.get("t_max_predict_ms") if isinstance(body, dict) else None
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
+        return raw
+    spent_ms = int((time.monotonic() - t0) * 1e3)
+    body["t_max_predict_ms"] = max(1, budget - spent_ms)
+    return dumps(body)
 
 
 def _lower(message: str) -> str:

@@ -185,7 +185,10 @@ class OpenAIBackend:
 
     async def _run(self, prompt: str, params: Any) -> Answer:
         payload = completion_body(
-            prompt=prompt, params=params, model=self.cfg.model, end=self.fim.end
+            prompt=prompt,
+            params=params,
+            model=self.cfg.model or self.health.state.model,
+            end=self.fim.end,
         )
         request = self.client.build_request(
             "POST", "/v1/completions", content=dumps(payload), headers=_HEADERS

@@ -2,9 +2,12 @@
 another localspec) as it came, streamed answers passed on chunk by chunk.
 
 Two changes to a generation request's body: ``id_slot`` becomes this workstation's stable slot
-(:mod:`.identity`), so its cache survives the other developers' traffic, and ``model`` becomes
-``backend.model`` when set (a llama-server in router mode picks its model by it). The editor's
-own ``Authorization`` never leaves the machine; the upstream gets localspec's key.
+(:mod:`.identity`), so its cache survives the other developers' traffic (a chat request's
+becomes -1, the server's choice: a chat in that slot would evict the editor's ring of files),
+and ``model`` becomes ``backend.model`` when set (a llama-server in router mode picks its
+model by it), else the editor's own name is dropped (the server answers with its default
+model). The editor's own ``Authorization`` never leaves the machine; the upstream gets
+localspec's key.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 import pydantic_core
@@ -23,11 +26,13 @@ from localspec.server.upstream.client import UNAVAILABLE, UpstreamFailure, failu
 from localspec.server.upstream.config import UpstreamSettings
 from localspec.server.upstream.identity import stable_slot
 
-# routes whose body is a generation request: these get the stable slot
+# routes whose body is a generation request
 GENERATION = frozenset(
     {"/infill", "/completion", "/completions", "/v1/completions", "/v1/chat/completions",
      "/chat/completions"}
 )  # fmt: skip
+# chat: kept off the stable slot (the editor's ring of files lives there), the server picks one
+CHAT = frozenset({"/v1/chat/completions", "/chat/completions"})
 
 
 def pinned_slot(cfg: UpstreamSettings, n_slots: int | None, identity: str) -> int:
@@ -38,25 +43,40 @@ def pinned_slot(cfg: UpstreamSettings, n_slots: int | None, identity: str) -> in
     return stable_slot(n_slots, identity) if n_slots else -1
 
 
-def prepare(raw: bytes, *, slot: int | None, model: str | None) -> tuple[bytes, bool]:
-    """The body to send, with ``id_slot`` (unless None) and ``model`` (when given) set, and
-    whether it asks for a stream (one parse for both). A body that is not a JSON object goes
-    as it is (the failover refuses a generation request's with the local route's 400 before
-    it gets here)."""
+class Prepared(NamedTuple):
+    content: bytes
+    stream: bool
+    n_choices: int = 1  # completions asked for (n_cmpl, or n): each ends its own stream part
+
+
+def prepare(
+    raw: bytes, *, slot: int | None, model: str | None, replace_model: bool = False
+) -> Prepared:
+    """The body to send, with ``id_slot`` (unless None) and ``model`` (when given) set, whether
+    it asks for a stream and for how many completions (one parse for all). ``replace_model``
+    (a generation request): the editor's own ``model`` is dropped when no ``model`` replaces
+    it, since the upstream would refuse a name it does not serve, or pick another model by it.
+    A body that is not a JSON object goes as it is (the failover refuses a generation
+    request's with the local route's 400 before it gets here)."""
     try:
         body = pydantic_core.from_json(raw) if raw else None
     except ValueError:
-        return raw, False
+        return Prepared(raw, False)
     if not isinstance(body, dict):
-        return raw, False
+        return Prepared(raw, False)
     stream = bool(body.get("stream"))
-    if slot is None and not model:
-        return raw, stream
+    n = body.get("n_cmpl", body.get("n"))
+    n_choices = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+    drop = replace_model and not model and "model" in body
+    if slot is None and not model and not drop:
+        return Prepared(raw, stream, n_choices)
     if slot is not None:
         body["id_slot"] = slot
     if model:
         body["model"] = model
-    return dumps(body), stream
+    elif drop:
+        del body["model"]
+    return Prepared(dumps(body), stream, n_choices)
 
 
 async def open_upstream(
@@ -68,6 +88,7 @@ async def open_upstream(
     content: bytes | None,
     *,
     stream: bool,
+    n_choices: int = 1,
 ) -> Answer:
     """Send one request and return the committed answer (see :class:`Answer`); a failure
     before that is an UpstreamFailure. Cancelling this closes the upstream request."""
@@ -85,7 +106,14 @@ async def open_upstream(
     except httpx.HTTPError as exc:
         raise failure(exc, cfg.url) from None
     try:
-        return await _commit(response, cfg, stream=stream, generation=path in GENERATION, t0=t0)
+        return await _commit(
+            response,
+            cfg,
+            stream=stream,
+            generation=path in GENERATION,
+            n_choices=n_choices,
+            t0=t0,
+        )
     except BaseException:  # a failure, or the editor left (cancelled): end it upstream now
         await response.aclose()
         raise
@@ -97,6 +125,7 @@ async def _commit(
     *,
     stream: bool,
     generation: bool,
+    n_choices: int,
     t0: float,
 ) -> Answer:
     """The answer once it is sure to be one. A generation route's 200 must be JSON or an event
@@ -136,7 +165,7 @@ async def _commit(
     return Answer(
         status,
         content_type,
-        chunks=_prepend(first, chunks, cfg, generation=generation),
+        chunks=_prepend(first, chunks, cfg, generation=generation, n_choices=n_choices),
         close=response.aclose,
         upstream_ms=_ms(t0),
     )
@@ -154,12 +183,18 @@ def _ms(t0: float) -> float:
 
 
 async def _prepend(
-    first: bytes, rest: AsyncIterator[bytes], cfg: UpstreamSettings, *, generation: bool
+    first: bytes,
+    rest: AsyncIterator[bytes],
+    cfg: UpstreamSettings,
+    *,
+    generation: bool,
+    n_choices: int = 1,
 ) -> AsyncIterator[bytes]:
-    """The stream as it came. A generation stream must end with its last event: one closed
-    before it (a server or proxy speaking HTTP/1.0, whose answer ends where the connection
-    does) would otherwise reach the editor as a whole, shorter answer."""
-    last = _LastEvent()
+    """The stream as it came. A generation stream must end with its last event (with
+    ``n_choices`` > 1: a final event for every choice): one closed before it (a server or
+    proxy speaking HTTP/1.0, whose answer ends where the connection does) would otherwise
+    reach the editor as a whole, shorter answer."""
+    last = _LastEvent(n_choices)
     last.feed(first)
     yield first
     try:
@@ -179,15 +214,20 @@ async def _prepend(
 _LAST_EVENT = re.compile(
     rb'(?<!\\)"stop"\s*:\s*true|^data: \[DONE\]|^error:|(?<!\\)"error"\s*:', re.M
 )
+_STOP = re.compile(rb'(?<!\\)"stop"\s*:\s*true')  # a choice's final event (llama-server)
+_EVENT_END = re.compile(rb"\r?\n\r?\n")
 
 
 class _LastEvent:
     """The last whole server-sent event of a stream and what follows it (one event's bytes
-    at most are kept, however long the stream)."""
+    at most are kept, however long the stream), and which choices' final events went by
+    (``n_choices`` > 1: llama-server sends one per choice, each with its ``index``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, n_choices: int = 1) -> None:
         self.event = b""
         self.pending = b""
+        self.n_choices = n_choices
+        self.ended: set[int] = set()  # choices whose final event went by (n_choices > 1)
 
     def feed(self, chunk: bytes) -> None:
         data = self.pending + chunk
@@ -196,13 +236,38 @@ class _LastEvent:
             self.pending = data
             return
         head = data[:end]
+        if self.n_choices > 1 and _STOP.search(head):
+            self._finals(head)
         start = max(head.rfind(b"\n\n"), head.rfind(b"\r\n\r\n"))
         self.event = head[start + 1 :] if start >= 0 else head
         self.pending = data[end:].lstrip(b"\r\n")
 
+    def _finals(self, events: bytes) -> None:
+        """Note the ``index`` of each final event among whole ``events`` (rare: parsed)."""
+        for event in _EVENT_END.split(events):
+            if not _STOP.search(event):
+                continue
+            for line in event.splitlines():
+                if not line.startswith(b"data:"):
+                    continue
+                try:
+                    obj = pydantic_core.from_json(line[5:].strip())
+                except ValueError:
+                    continue
+                index = obj.get("index", 0) if isinstance(obj, dict) else None
+                if isinstance(index, int) and obj.get("stop") is True:
+                    self.ended.add(index)
+
     def ends_a_stream(self) -> bool:
         tail = self.pending if self.pending.strip() else self.event
-        return _LAST_EVENT.search(tail) is not None
+        if self.n_choices > 1 and self.pending.strip():
+            self._finals(self.pending)  # the last event, without its blank line
+        found = _LAST_EVENT.search(tail)
+        if found is None:
+            return False
+        if self.n_choices <= 1 or not _STOP.fullmatch(found.group()):
+            return True  # one choice, [DONE] or an error event
+        return self.ended >= set(range(self.n_choices))
 
 
 def props_with(raw: bytes, backend: dict[str, Any]) -> bytes:
