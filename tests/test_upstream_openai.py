@@ -201,6 +201,32 @@ def test_upstream_errors_arrive_in_llama_servers_shape(tmp_path: Path) -> None:
             assert props(proxy.url)["backend"]["status"] == "refused"
 
 
+def test_a_prompt_over_the_upstreams_context_is_laid_out_again_shorter(tmp_path: Path) -> None:
+    """Code that tokenizes worse than the layout's budget assumes passes the upstream's
+    context: vLLM's 400 says by how much, and the /infill goes again, laid out shorter, with
+    the typed text still last; a /completion prompt is the editor's own text: the 400."""
+    ring = [
+        {"text": f"def f{i}(x):\n    return x * {i}\n" * 20, "filename": f"/p/m{i}.py", "time": i}
+        for i in range(16)
+    ]
+    scripted = Scripted(pieces=["x"], max_prompt_chars=6000)
+    with serve_app(scripted.app()) as served:
+        config = upstream_config(served.url, kind="openai", model="scripted")
+        with daemon(tmp_path, upstream=config) as proxy:
+            r = httpx.post(
+                proxy.url + "/infill", json={**FIM_BODY, "input_extra": ring}, timeout=60
+            )
+            assert r.status_code == 200, r.text
+            assert r.json()["content"] == "x"
+            first, second = (b["prompt"] for b in scripted.bodies)
+            assert len(first) > 6000 >= len(second)
+            assert second.endswith("<|fim_middle|>    return ")
+            scripted.bodies.clear()
+            long = httpx.post(proxy.url + "/completion", json={"prompt": "a" * 7000}, timeout=60)
+            assert long.status_code == 400 and "maximum context length" in long.text
+            assert len(scripted.bodies) == 1
+
+
 def test_a_server_that_does_not_stream_is_understood(tmp_path: Path) -> None:
     scripted = Scripted(pieces=["a = 1\n", "b = 2\n"], whole=True, finish="length")
     with serve_app(scripted.app()) as served:

@@ -201,6 +201,8 @@ class Scripted:
     error: dict[str, Any] | None = None
     key: str | None = None
     whole: bool = False  # answer one JSON object even when asked to stream (some servers do)
+    # a prompt longer than this is refused as vLLM refuses one over its context (4096 tokens)
+    max_prompt_chars: int | None = None
     bodies: list[dict[str, Any]] = field(default_factory=list)
     closed: list[bool] = field(default_factory=list)  # per request: the client left early
     usage: dict[str, Any] | None = field(
@@ -230,6 +232,15 @@ class Scripted:
                 await asyncio.sleep(self.delay_s)
             if self.status != 200:
                 return JSONResponse(self.error or {"error": "no"}, status_code=self.status)
+            n_chars = len(body.get("prompt") or "")
+            if self.max_prompt_chars is not None and n_chars > self.max_prompt_chars:
+                asked = 4096 * n_chars // self.max_prompt_chars
+                message = (
+                    "This model's maximum context length is 4096 tokens. However, you requested "
+                    f"{asked} tokens ({asked - 8} in the messages, 8 in the completion)."
+                )
+                error = {"object": "error", "message": message, "type": "BadRequestError"}
+                return JSONResponse({**error, "code": 400}, status_code=400)
             if self.whole:
                 n = int(body.get("n") or 1)
                 choices = [

@@ -6,12 +6,18 @@ local serving's layout), sends ``/v1/completions`` with the raw prompt and ``str
 (:mod:`.openai_request`), applies the editor's stop rules to the stream and closes it once
 every choice has stopped (:mod:`.openai_stream`), and answers in llama-server's shape, with
 ``timings`` measured here (prompt: request to first piece; generation: first piece to last).
+
+The text layout budgets tokens at a conservative characters-per-token rate, yet code that
+tokenizes worse (minified, non-Latin) can still pass the upstream's context: vLLM and SGLang
+refuse it with a 400 naming the context length. An /infill is then laid out again to the
+share of the context the error says fits, once; the editor never sees that 400.
 """
 
 from __future__ import annotations
 
+import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,12 +36,36 @@ from localspec.server.results import dumps, sse
 from localspec.server.upstream.answer import SSE, Answer, error_answer, json_answer, upstream_error
 from localspec.server.upstream.client import UNAVAILABLE, UpstreamFailure, failure, unavailable
 from localspec.server.upstream.config import UpstreamSettings
-from localspec.server.upstream.fim_text import infill_text
+from localspec.server.upstream.fim_text import CHARS_PER_TOKEN, infill_text
 from localspec.server.upstream.health import Health
 from localspec.server.upstream.openai_request import completion_body
 from localspec.server.upstream.openai_stream import Collector
 
 DEFAULT_N_CTX = 8192  # an upstream that does not say its context (Ollama, LM Studio)
+# vLLM: "This model's maximum context length is 4096 tokens. However, you requested 4300
+# tokens (...)"; SGLang: "... exceeds the model's maximum context length of 4096 tokens. You
+# requested a total of 4300 tokens: ..."
+_OVERFLOW = re.compile(r"maximum context length|context length exceeded|context window", re.I)
+_SIZES = re.compile(
+    r"context length (?:is |of )?(\d+) tokens.*?requested (?:a total of )?(\d+)", re.I | re.S
+)
+SHRINK = 0.75  # of the first layout's size the next takes when the error gives no sizes
+
+
+class ContextOverflow(Exception):
+    """The upstream refused a prompt (with its completion) longer than its context."""
+
+    def __init__(self, raw: bytes) -> None:
+        super().__init__(raw.decode("utf-8", "replace"))
+        self.raw = raw
+
+    def share(self) -> float:
+        """The share of the refused layout's size the next one takes: what the upstream said
+        fits over what was asked, with a margin; else ``SHRINK``."""
+        sizes = _SIZES.search(str(self))
+        if sizes is None or int(sizes.group(2)) <= 0:
+            return SHRINK
+        return min(SHRINK, 0.9 * int(sizes.group(1)) / int(sizes.group(2)))
 
 
 @dataclass(frozen=True)
@@ -159,20 +189,26 @@ class OpenAIBackend:
         try:
             body = parse_body(InfillRequest, raw)
             params = self._params(body)
-            prompt = infill_text(
-                self.fim,
-                input_prefix=_text_only("input_prefix", body.input_prefix),
-                input_suffix=_text_only("input_suffix", body.input_suffix),
-                input_extra=body.input_extra or (),
-                prompt=body.prompt or "",
-                n_ctx=self.n_ctx,
-                room=self.limits.infill_room,
-                spm=self.limits.spm_infill,
-                ring_only=body.is_ring_warmup,
-            )
+
+            def layout(n_ctx: int) -> str:
+                return infill_text(
+                    self.fim,
+                    input_prefix=_text_only("input_prefix", body.input_prefix),
+                    input_suffix=_text_only("input_suffix", body.input_suffix),
+                    input_extra=body.input_extra or (),
+                    prompt=body.prompt or "",
+                    n_ctx=n_ctx,
+                    room=self.limits.infill_room,
+                    spm=self.limits.spm_infill,
+                    ring_only=body.is_ring_warmup,
+                )
+
+            prompt = layout(self.n_ctx)
         except ApiError as exc:
             return error_answer(exc)
-        return await self._run(prompt, params)
+        # the tokens the upstream was asked for, as the layout counted them (its room included)
+        asked = min(self.n_ctx, len(prompt) / CHARS_PER_TOKEN + self.limits.infill_room)
+        return await self._run(prompt, params, shorter=lambda share: layout(int(asked * share)))
 
     async def completion(self, raw: bytes) -> Answer:
         try:
@@ -183,7 +219,23 @@ class OpenAIBackend:
             return error_answer(exc)
         return await self._run(prompt, params)
 
-    async def _run(self, prompt: str, params: Any) -> Answer:
+    async def _run(
+        self, prompt: str, params: Any, shorter: Callable[[float], str] | None = None
+    ) -> Answer:
+        """Send the prompt; one too long for the upstream's context goes once more as
+        ``shorter`` lays it out, where the request has a layout to shorten (an /infill)."""
+        try:
+            return await self._send(prompt, params)
+        except ContextOverflow as over:
+            if shorter is None:
+                return upstream_error(400, over.raw, self.cfg)
+            share = over.share()
+        try:
+            return await self._send(shorter(share), params)
+        except ContextOverflow as over:
+            return upstream_error(400, over.raw, self.cfg)
+
+    async def _send(self, prompt: str, params: Any) -> Answer:
         payload = completion_body(
             prompt=prompt,
             params=params,
@@ -216,6 +268,8 @@ class OpenAIBackend:
         if response.status_code >= 400:
             raw = await response.aread()
             await response.aclose()
+            if response.status_code == 400 and _OVERFLOW.search(raw.decode("utf-8", "replace")):
+                raise ContextOverflow(raw)
             return upstream_error(response.status_code, raw, self.cfg)
         wants_prompt = not params.response_fields or any(
             f == "prompt" or f.startswith("prompt/") for f in params.response_fields
