@@ -219,6 +219,9 @@ def test_a_refused_key_is_a_clear_401(qwen_target: Path, tmp_path: Path) -> None
             assert "refuses localspec's key" in p["backend"]["error"]
             state = httpx.get(proxy.url + "/health").json()
             assert state == {"status": "ok"}  # it answers: the 401 is how the key shows
+            metrics = httpx.get(proxy.url + "/metrics", headers=editor).text
+            assert 'errors_total{backend="upstream",route="/infill",status="401"} 1.0' in metrics
+            assert "localspec_backend_answers_total{" not in metrics  # an error, no answer
         # the right key: the editor's own key never goes upstream, localspec's does
         with daemon(tmp_path, upstream=upstream_config(locked.url, api_key="team-key")) as ok:
             r = httpx.post(ok.url + "/infill", json=FIM_BODY, headers={"Authorization": "Bearer x"})
@@ -334,6 +337,29 @@ def test_without_a_local_model_a_down_upstream_is_a_clear_503(tmp_path: Path) ->
         assert err["type"] == "unavailable_error"
         assert f"the upstream {dead} is down" in err["message"]
         assert "unreachable" in err["message"] and "backend.fallback = none" in err["message"]
+        metrics = httpx.get(proxy.url + "/metrics").text  # answered while nothing else is
+        assert 'localspec_http_requests_total{route="/infill",status="503"} 1.0' in metrics
+        assert "localspec_backend_answers_total{" not in metrics
+
+
+def test_a_request_nobody_could_answer_is_counted_as_such(
+    qwen_target: Path, tmp_path: Path
+) -> None:
+    """The team server dies between two health checks, and no local model stands in: the
+    request's 503 is counted under backend "none", not as anybody's answer."""
+    team = launch(tmp_path, model=str(qwen_target))
+    try:
+        config = upstream_config(team.url, health_interval_s=60.0)
+        with daemon(tmp_path, upstream=config) as proxy:
+            assert httpx.post(proxy.url + "/infill", json=FIM_BODY, timeout=60).status_code == 200
+            team.kill()
+            r = httpx.post(proxy.url + "/infill", json=FIM_BODY, timeout=60)
+            assert r.status_code == 503 and r.headers["x-localspec-backend"] == "none"
+            metrics = httpx.get(proxy.url + "/metrics").text
+            assert 'errors_total{backend="none",route="/infill",status="503"} 1.0' in metrics
+            assert 'answers_total{backend="upstream",route="/infill"} 1.0' in metrics
+    finally:
+        team.kill()
 
 
 def _answers(url: str) -> bool:

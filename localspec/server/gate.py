@@ -54,6 +54,9 @@ CLIENT_GONE = 499  # nginx's code for "the client closed the connection"
 # answered without the API key: the health check, and the chat page (an iframe sends no
 # header; the page asks for the key and sends it with its own requests, as llama-server's UI)
 PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/", "/index.html"})
+# answered while the daemon cannot serve (loading, or a team server down with no local model):
+# monitoring reads the counters of exactly that time (llama-server answers it 503 while loading)
+ANSWERED_UNREADY = frozenset({"/metrics"})
 # A body refused for its size is still read (and dropped) up to this much, so a client that
 # sends all of it before reading (Python's http.client, urllib, requests) reads the 413
 # instead of a broken pipe; past it the connection is closed.
@@ -113,7 +116,7 @@ class Gate:
 
     async def _handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] != "OPTIONS":  # CORS preflights carry no credentials
-            err = self.not_ready()
+            err = None if scope["path"] in ANSWERED_UNREADY else self.not_ready()
             if err is not None:
                 await _send_json(send, err.status, err.body(), err.headers)
                 return

@@ -154,18 +154,31 @@ class Upstream:
         return answer
 
     def record(
-        self, backend: str, route: str, *, reason: str = "", upstream_s: float = 0.0
+        self,
+        backend: str,
+        route: str,
+        *,
+        reason: str = "",
+        upstream_s: float = 0.0,
+        status: int = 200,
     ) -> None:
+        """One request's outcome: who answered (``none``: nobody could, a 503 or 501 said
+        why), why the local model did, and an upstream's error answer passed on (``status``
+        >= 400: counted as an error, not as an answer)."""
         completion = route in GENERATION  # not /props or /slots
-        if completion:
+        answered = backend != "none" and status < 400
+        if completion and answered:
             self.answered[backend] += 1
             if reason:
                 self.fallbacks[reason] += 1
         m = self.metrics
         if m is None:
             return
-        m.answers.labels(backend, route).inc()
-        if reason and completion:
+        if answered:
+            m.answers.labels(backend, route).inc()
+        else:
+            m.unanswered.labels(backend, route, str(status)).inc()
+        if reason and completion and answered:
             m.fallbacks.labels(reason).inc()
         if upstream_s:
             m.upstream_seconds.labels(route).observe(upstream_s)

@@ -170,7 +170,9 @@ class Failover:
                 return
             if answer.status < 500 and not answer.streamed:
                 up.health.mark_answered(completion=scope["path"] in GENERATION)
-            up.record("upstream", scope["path"], upstream_s=answer.upstream_ms / 1e3)
+            up.record(
+                "upstream", scope["path"], upstream_s=answer.upstream_ms / 1e3, status=answer.status
+            )
             _note(scope, backend="upstream", upstream_ms=round(answer.upstream_ms, 2))
             await _send(answer, send, gone, scope, up)
         finally:
@@ -205,6 +207,7 @@ class Failover:
             else:  # the upstream's state already holds a request's failure (mark_failed)
                 err = Unavailable(self.upstream.unavailable(_lower(local.message)))
             _note(scope, backend="none", fallback=reason or None, error=err.message)
+            self.upstream.record("none", scope["path"], status=err.status)
             await _send(error_answer(err), send, None, scope, self.upstream, b"none")
             return
         self.upstream.record("local", scope["path"], reason=reason)

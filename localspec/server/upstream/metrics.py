@@ -50,6 +50,14 @@ class BackendMetrics:
             ["backend", "route"],
             registry=registry,
         )
+        self.unanswered = Counter(
+            "localspec_backend_errors",
+            "Generation and other relayed requests answered with an error: the upstream's own "
+            "4xx/5xx passed on (backend upstream), or nobody could answer (backend none: a 503 "
+            "or 501 saying why), by HTTP status",
+            ["backend", "route", "status"],
+            registry=registry,
+        )
         self.fallbacks = Counter(
             "localspec_backend_fallbacks",
             "Completions the local model answered instead of the upstream, by reason",
@@ -65,7 +73,8 @@ class BackendMetrics:
         )
         self.upstream_seconds = Histogram(
             "localspec_upstream_seconds",
-            "Time from sending a request upstream to its answer starting (first chunk)",
+            "Time from sending a request upstream to its answer starting: the first chunk of "
+            "a stream; a non-streamed answer's whole body (servers send it when done)",
             ["route"],
             buckets=_BUCKETS,
             registry=registry,
