@@ -405,7 +405,7 @@ def served_routes(routes: Any) -> list[tuple[str, str]]:
     return out
 
 
-def test_every_route_but_health_refuses_a_missing_or_wrong_key(live: Live) -> None:
+def test_every_route_but_health_and_the_chat_page_refuses_a_missing_or_bad_key(live: Live) -> None:
     routes = served_routes(live.server.config.app.routes)  # type: ignore[attr-defined]
     assert {p for _, p in routes} >= {"/infill", "/completion", "/v1/completions", "/metrics",
                                       "/slots", "/props", "/tokenize", "/openapi.json"}  # fmt: skip
@@ -413,7 +413,7 @@ def test_every_route_but_health_refuses_a_missing_or_wrong_key(live: Live) -> No
         for method, path in routes:
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"X-Api-Key": "nope"}):
                 r = anon.request(method, path, headers=headers, json={})
-                if path in ("/health", "/v1/health"):
+                if path in ("/health", "/v1/health", "/", "/index.html"):  # (a static page)
                     assert r.status_code == 200
                 else:
                     assert r.status_code == 401, (method, path, r.status_code)
