@@ -3,12 +3,15 @@ subprocesses, a temporary HOME, a second localspec daemon as the team server."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -20,6 +23,36 @@ from tests.upstream_support import daemon
 __all__ = ["env"]  # the fixture, imported for these tests
 
 SECRET = "sk-team-upstream-7f3a"
+
+
+@dataclass
+class Up:
+    """A ``localspec up`` subprocess; ``code`` and ``log`` are set once it has stopped."""
+
+    port: int
+    code: int | None = None
+    log: str = ""
+
+
+@contextlib.contextmanager
+def running_up(env: dict[str, str], tmp_path: Path, *args: str) -> Iterator[Up]:
+    """``localspec up`` on a free port, ready when entered, stopped with SIGTERM on exit."""
+    up = Up(_free_port())
+    with (tmp_path / "up.out").open("w+") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "localspec", "up", "--port", str(up.port), *args],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            _wait_ready(up.port, proc)
+            yield up
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            up.code = proc.wait(60)
+            out.seek(0)
+            up.log = out.read()
 
 
 def test_an_it_profile_points_up_at_the_team_server(
@@ -35,16 +68,8 @@ def test_an_it_profile_points_up_at_the_team_server(
             f'url = "{team.url}"\napi_key_file = "{key}"\nfallback = "none"\n'
         )
         _user_config(env).write_text('[backend]\nkind = "local"\n')  # locked: ignored
-        port = _free_port()
-        out = (tmp_path / "up.out").open("w+")
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "localspec", "up", "--port", str(port), "--log-requests"],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-        try:
-            _wait_ready(port, proc)
+        with running_up(env, tmp_path, "--log-requests") as up:
+            port = up.port
             url = f"http://127.0.0.1:{port}"
             answer = httpx.post(f"{url}/infill", json=INFILL, timeout=60)
             assert answer.status_code == 200, answer.text
@@ -66,12 +91,8 @@ def test_an_it_profile_points_up_at_the_team_server(
             assert rows["backend.kind"].endswith("[locked]")
             assert str(key) in rows["backend.api_key_file"]
             assert "tried to set local" in explain.stdout
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            code = proc.wait(60)
-        out.seek(0)
-        log = out.read()
-        assert code == 0, log
+        log = up.log
+        assert up.code == 0, log
         assert "connecting to the llama-server upstream" in log and "serving at" in log
         assert "POST /infill 200 ok" in log and "backend=upstream" in log
         shown = log + status.stdout + explain.stdout + json.dumps(report)
@@ -147,29 +168,15 @@ def test_up_serves_through_the_team_server_when_no_local_model_can_stand_in(
         _system(env).joinpath("50-team.toml").write_text(
             f'{local_rule}[backend]\nkind = "llama-server"\nurl = "{team.url}"\n'
         )
-        port = _free_port()
-        out = (tmp_path / "up.out").open("w+")
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "localspec", "up", "--port", str(port)],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-        try:
-            _wait_ready(port, proc)
-            answer = httpx.post(f"http://127.0.0.1:{port}/infill", json=INFILL, timeout=60)
+        with running_up(env, tmp_path) as up:
+            answer = httpx.post(f"http://127.0.0.1:{up.port}/infill", json=INFILL, timeout=60)
             assert answer.status_code == 200, answer.text
             assert answer.headers["x-localspec-backend"] == "upstream"
-            status = localspec(env, "status", "--port", str(port))
+            status = localspec(env, "status", "--port", str(up.port))
             assert "answering    upstream" in status.stdout
             assert "  fallback     none (no local model: " in status.stdout, status.stdout
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            code = proc.wait(60)
-        out.seek(0)
-        log = out.read()
-        assert code == 0, log
-        assert "no local model to stand in for the upstream" in log, log
+        assert up.code == 0, up.log
+        assert "no local model to stand in for the upstream" in up.log, up.log
 
 
 def test_validate_and_service_install_refuse_the_backend_up_refuses(
