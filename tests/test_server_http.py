@@ -318,6 +318,50 @@ def test_a_keystroke_takes_over_its_editors_first_warm_up(qwen: Live) -> None:
     assert b.json()["id_slot"] == slot_b and b.json()["timings"]["prompt_n"] <= 4
 
 
+def test_a_warm_up_after_a_ring_change_waits_for_its_editors_busy_slot(qwen: Live) -> None:
+    """Editor a's ring moved on by a chunk (the oldest left the front) while its previous
+    keystroke still runs: the warm-up shares no prefix with a's slot but all its chunks, and
+    waits for that slot rather than evict editor b's context from the idle one."""
+    import json.encoder
+    import textwrap
+
+    worker = qwen.service.worker
+    rings = {"a": ring_chunks(9), "b": ring_chunks(8, json.encoder)}
+    results: dict[str, httpx.Response] = {}
+
+    def send(name: str, body: dict[str, Any]) -> None:
+        with qwen.client(headers=AUTH) as c:
+            results[name] = c.post("/infill", json=body)
+
+    with qwen.client(headers=AUTH) as c:  # editors a and b each on a slot of their own
+        for name in ("a", "b"):
+            body = vscode_request("    x", input_extra=rings[name][:8], n_predict=1)
+            results[name] = c.post("/infill", json=body)
+    slot_a, slot_b = (results[n].json()["id_slot"] for n in ("a", "b"))
+    assert slot_a != slot_b
+    long_body = vscode_request("    xy", input_extra=rings["a"][:8], n_predict=3000, top_k=1,
+                               samplers=["top_k"], t_max_predict_ms=0)  # fmt: skip
+    moved = [*rings["a"][1:], *ring_chunks(1, textwrap)]  # a's ring, one chunk on
+    warmup = vscode_request("", input_prefix="", input_suffix="", input_extra=moved,
+                            n_predict=0, samplers=[], t_max_predict_ms=1)  # fmt: skip
+    with held_generation(worker.engine) as hold:
+        running = threading.Thread(target=send, args=("running", long_body))
+        running.start()
+        hold.wait_reached()
+        warming = threading.Thread(target=send, args=("warm-up", warmup))
+        warming.start()
+        wait_until(lambda: worker.queued == 1)  # it waits: the other slot stays idle
+        assert len(worker._running) == 1
+        worker.cancel_running()
+        running.join()
+        hold.release.set()
+        warming.join()
+    assert results["warm-up"].json()["id_slot"] == slot_a
+    with qwen.client(headers=AUTH) as c:  # b's context is still in its slot
+        b = c.post("/infill", json=vscode_request("    xy", input_extra=rings["b"], n_predict=1))
+    assert b.json()["id_slot"] == slot_b and b.json()["timings"]["prompt_n"] <= 4
+
+
 def abort_mid_generation(live: Live, path: str, body: dict[str, Any]) -> int:
     """Send a request on a raw socket, close it once generation runs; return tokens generated.
 

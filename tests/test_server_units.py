@@ -232,6 +232,18 @@ def test_slot_choice_waits_for_a_busy_slot_only_when_it_holds_much_more() -> Non
     slots[0].running = _editor(3)  # another editor's request runs there: take the idle slot
     assert choose_slot([*a, 3], slots, follow_pin=False) == SlotChoice(1)
 
+    # the editor's ring moved on by a chunk (the oldest left the front): no prefix in common
+    # with its busy slot, but its pieces are all there; a warm-up waits for that slot rather
+    # than evict the other editor's context from the idle one (a completion does not wait)
+    ring = _editor(1, 1200)
+    slots = [SlotInfo(0, 4096, []), SlotInfo(1, 4096, [], last_used=1.0)]
+    slots[0].hold([*ring, *_editor(4, 300)])
+    slots[1].hold(_editor(2))
+    slots[0].is_processing, slots[0].running = True, [*ring, *_editor(4, 302)]
+    moved = [*ring[100:], *_editor(5, 100)]
+    assert choose_slot(moved, slots, follow_pin=False, patient=True) == SlotChoice(0, wait=True)
+    assert choose_slot(moved, slots, follow_pin=False) == SlotChoice(1)
+
 
 def test_cache_fit_counts_pieces_found_anywhere() -> None:
     ring, code = _editor(1, 640), _editor(2, 320)

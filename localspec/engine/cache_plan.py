@@ -125,6 +125,7 @@ def choose_slot(
     id_slot: int = -1,
     *,
     follow_pin: bool = True,
+    patient: bool = False,
 ) -> SlotChoice:
     """The slot a prompt runs on: the pinned one when pins are followed (llama-server's rule);
     else the one whose cache holds most of it, the pinned id a hint worth ``PIN_HINT`` tokens.
@@ -138,6 +139,9 @@ def choose_slot(
     cancelled, or its warm-up still filling a slot) is waited for rather than evaluating the
     prompt again elsewhere. A busy slot's prefix counts the prompt running there: it holds
     that once the running request ends or is stopped (a first warm-up fills an empty slot).
+    A ``patient`` request (a warm-up: nobody waits for its answer) also waits for a busy slot
+    that holds its pieces anywhere: a ring that moved on by a chunk shares no prefix with the
+    editor's slot, and taking the idle slot would evict the other editor's context.
     """
     pinned = pinned_slot(id_slot, len(slots))
     if len(slots) == 1 or (follow_pin and pinned is not None):
@@ -162,8 +166,9 @@ def choose_slot(
     best_idle = max(idle, key=rank)
     busy = [s for s in slots if s.is_processing]
     if busy:  # the prefix, not the pieces: a teammate's ring of the same code is no reason
-        held = max(busy, key=lambda s: kept[s.id])
-        if kept[held.id] - fit[best_idle.id] >= FIT_WAIT:
+        holds = fit if patient else kept  # (to make a completion wait)
+        held = max(busy, key=lambda s: holds[s.id])
+        if holds[held.id] - fit[best_idle.id] >= FIT_WAIT:
             return SlotChoice(held.id, wait=True)
     return SlotChoice(best_idle.id)
 

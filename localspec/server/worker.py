@@ -506,7 +506,9 @@ class Worker:
         """Choose the slot of a job that may run on any (``choose_slot``); True when it goes
         back to the head of the queue to wait for a busy one. A keystroke stops a warm-up
         running on its slot and takes over from where it got to, as ``_supersede`` does."""
-        choice = choose_slot(prompt, self.slots, job.params.id_slot, follow_pin=False)
+        choice = choose_slot(
+            prompt, self.slots, job.params.id_slot, follow_pin=False, patient=job.cache_only
+        )
         job.slot = choice.slot
         if not choice.wait:
             return False
