@@ -222,6 +222,25 @@ def test_two_editors_that_both_pin_slot_0_keep_their_own_caches(qwen: Live) -> N
     assert len(slots["vscode"]) == len(slots["vim"]) == 1 and slots["vscode"] != slots["vim"]
 
 
+class Editors:
+    """Several editors' /infill requests to one daemon, each sent from the test thread or its
+    own (``send`` is a thread target); ``results`` holds each answer by name."""
+
+    def __init__(self, live: Live) -> None:
+        self.live = live
+        self.results: dict[str, httpx.Response] = {}
+
+    def send(self, name: str, body: dict[str, Any]) -> None:
+        with self.live.client(headers=AUTH) as c:
+            self.results[name] = c.post("/infill", json=body)
+
+    def settle(self, rings: dict[str, list[dict[str, Any]]]) -> dict[str, int]:
+        """Each editor's first request, with its ring: the slot each one's context is on."""
+        for name, ring in rings.items():
+            self.send(name, vscode_request("    x", input_extra=ring, n_predict=1))
+        return {name: self.results[name].json()["id_slot"] for name in rings}
+
+
 def test_a_keystroke_waits_for_the_slot_that_holds_its_editor(qwen: Live) -> None:
     """The editor's previous request still runs on its slot (its cancel not seen yet, or the
     "future" request): the next keystroke waits for that slot rather than evaluating its
@@ -229,15 +248,9 @@ def test_a_keystroke_waits_for_the_slot_that_holds_its_editor(qwen: Live) -> Non
     import json.encoder
 
     worker, ring = qwen.service.worker, ring_chunks(8, json.encoder)
-    results: dict[str, httpx.Response] = {}
-
-    def send(name: str, body: dict[str, Any]) -> None:
-        with qwen.client(headers=AUTH) as c:
-            results[name] = c.post("/infill", json=body)
-
-    with qwen.client(headers=AUTH) as c:
-        home = c.post("/infill", json=vscode_request("    x", input_extra=ring, n_predict=1))
-    home_slot = home.json()["id_slot"]
+    editor = Editors(qwen)
+    send, results = editor.send, editor.results
+    home_slot = editor.settle({"home": ring})["home"]
     other = 1 - home_slot  # what the requests pin from now on: the pin is only a hint
     keystroke = vscode_request("    xyz", input_extra=ring, id_slot=other, n_predict=1)
     long_body = vscode_request("    xy", input_extra=ring, id_slot=other, n_predict=3000, top_k=1,
@@ -284,17 +297,9 @@ def test_a_keystroke_takes_over_its_editors_first_warm_up(qwen: Live) -> None:
 
     worker = qwen.service.worker
     rings = {"a": ring_chunks(8), "b": ring_chunks(8, json.encoder)}
-    results: dict[str, httpx.Response] = {}
-
-    def send(name: str, body: dict[str, Any]) -> None:
-        with qwen.client(headers=AUTH) as c:
-            results[name] = c.post("/infill", json=body)
-
-    with qwen.client(headers=AUTH) as c:  # editors a and b each on a slot of their own
-        for name in ("a", "b"):
-            body = vscode_request("    x", input_extra=rings[name], n_predict=1)
-            results[name] = c.post("/infill", json=body)
-    slot_b = results["b"].json()["id_slot"]
+    editors = Editors(qwen)
+    send, results = editors.send, editors.results
+    slot_b = editors.settle(rings)["b"]  # editors a and b each on a slot of their own
     ring_c = ring_chunks(8, textwrap)
     warmup = vscode_request("", input_prefix="", input_suffix="", input_extra=ring_c,
                             n_predict=0, samplers=[], t_max_predict_ms=1)  # fmt: skip
@@ -327,17 +332,10 @@ def test_a_warm_up_after_a_ring_change_waits_for_its_editors_busy_slot(qwen: Liv
 
     worker = qwen.service.worker
     rings = {"a": ring_chunks(9), "b": ring_chunks(8, json.encoder)}
-    results: dict[str, httpx.Response] = {}
-
-    def send(name: str, body: dict[str, Any]) -> None:
-        with qwen.client(headers=AUTH) as c:
-            results[name] = c.post("/infill", json=body)
-
-    with qwen.client(headers=AUTH) as c:  # editors a and b each on a slot of their own
-        for name in ("a", "b"):
-            body = vscode_request("    x", input_extra=rings[name][:8], n_predict=1)
-            results[name] = c.post("/infill", json=body)
-    slot_a, slot_b = (results[n].json()["id_slot"] for n in ("a", "b"))
+    editors = Editors(qwen)
+    send, results = editors.send, editors.results
+    slots = editors.settle({"a": rings["a"][:8], "b": rings["b"]})  # a slot each
+    slot_a, slot_b = slots["a"], slots["b"]
     assert slot_a != slot_b
     long_body = vscode_request("    xy", input_extra=rings["a"][:8], n_predict=3000, top_k=1,
                                samplers=["top_k"], t_max_predict_ms=0)  # fmt: skip
