@@ -360,6 +360,37 @@ def test_a_warm_up_after_a_ring_change_waits_for_its_editors_busy_slot(qwen: Liv
     assert b.json()["id_slot"] == slot_b and b.json()["timings"]["prompt_n"] <= 4
 
 
+def test_one_editors_keystroke_leaves_the_other_editors_warm_up_running(qwen: Live) -> None:
+    """Both editors send the same id_slot: with slot choice it names no editor, so editor
+    b's keystroke does not stop editor a's warm-up running on the slot that id names (under
+    llama-server's rule it would: the pin is the slot)."""
+    import json.encoder
+    import textwrap
+
+    worker, editors = qwen.service.worker, Editors(qwen)
+    rings = {"a": ring_chunks(8), "b": ring_chunks(8, json.encoder)}
+    slots = editors.settle(rings)
+    pin = slots["a"]  # the id both send; a's new ring goes to a's slot, the least recent
+    warmup = vscode_request("", input_prefix="", input_suffix="",
+                            input_extra=ring_chunks(8, textwrap), id_slot=pin, n_predict=0,
+                            samplers=[], t_max_predict_ms=1)  # fmt: skip
+    keystroke = vscode_request("    xy", input_extra=rings["b"], id_slot=pin, n_predict=1)
+    with held_prefill(worker.engine) as hold:
+        warming = threading.Thread(target=editors.send, args=("warm-up", warmup))
+        warming.start()
+        hold.wait_reached()
+        key = threading.Thread(target=editors.send, args=("key", keystroke))
+        key.start()
+        wait_until(lambda: len(worker._running) == 2)  # b's keystroke runs on b's slot
+        assert not any(job.cancel.is_set() for job in worker._running.values())
+        hold.release.set()
+        warming.join()
+        key.join()
+    assert editors.results["key"].json()["id_slot"] == slots["b"]
+    warmed = editors.results["warm-up"].json()
+    assert warmed["id_slot"] == pin and warmed["timings"]["prompt_n"] > 256  # all of it
+
+
 def abort_mid_generation(live: Live, path: str, body: dict[str, Any]) -> int:
     """Send a request on a raw socket, close it once generation runs; return tokens generated.
 

@@ -302,12 +302,16 @@ class Worker:
         A queued completion is never dropped: llama-vscode and llama.vim both pin slot 0, so
         a newer completion for the slot may be another editor's, and the editor whose own
         request went stale cancels it itself (closing its connection drops it here).
+
+        With slot choice (pins not followed) the pin names no editor, so a running warm-up is
+        not stopped here (it may be the other editor's): a completion stops its own editor's
+        warm-up on the slot it chooses (``_wait_for_slot``). Queued warm-ups still give way.
         """
         n_slots = max(1, len(self.slots))
         slot = pinned_slot(job.params.id_slot, n_slots)
         if slot is None:
             return
-        running = self._running.get(slot)
+        running = self._running.get(slot) if self._follow_pins else None
         if not job.cache_only and running is not None and running.cache_only:
             running.stopped_by = "superseded by a completion for the same slot"
             running.cancel.set()
