@@ -99,10 +99,6 @@ def canonical_samplers(names: tuple[str, ...] | list[str] | str) -> tuple[str, .
     return tuple(out)
 
 
-def _chain_add(chain: object, smpl: object) -> None:
-    C.llama_sampler_chain_add(chain, smpl)
-
-
 class Sampler:
     """One request's sampler chain (and grammar) on one context.
 
@@ -130,7 +126,7 @@ class Sampler:
         chain = C.llama_sampler_chain_init(C.llama_sampler_chain_default_params())
         self.chain = chain
         if self.greedy:
-            _chain_add(chain, C.llama_sampler_init_greedy())
+            C.llama_sampler_chain_add(chain, C.llama_sampler_init_greedy())
             history = 0
         else:
             history = self._build(params, chain, vocab_handle)
@@ -170,11 +166,13 @@ class Sampler:
             arr = (C.llama_logit_bias * len(params.logit_bias))(
                 *(C.llama_logit_bias(tok, bias) for tok, bias in params.logit_bias)
             )
-            _chain_add(chain, C.llama_sampler_init_logit_bias(n_vocab, len(arr), arr))
+            C.llama_sampler_chain_add(
+                chain, C.llama_sampler_init_logit_bias(n_vocab, len(arr), arr)
+            )
         seed = params.seed & 0xFFFFFFFF
         if params.mirostat == 1:
-            _chain_add(chain, C.llama_sampler_init_temp(params.temperature))
-            _chain_add(
+            C.llama_sampler_chain_add(chain, C.llama_sampler_init_temp(params.temperature))
+            C.llama_sampler_chain_add(
                 chain,
                 C.llama_sampler_init_mirostat(
                     n_vocab, seed, params.mirostat_tau, params.mirostat_eta, 100
@@ -182,8 +180,8 @@ class Sampler:
             )
             return 0
         if params.mirostat == 2:
-            _chain_add(chain, C.llama_sampler_init_temp(params.temperature))
-            _chain_add(
+            C.llama_sampler_chain_add(chain, C.llama_sampler_init_temp(params.temperature))
+            C.llama_sampler_chain_add(
                 chain,
                 C.llama_sampler_init_mirostat_v2(seed, params.mirostat_tau, params.mirostat_eta),
             )
@@ -235,8 +233,8 @@ class Sampler:
                 smpl = C.llama_sampler_init_top_n_sigma(params.top_n_sigma)
             # other names are no-ops at their values (llama.cpp's own early returns)
             if smpl is not None:
-                _chain_add(chain, smpl)
-        _chain_add(chain, C.llama_sampler_init_dist(seed))
+                C.llama_sampler_chain_add(chain, smpl)
+        C.llama_sampler_chain_add(chain, C.llama_sampler_init_dist(seed))
         return history
 
     def sample(self, idx: int) -> int:
