@@ -355,11 +355,9 @@ def test_requests_on_two_slots_decode_in_the_same_steps(
         assert engine.slot_tokens(slot) == prompt + res.tokens[:-1]
 
 
-def test_a_long_prompt_is_evaluated_in_pieces_between_the_others_steps(
-    engine: Engine, scorer: Scorer, batches: list[list[Segment]]
-) -> None:
-    """A file switch on one slot does not freeze the other's completion: each step carries
-    the decoding sequence's token and one piece of the new prompt."""
+def switch_beside_a_completion(engine: Engine, scorer: Scorer) -> None:
+    """Slot 0 decodes 40 tokens while slot 1 evaluates a 440-token prompt (a file switch);
+    both answers are the target's."""
     (short,) = prompts(engine, 1)
     long = engine.vocab.tokenize("".join(code_prompts(6, lines=20)))[:440]
     decoding = Task([GenerationRequest(slot=0, prompt=short, n_predict=40, sampling=GREEDY)])
@@ -370,20 +368,53 @@ def test_a_long_prompt_is_evaluated_in_pieces_between_the_others_steps(
     switch = Task([GenerationRequest(slot=1, prompt=long, n_predict=4, sampling=GREEDY)])
     engine.clear_slot(1)
     run(engine, switch)
-    shared = [b for b in batches if {s.seq for s in b} == {0, 1}]
-    pieces = [s for b in shared for s in b if s.seq == 1 and len(s.tokens) > 1]
-    assert len(pieces) >= len(long) // 64 - 1  # the prompt went piece by piece beside it
-    # pieces of one size (440 as 7 of 62-63, not 6 x 64 + 56): no short last piece runs
-    # dearer (the switch's own verify steps, a token and its draft, are not pieces)
-    sizes = {
-        len(s.tokens)
-        for b in batches
-        for s in b
-        if s.seq == 1 and len(s.tokens) > 1 and s.logits != "all"
-    }
-    assert max(sizes) <= 64 and max(sizes) - min(sizes) <= 1, sizes
     assert exact(scorer, short, decoding.results[0].tokens)
     assert exact(scorer, long, switch.results[0].tokens)
+
+
+def is_piece(seg: Segment) -> bool:
+    """Slot 1's prompt piece (its verify steps, a token and its draft, are not pieces)."""
+    return seg.seq == 1 and len(seg.tokens) > 1 and seg.logits != "all"
+
+
+def test_a_long_prompt_is_evaluated_in_pieces_between_the_others_steps(
+    engine: Engine, scorer: Scorer, batches: list[list[Segment]]
+) -> None:
+    """A file switch on one slot does not freeze the other's completion: every step carries
+    the decoding sequence's token and one piece of the new prompt. On a CPU with flash
+    attention (two slots) the piece goes in a batch of its own after the decoding rows': a
+    row of another sequence in a piece's 64-row tile of llama.cpp's CPU kernel would make
+    every row of the tile attend to that sequence's cells too."""
+    assert engine.pieces_apart
+    switch_beside_a_completion(engine, scorer)
+    assert not any(any(map(is_piece, b)) and any(s.seq == 0 for s in b) for b in batches)
+    # a batch of the decoding sequence's rows before each piece (but the last few, once
+    # slot 0 has ended): the prompt went piece by piece beside it, not after it
+    steps = [i for i, b in enumerate(batches) if any(map(is_piece, b))]
+    beside = [i for i in steps if i > 0 and {s.seq for s in batches[i - 1]} == {0}]
+    assert len(beside) >= 440 // 64 - 1, (len(beside), len(steps))
+    # pieces of one size (440 as 7 of 62-63, not 6 x 64 + 56): no short last piece runs dearer
+    sizes = {len(s.tokens) for b in batches for s in b if is_piece(s)}
+    assert max(sizes) <= 64 and max(sizes) - min(sizes) <= 1, sizes
+
+
+def test_without_flash_attention_a_piece_shares_the_decoding_rows_batch(
+    qwen_target: Path, scorer: Scorer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """That kernel computes every row against every cell whatever the batch holds, so one
+    pass over the weights carries both."""
+    s = EngineSettings(
+        target=replace(model_settings(qwen_target), flash_attn=False),
+        n_slots=2,
+        prefill_chunk=64,
+        spec=SpecSettings(mode="off"),
+    )
+    with Engine.load(s) as plain:
+        assert not plain.pieces_apart
+        seen = each_batch(plain._tctx, monkeypatch, list)
+        switch_beside_a_completion(plain, scorer)
+    shared = [b for b in seen if any(map(is_piece, b)) and any(s.seq == 0 for s in b)]
+    assert len(shared) >= 440 // 64 - 1
 
 
 def test_cancelling_one_request_leaves_the_other_running(engine: Engine, scorer: Scorer) -> None:

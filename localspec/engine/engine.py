@@ -94,6 +94,14 @@ class Engine:
         self.n_ctx = settings.target.n_ctx
         self.n_batch = self._tctx.n_batch
         self.flash_attn = self._tctx.flash_attn  # as resolved for where the target runs
+        # llama.cpp's CPU flash attention takes a batch of 64 rows or more in tiles of 64
+        # query rows (scheduler.FA_TILE_ROWS) and skips a tile of KV cells only where the mask
+        # hides it from every row of the tile: a decoding sequence's row in a prompt piece's
+        # tile makes the piece's rows attend (in arithmetic) to that sequence's cells as well,
+        # which costs more than one more pass over the weights (docs/benchmarks.md, "Prompt
+        # pieces in a batch of their own"). There the pieces go in a batch after the decoding
+        # rows'
+        self.pieces_apart = self.flash_attn and settings.target.n_gpu_layers == 0
         self.n_ctx_train = self._target.n_ctx_train
         self.model_path = self._target.path
         self.draft_path = self._draft.path if self._draft is not None else None

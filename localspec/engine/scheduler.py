@@ -16,7 +16,9 @@ The policy, step by step:
   while the batch has room. A request that arrives while others decode starts at the next step; a
   long prompt (an editor's file switch) advances a piece per step instead of freezing the
   others (a step costs them at most the pieces in it); prompts that arrive together are
-  evaluated together, one pass over the weights for all of them.
+  evaluated together, one pass over the weights for all of them. On a CPU with flash
+  attention the pieces go in a second batch of the step, after the decoding rows'
+  (``Engine.pieces_apart``).
 * A cancelled task's sequences stop at the next step; the others go on.
 """
 
@@ -43,6 +45,10 @@ from localspec.engine.types import (
 
 if TYPE_CHECKING:
     from localspec.engine.engine import Engine
+
+# the query rows of one tile of llama.cpp's CPU flash attention (GGML_FA_TILE_Q); a batch of
+# fewer rows takes its row-by-row kernel
+FA_TILE_ROWS = 64
 
 
 @dataclass(eq=False)
@@ -178,33 +184,60 @@ class Scheduler:
                 for c in run.completions:
                     c.unpipe()
         pending = sum(len(r.piece.tokens) for r in self.prefilling if r.piece is not None)
-        self._drafts(live, min(pending, self.e.n_batch))
+        # pieces in a batch of their own add nothing to the decoding rows' step
+        apart = bool(live and pending) and self.e.pieces_apart
+        self._drafts(live, 0 if apart else min(pending, self.e.n_batch))
         segments = [c.segment() for c in live]
         n_tokens = sum(len(s.tokens) for s in segments)
+        apart = apart and n_tokens + pending >= FA_TILE_ROWS  # (fewer: the row-by-row kernel)
         pieces: list[tuple[_Running, Segment]] = []
+        n_batch = 0 if apart else n_tokens
         for run in self.prefilling:  # oldest first, while the batch has room
             assert run.piece is not None
-            if (segments or pieces) and n_tokens + len(run.piece.tokens) > self.e.n_batch:
+            if (n_batch or pieces) and n_batch + len(run.piece.tokens) > self.e.n_batch:
                 break
             pieces.append((run, run.piece))
-            n_tokens += len(run.piece.tokens)
+            n_batch += len(run.piece.tokens)
+        if not apart:
+            self._decode(live, segments, pieces, n_tokens)
+        elif self._decode(live, segments, [], n_tokens):
+            self._decode([], [], pieces, 0, shared=True)
+        self._retire()
+        return self.busy
+
+    def _decode(
+        self,
+        live: list[Completion],
+        segments: list[Segment],
+        pieces: list[tuple[_Running, Segment]],
+        n_tokens: int,
+        *,
+        shared: bool = False,
+    ) -> bool:
+        """One llama.cpp batch: the decoding sequences' ``segments`` (``n_tokens``), then
+        prompt pieces (``shared``: the step ran other work in a batch of its own). Returns
+        False when it failed: the tasks in it fail, not the engine."""
         batch = segments + [piece for _, piece in pieces]
-        if batch:
-            try:
-                t0 = time.perf_counter()
-                bases = self.e._tctx.decode_many(batch)
-                step_ms = (time.perf_counter() - t0) * 1000.0
-                if segments:
-                    self.e.observe_step(n_tokens, step_ms, pipelined=live[0].pipe is not None)
-                for c, base in zip(live, bases, strict=False):
-                    c.verify(base, step_ms)
-                alone = len(batch) == 1  # a piece alone in its batch prices prompt tokens
-                for (run, piece), base in zip(pieces, bases[len(segments) :], strict=True):
-                    run.shared = run.shared or not alone
-                    self._advance(run, base + len(piece.tokens) - 1, step_ms if alone else None)
-            except BaseException as exc:  # the tasks in this batch fail, not the engine
-                self._fail_all(exc, live, [run for run, _ in pieces])
-                return self.busy
+        if not batch:
+            return True
+        try:
+            t0 = time.perf_counter()
+            bases = self.e._tctx.decode_many(batch)
+            step_ms = (time.perf_counter() - t0) * 1000.0
+            if segments:
+                self.e.observe_step(n_tokens, step_ms, pipelined=live[0].pipe is not None)
+            for c, base in zip(live, bases, strict=False):
+                c.verify(base, step_ms)
+            # a piece alone in its step prices prompt tokens
+            alone = len(batch) == 1 and not shared
+            for (run, piece), base in zip(pieces, bases[len(segments) :], strict=True):
+                run.shared = run.shared or not alone
+                self._advance(run, base + len(piece.tokens) - 1, step_ms if alone else None)
+        except BaseException as exc:
+            self._fail_all(exc, live, [run for run, _ in pieces])
+            return False
+        return True
+
         self._retire()
         return self.busy
 
