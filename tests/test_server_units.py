@@ -231,6 +231,13 @@ def test_slot_choice_waits_for_a_busy_slot_only_when_it_holds_much_more() -> Non
     assert choose_slot([*a, 3], slots, follow_pin=False) == SlotChoice(0, wait=True)
     slots[0].running = _editor(3)  # another editor's request runs there: take the idle slot
     assert choose_slot([*a, 3], slots, follow_pin=False) == SlotChoice(1)
+    # the slot still holds this prompt, but another client's completion runs there and will
+    # replace it: waiting would buy nothing (four clients on any slot waited seconds)
+    slots[0].hold(a)
+    assert choose_slot([*a, 3], slots, follow_pin=False) == SlotChoice(1)
+    # a warm-up running there instead: a completion stops it, and the slot keeps its cache
+    slots[0].running_warm_up = True
+    assert choose_slot([*a, 3], slots, follow_pin=False) == SlotChoice(0, wait=True)
 
     # the editor's ring moved on by a chunk (the oldest left the front): no prefix in common
     # with its busy slot, but its pieces are all there; a warm-up waits for that slot rather

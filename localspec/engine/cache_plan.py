@@ -86,6 +86,10 @@ class CachedSlot(Protocol):
     def is_processing(self) -> bool: ...
     @property
     def running(self) -> Sequence[int]: ...  # the prompt of the request running there, if any
+    @property
+    def running_pieces(self) -> frozenset[int]: ...  # ``cache_pieces(running)``
+    @property
+    def running_warm_up(self) -> bool: ...  # what runs there is a warm-up (a completion stops it)
 
 
 PIECE = 16  # tokens per piece compared when choosing a slot
@@ -138,7 +142,8 @@ def choose_slot(
     tokens longer than every idle slot holds (the same editor's previous keystroke, about to be
     cancelled, or its warm-up still filling a slot) is waited for rather than evaluating the
     prompt again elsewhere. A busy slot's prefix counts the prompt running there: it holds
-    that once the running request ends or is stopped (a first warm-up fills an empty slot).
+    that once the running request ends or is stopped (a first warm-up fills an empty slot);
+    where a completion runs, only that counts (its prompt replaces the cache).
     A ``patient`` request (a warm-up: nobody waits for its answer) also waits for a busy slot
     that holds its pieces anywhere: a ring that moved on by a chunk shares no prefix with the
     editor's slot, and taking the idle slot would evict the other editor's context.
@@ -150,10 +155,16 @@ def choose_slot(
     least = min(FIT_MIN, len(prompt) // 2)  # what a shared header never reaches
     fit, kept = {}, {}  # among equal fits, the longest prefix: kept in place, its KV exact
     for s in slots:
-        prefix = common_prefix(prompt, s.tokens)
+        tokens, pieces = s.tokens, s.pieces
+        if s.is_processing and s.running and not s.running_warm_up:
+            # a completion runs there: once it ends the slot holds its prompt, not the cache
+            # it held before (another editor's request on the slot that held ours, or a
+            # benchmark's clients on any slot: waiting would buy nothing)
+            tokens, pieces = s.running, s.running_pieces
+        prefix = common_prefix(prompt, tokens)
         if s.is_processing:
             prefix = max(prefix, common_prefix(prompt, s.running))
-        found = max(cache_fit(prompt, s.pieces), prefix)
+        found = max(cache_fit(prompt, pieces), prefix)
         fit[s.id], kept[s.id] = (found, prefix) if found >= max(1, least) else (0, 0)
 
     def rank(s: CachedSlot) -> tuple[int, int, bool, float, bool]:

@@ -83,10 +83,12 @@ class SlotInfo:
     last_used: float = 0.0  # monotonic time of its last request; 0 = never
     is_processing: bool = False
     running: list[int] = field(default_factory=list)  # the running request's prompt
+    running_warm_up: bool = False  # the running request is a warm-up (n_predict 0)
     n_requests: int = 0
     last_prompt_n: int = 0
     last_cache_n: int = 0
     _pieces: frozenset[int] | None = field(default=None, repr=False)
+    _running_pieces: tuple[list[int], frozenset[int]] | None = field(default=None, repr=False)
 
     def hold(self, tokens: list[int]) -> None:
         """The slot's cache now holds ``tokens``."""
@@ -98,6 +100,13 @@ class SlotInfo:
         if self._pieces is None:
             self._pieces = cache_pieces(self.tokens)
         return self._pieces
+
+    @property
+    def running_pieces(self) -> frozenset[int]:
+        """``cache_pieces(running)``, built once per running request that a choice reads."""
+        if self._running_pieces is None or self._running_pieces[0] is not self.running:
+            self._running_pieces = (self.running, cache_pieces(self.running))
+        return self._running_pieces[1]
 
     def to_json(self, *, speculative: bool) -> dict[str, object]:
         return {

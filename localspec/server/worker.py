@@ -466,6 +466,7 @@ class Worker:
             with self._cond:
                 self._running[slot_id] = job
             slot.is_processing, slot.running = True, prompt
+            slot.running_warm_up = job.cache_only
             if not prompt:  # llama-server answers an empty prompt with an empty completion
                 empty = GenerationResult(tokens=[], text="", stop_type="none")
                 self._done(job, [empty], None)
