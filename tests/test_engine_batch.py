@@ -412,9 +412,13 @@ def test_without_flash_attention_a_piece_shares_the_decoding_rows_batch(
     with Engine.load(s) as plain:
         assert not plain.pieces_apart
         seen = each_batch(plain._tctx, monkeypatch, list)
+        observed: list[int] = []  # each step's tokens, as the step-cost table learns them
+        monkeypatch.setattr(plain, "observe_step", lambda n, ms, pipelined: observed.append(n))
         switch_beside_a_completion(plain, scorer)
     shared = [b for b in seen if any(map(is_piece, b)) and any(s.seq == 0 for s in b)]
     assert len(shared) >= 440 // 64 - 1
+    # a step's time is priced by all its tokens, the piece's included
+    assert max(observed) == max(sum(len(s.tokens) for s in b) for b in shared) > 60
 
 
 def test_cancelling_one_request_leaves_the_other_running(engine: Engine, scorer: Scorer) -> None:

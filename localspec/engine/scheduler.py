@@ -199,9 +199,9 @@ class Scheduler:
             pieces.append((run, run.piece))
             n_batch += len(run.piece.tokens)
         if not apart:
-            self._decode(live, segments, pieces, n_tokens)
-        elif self._decode(live, segments, [], n_tokens):
-            self._decode([], [], pieces, 0, shared=True)
+            self._decode(live, segments, pieces)
+        elif self._decode(live, segments, []):
+            self._decode([], [], pieces, shared=True)
         self._retire()
         return self.busy
 
@@ -210,11 +210,10 @@ class Scheduler:
         live: list[Completion],
         segments: list[Segment],
         pieces: list[tuple[_Running, Segment]],
-        n_tokens: int,
         *,
         shared: bool = False,
     ) -> bool:
-        """One llama.cpp batch: the decoding sequences' ``segments`` (``n_tokens``), then
+        """One llama.cpp batch: the decoding sequences' ``segments``, then
         prompt pieces (``shared``: the step ran other work in a batch of its own). Returns
         False when it failed: the tasks in it fail, not the engine."""
         batch = segments + [piece for _, piece in pieces]
@@ -224,7 +223,8 @@ class Scheduler:
             t0 = time.perf_counter()
             bases = self.e._tctx.decode_many(batch)
             step_ms = (time.perf_counter() - t0) * 1000.0
-            if segments:
+            if segments:  # (what a step of this many tokens costs, pieces included)
+                n_tokens = sum(len(s.tokens) for s in batch)
                 self.e.observe_step(n_tokens, step_ms, pipelined=live[0].pipe is not None)
             for c, base in zip(live, bases, strict=False):
                 c.verify(base, step_ms)
