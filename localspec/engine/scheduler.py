@@ -191,13 +191,13 @@ class Scheduler:
         n_tokens = sum(len(s.tokens) for s in segments)
         apart = apart and n_tokens + pending >= FA_TILE_ROWS  # (fewer: the row-by-row kernel)
         pieces: list[tuple[_Running, Segment]] = []
-        n_batch = 0 if apart else n_tokens
+        rows = 0 if apart else n_tokens  # in the pieces' batch
         for run in self.prefilling:  # oldest first, while the batch has room
             assert run.piece is not None
-            if (n_batch or pieces) and n_batch + len(run.piece.tokens) > self.e.n_batch:
+            if (rows or pieces) and rows + len(run.piece.tokens) > self.e.n_batch:
                 break
             pieces.append((run, run.piece))
-            n_batch += len(run.piece.tokens)
+            rows += len(run.piece.tokens)
         if not apart:
             self._decode(live, segments, pieces)
         elif self._decode(live, segments, []):
@@ -213,9 +213,9 @@ class Scheduler:
         *,
         shared: bool = False,
     ) -> bool:
-        """One llama.cpp batch: the decoding sequences' ``segments``, then
-        prompt pieces (``shared``: the step ran other work in a batch of its own). Returns
-        False when it failed: the tasks in it fail, not the engine."""
+        """One llama.cpp batch: the decoding sequences' ``segments``, then prompt pieces
+        (``shared``: the step ran other work in a batch of its own). Returns False when it
+        failed: the tasks in it fail, not the engine."""
         batch = segments + [piece for _, piece in pieces]
         if not batch:
             return True
