@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import gzip
-import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,9 +54,7 @@ def proxied(
 
 def _errors(proxy: Daemon) -> list[str]:
     """The log's ERROR records (an upstream's fault is a warning, never a traceback)."""
-    assert proxy.log_file is not None
-    entries = [json.loads(x) for x in proxy.log_file.read_text().splitlines() if x[:1] == "{"]
-    return [e.get("message", "") for e in entries if e.get("level") == "error"]
+    return [e.get("message", "") for e in proxy.records() if e.get("level") == "error"]
 
 
 def test_a_stream_a_proxy_compressed_reaches_the_editor_as_events(

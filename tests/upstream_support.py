@@ -92,15 +92,22 @@ class Daemon:
         err = self.proc.stderr.read() if self.proc.stderr else ""
         raise AssertionError(f"daemon ended before {prefix!r}: {''.join(self.out)} {err[-3000:]}")
 
+    def records(self, timeout: float = 5.0) -> list[dict[str, Any]]:
+        """The log's JSON records written so far. The daemon may be writing one as the test
+        reads: that one is waited for (the log ends a line), never read in half."""
+        assert self.log_file is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            text = self.log_file.read_text() if self.log_file.exists() else ""
+            if text.endswith("\n") or not text or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        whole = text[: text.rfind("\n") + 1]
+        return [json.loads(line) for line in whole.splitlines() if line.startswith("{")]
+
     def requests(self) -> list[dict[str, Any]]:
         """The request log lines written so far (JSON)."""
-        assert self.log_file is not None
-        lines = self.log_file.read_text().splitlines() if self.log_file.exists() else []
-        return [
-            entry
-            for entry in map(json.loads, (line for line in lines if line.startswith("{")))
-            if entry.get("logger") == "localspec.requests"
-        ]
+        return [e for e in self.records() if e.get("logger") == "localspec.requests"]
 
     def lines(self, path: str, n: int = 1, timeout: float = 10.0) -> list[dict[str, Any]]:
         """The request log lines for ``path``, once there are at least ``n`` (a line is
