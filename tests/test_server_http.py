@@ -240,6 +240,23 @@ class Editors:
             self.send(name, vscode_request("    x", input_extra=ring, n_predict=1))
         return {name: self.results[name].json()["id_slot"] for name in rings}
 
+    def behind_running(self, name: str, body: dict[str, Any], long_body: dict[str, Any]) -> None:
+        """Send ``body`` while ``long_body`` generates (held there): it must queue for that
+        busy slot (the other slot stays idle) and run once the long request is stopped."""
+        worker = self.live.service.worker
+        with held_generation(worker.engine) as hold:
+            running = threading.Thread(target=self.send, args=("running", long_body))
+            running.start()
+            hold.wait_reached()
+            waiting = threading.Thread(target=self.send, args=(name, body))
+            waiting.start()
+            wait_until(lambda: worker.queued == 1)
+            assert len(worker._running) == 1
+            worker.cancel_running()
+            running.join()
+            hold.release.set()
+            waiting.join()
+
 
 def test_a_keystroke_waits_for_the_slot_that_holds_its_editor(qwen: Live) -> None:
     """The editor's previous request still runs on its slot (its cancel not seen yet, or the
@@ -255,18 +272,7 @@ def test_a_keystroke_waits_for_the_slot_that_holds_its_editor(qwen: Live) -> Non
     keystroke = vscode_request("    xyz", input_extra=ring, id_slot=other, n_predict=1)
     long_body = vscode_request("    xy", input_extra=ring, id_slot=other, n_predict=3000, top_k=1,
                                samplers=["top_k"], t_max_predict_ms=0)  # fmt: skip
-    with held_generation(worker.engine) as hold:
-        running = threading.Thread(target=send, args=("running", long_body))
-        running.start()
-        hold.wait_reached()
-        key = threading.Thread(target=send, args=("key", keystroke))
-        key.start()
-        wait_until(lambda: worker.queued == 1)  # waits: the other slot stays idle
-        assert len(worker._running) == 1
-        worker.cancel_running()
-        running.join()
-        hold.release.set()
-        key.join()
+    editor.behind_running("key", keystroke, long_body)
     answer = results["key"].json()
     assert answer["id_slot"] == home_slot and answer["timings"]["prompt_n"] <= 4
 
@@ -330,10 +336,9 @@ def test_a_warm_up_after_a_ring_change_waits_for_its_editors_busy_slot(qwen: Liv
     import json.encoder
     import textwrap
 
-    worker = qwen.service.worker
     rings = {"a": ring_chunks(9), "b": ring_chunks(8, json.encoder)}
     editors = Editors(qwen)
-    send, results = editors.send, editors.results
+    results = editors.results
     slots = editors.settle({"a": rings["a"][:8], "b": rings["b"]})  # a slot each
     slot_a, slot_b = slots["a"], slots["b"]
     assert slot_a != slot_b
@@ -342,18 +347,7 @@ def test_a_warm_up_after_a_ring_change_waits_for_its_editors_busy_slot(qwen: Liv
     moved = [*rings["a"][1:], *ring_chunks(1, textwrap)]  # a's ring, one chunk on
     warmup = vscode_request("", input_prefix="", input_suffix="", input_extra=moved,
                             n_predict=0, samplers=[], t_max_predict_ms=1)  # fmt: skip
-    with held_generation(worker.engine) as hold:
-        running = threading.Thread(target=send, args=("running", long_body))
-        running.start()
-        hold.wait_reached()
-        warming = threading.Thread(target=send, args=("warm-up", warmup))
-        warming.start()
-        wait_until(lambda: worker.queued == 1)  # it waits: the other slot stays idle
-        assert len(worker._running) == 1
-        worker.cancel_running()
-        running.join()
-        hold.release.set()
-        warming.join()
+    editors.behind_running("warm-up", warmup, long_body)
     assert results["warm-up"].json()["id_slot"] == slot_a
     with qwen.client(headers=AUTH) as c:  # b's context is still in its slot
         b = c.post("/infill", json=vscode_request("    xy", input_extra=rings["b"], n_predict=1))
