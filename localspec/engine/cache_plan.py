@@ -155,15 +155,15 @@ def choose_slot(
     least = min(FIT_MIN, len(prompt) // 2)  # what a shared header never reaches
     fit, kept = {}, {}  # among equal fits, the longest prefix: kept in place, its KV exact
     for s in slots:
-        tokens, pieces = s.tokens, s.pieces
         if s.is_processing and s.running and not s.running_warm_up:
             # a completion runs there: once it ends the slot holds its prompt, not the cache
             # it held before (another editor's request on the slot that held ours, or a
             # benchmark's clients on any slot: waiting would buy nothing)
-            tokens, pieces = s.running, s.running_pieces
-        prefix = common_prefix(prompt, tokens)
-        if s.is_processing:
-            prefix = max(prefix, common_prefix(prompt, s.running))
+            prefix, pieces = common_prefix(prompt, s.running), s.running_pieces
+        else:
+            prefix, pieces = common_prefix(prompt, s.tokens), s.pieces
+            if s.is_processing:  # a warm-up, stopped by a completion: what it has done stays
+                prefix = max(prefix, common_prefix(prompt, s.running))
         found = max(cache_fit(prompt, pieces), prefix)
         fit[s.id], kept[s.id] = (found, prefix) if found >= max(1, least) else (0, 0)
 
