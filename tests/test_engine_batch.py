@@ -8,8 +8,9 @@ a shared batch must answer what the target answers, whatever its neighbours in t
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -69,8 +70,8 @@ def prompts(engine: Engine, n: int, lines: int = 8) -> list[list[int]]:
     return [engine.vocab.tokenize(text)[-150:] for text in code_prompts(n, lines=lines)]
 
 
-def exact(scorer: Scorer, prompt: list[int], out: list[int]) -> bool:
-    return scorer.check(prompt, out)[0] == 0
+def exact(scorer: Scorer, prompt: list[int], out: list[int], banned: Collection[int] = ()) -> bool:
+    return scorer.check(prompt, out, banned)[0] == 0
 
 
 # near-uniform draws among the two likeliest tokens: a sampled completion that parts from
@@ -357,11 +358,15 @@ def test_requests_on_two_slots_decode_in_the_same_steps(
 
 def switch_beside_a_completion(engine: Engine, scorer: Scorer) -> None:
     """Slot 0 decodes while slot 1 evaluates a 440-token prompt (a file switch); both answers
-    are the target's. Slot 0 asks for 160 tokens: at most 5 a step (a token and 4 drafted),
-    it outlasts the switch's 7 pieces whatever drafts this CPU's model output lets it accept."""
+    are the target's. Slot 0 asks for 160 tokens with the end tokens banned (``ignore_eos``):
+    at most 5 a step (a token and 4 drafted), it outlasts the switch's 7 pieces whatever this
+    CPU's model output lets it accept, and the random model cannot end it early."""
     (short,) = prompts(engine, 1)
     long = engine.vocab.tokenize("".join(code_prompts(6, lines=20)))[:440]
-    decoding = Task([GenerationRequest(slot=0, prompt=short, n_predict=160, sampling=GREEDY)])
+    endless = replace(
+        GREEDY, logit_bias=tuple((t, -math.inf) for t in sorted(engine.vocab.eog)), ignore_eos=True
+    )
+    decoding = Task([GenerationRequest(slot=0, prompt=short, n_predict=160, sampling=endless)])
     engine.submit(decoding)
     engine.step()
     while not engine.scheduler.running[0].completions[0].out:
@@ -369,7 +374,8 @@ def switch_beside_a_completion(engine: Engine, scorer: Scorer) -> None:
     switch = Task([GenerationRequest(slot=1, prompt=long, n_predict=4, sampling=GREEDY)])
     engine.clear_slot(1)
     run(engine, switch)
-    assert exact(scorer, short, decoding.results[0].tokens)
+    assert len(decoding.results[0].tokens) == 160
+    assert exact(scorer, short, decoding.results[0].tokens, banned=engine.vocab.eog)
     assert exact(scorer, long, switch.results[0].tokens)
 
 

@@ -11,6 +11,7 @@ number of cores (the pipelined draft: test_engine_pipeline).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import replace
 from pathlib import Path
 
@@ -49,8 +50,11 @@ class Scorer:
         self.model = Model(ms)
         self.ctx = Context(self.model, ms, n_seq=1, n_ctx_total=1024, clock=Clock())
 
-    def check(self, prompt: list[int], out: list[int]) -> tuple[int, int]:
-        """(mismatches, near-tie flips) of ``out`` against the target's greedy choices."""
+    def check(
+        self, prompt: list[int], out: list[int], banned: Collection[int] = ()
+    ) -> tuple[int, int]:
+        """(mismatches, near-tie flips) of ``out`` against the target's greedy choices, with
+        ``banned`` tokens (a request's ``ignore_eos``) never chosen."""
         self.ctx.seq_rm(0, -1, -1)
         seq = prompt + out[:-1]
         first = len(prompt) - 1
@@ -58,6 +62,7 @@ class Scorer:
         bad = ties = 0
         for i, tok in enumerate(out):
             row = np.array(self.ctx.logits(first + i))
+            row[list(banned)] = -np.inf
             best = int(row.argmax())
             if best == tok:
                 continue
