@@ -238,9 +238,6 @@ class Scheduler:
             return False
         return True
 
-        self._retire()
-        return self.busy
-
     def _end_alternatives(self) -> None:
         """Once a request's first completion has ended, an extra one past its
         ``t_max_predict_ms`` stops, mid-line (with the ones that follow it): the editor waits
