@@ -100,7 +100,7 @@ class Engine:
         # tile makes the piece's rows attend (in arithmetic) to that sequence's cells as well,
         # which costs more than one more pass over the weights (docs/benchmarks.md, "Prompt
         # pieces in a batch of their own"). There the pieces go in a batch after the decoding
-        # rows'
+        # rows'.
         self.pieces_apart = self.flash_attn and settings.target.n_gpu_layers == 0
         self.n_ctx_train = self._target.n_ctx_train
         self.model_path = self._target.path
