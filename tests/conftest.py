@@ -19,3 +19,12 @@ def _model_fixture(name: str):
 
 for _name in STANDARD:
     globals()[_name] = _model_fixture(_name)
+
+
+@pytest.fixture(autouse=True)
+def _results_elsewhere(tmp_path_factory: pytest.TempPathFactory, monkeypatch) -> Path:
+    """Benchmarks run by tests write their result files to a temporary directory, never into
+    the checkout's bench/results (the project's record of real runs)."""
+    results = tmp_path_factory.mktemp("results")
+    monkeypatch.setenv("LOCALSPEC_RESULTS_DIR", str(results))
+    return results

@@ -31,10 +31,9 @@ from typing import Any
 
 import httpx
 
-from localspec.bench import anchor
+from localspec.bench import anchor, harness
 from localspec.bench.command import bench_parser, interruptible
 from localspec.bench.edittasks import EditTask, edit_tasks
-from localspec.bench.replay import machine
 from localspec.bench.speculative import stdlib_files
 from localspec.bench.stats import fmt, mean, percentile, ratio
 
@@ -305,10 +304,10 @@ def server_specs(args: argparse.Namespace) -> list[anchor.ServerSpec]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return interruptible(_main, build_parser().parse_args(argv))
+    return interruptible(lambda args: _main(args, argv), build_parser().parse_args(argv))
 
 
-def _main(args: argparse.Namespace) -> int:
+def _main(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     try:
         if not args.target.is_file():
             raise FileNotFoundError(f"model file not found: {args.target}")
@@ -342,25 +341,23 @@ def _main(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     rows = summarize(answers, [s.name for s in specs])
+    table_text = table(rows)
     print()
-    print(table(rows))
+    print(table_text)
     print()
     print("\n".join(verdict(rows)))
     print(f"\nwall time {time.perf_counter() - t0:.0f} s; server logs in {log_dir}")
-    if args.json:
-        doc = {
-            "benchmark": "edit",
-            "machine": machine(),
-            "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-            "servers": [{"name": s.name, "argv": s.argv} for s in specs],
-            "tasks": [asdict(t) for t in tasks],
-            "rows": [asdict(r) for r in rows],
-            "verdict": verdict(rows),
-            "answers": [asdict(a) for a in answers],
-        }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(doc, indent=1))
-        print(f"wrote {args.json}", file=sys.stderr)
+    doc = {
+        "benchmark": "edit",
+        "machine": harness.machine(),
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "servers": [{"name": s.name, "argv": s.argv} for s in specs],
+        "tasks": [asdict(t) for t in tasks],
+        "rows": [asdict(r) for r in rows],
+        "verdict": verdict(rows),
+        "answers": [asdict(a) for a in answers],
+    }
+    harness.record("edit", argv, table_text, doc, json_path=args.json)
     return 0
 
 

@@ -19,13 +19,13 @@ alternating, and the report gives each phase's time and the ratio on/off.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from localspec.bench import harness
 from localspec.bench.corpus import stdlib_files
 from localspec.bench.stats import fmt
 from localspec.engine.cache import COMPACT_MIN_WORK, COMPACT_OFF, PrefillPolicy, SlotCaches
@@ -148,10 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1 or args.ctx < 256:
         p.error("--repeats must be >= 1 and --ctx >= 256")
     report = measure(args.model, n_ctx=args.ctx, threads=args.threads, repeats=args.repeats)
-    print(table(report))
-    if args.json is not None:
-        args.json.write_text(json.dumps(report, indent=1))
-        print(f"wrote {args.json}")
+    table_text = table(report)
+    print(table_text)
+    harness.record("kvcompact", argv, table_text, report, json_path=args.json)
     return 0
 
 

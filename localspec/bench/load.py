@@ -14,7 +14,6 @@ prints a table and, with ``--json FILE``, writes the figures.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import re
 import sys
@@ -28,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from localspec.bench import corpus
+from localspec.bench import corpus, harness
 from localspec.bench.command import key_from_file
 from localspec.bench.stats import percentile
 
@@ -262,10 +261,9 @@ def main(argv: list[str] | None = None) -> int:
         headers=headers,
         progress=lambda line: print(line, file=sys.stderr),
     )
-    print(report.table())
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(asdict(report), f, indent=2)
+    table_text = report.table()
+    print(table_text)
+    harness.record("load", argv, table_text, asdict(report), json_path=args.json)
     ok = report.errors == 0 and report.mismatches == 0 and report.busy_slots_after == 0
     return 0 if ok else 1
 

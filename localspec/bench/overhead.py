@@ -28,7 +28,7 @@ from typing import Any
 
 import uvicorn
 
-from localspec.bench import corpus
+from localspec.bench import corpus, harness
 from localspec.bench.stats import percentile
 from localspec.engine.types import EngineSettings, ModelSettings, SpecSettings
 from localspec.server.app import create_app
@@ -219,16 +219,17 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args)
     cols = ("wall", "engine", "overhead", "app", "parse", "queue", "prep", "post", "wake",
             "render", "other")  # fmt: skip
-    print(f"{'p50 ms':30} {'n':>4} " + " ".join(f"{c:>8}" for c in cols) + f" {'ovh p95':>8}")
+    lines = [f"{'p50 ms':30} {'n':>4} " + " ".join(f"{c:>8}" for c in cols) + f" {'ovh p95':>8}"]
     for name, s in result["configs"].items():
         cells = " ".join(
             f"{s[f'{c}_p50_ms']:>8.2f}" if f"{c}_p50_ms" in s else f"{'':>8}" for c in cols
         )
-        print(f"{name:30} {s['n']:>4} {cells} {s['overhead_p95_ms']:>8.2f}")
+        lines.append(f"{name:30} {s['n']:>4} {cells} {s['overhead_p95_ms']:>8.2f}")
     full, lean = (result["configs"][n]["overhead_p50_ms"] for n in CONFIGS)
-    print(f"overhead ratio, full answer / response_fields: {full / lean:.2f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    lines.append(f"overhead ratio, full answer / response_fields: {full / lean:.2f}")
+    table_text = "\n".join(lines)
+    print(table_text)
+    harness.record("overhead", argv, table_text, result, json_path=args.json)
     return 0
 
 

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import platform
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -23,7 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from localspec.bench import anchor, editor, proxy, report
+from localspec.bench import anchor, editor, harness, proxy, report
 from localspec.bench.background import busy_loops
 from localspec.bench.command import bench_parser, interruptible, key_from_file
 from localspec.bench.driver import Outcome, Target, replay
@@ -304,30 +302,6 @@ def _burst_line(n: int, burst: editor.Burst, done: list[Outcome], servers: Seque
     return f"[{burst.index + 1}/{n}] {where:<28} " + " | ".join(parts)
 
 
-def machine() -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-    }
-    try:
-        import psutil
-
-        info["physical_cores"] = psutil.cpu_count(logical=False)
-        info["memory_gb"] = round(psutil.virtual_memory().total / 2**30, 1)
-    except ImportError:  # pragma: no cover
-        pass
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return info
-
-
 async def _run(
     targets: list[Target],
     schedule: editor.Schedule,
@@ -435,10 +409,10 @@ async def _run_clients(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return interruptible(_main, build_parser().parse_args(argv))
+    return interruptible(lambda args: _main(args, argv), build_parser().parse_args(argv))
 
 
-def _main(args: argparse.Namespace) -> int:
+def _main(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     try:
         traffic = editor.TrafficSettings(
             locations=args.locations,
@@ -549,8 +523,9 @@ def _main(args: argparse.Namespace) -> int:
 
     names = [t.name for t in targets]
     summaries = report.summarize(outcomes, names)
+    table_text = report.table(summaries)
     print()
-    print(report.table(summaries))
+    print(table_text)
     best = report.best_anchor(summaries)
     if best is not None and summaries[0].server != best.server:
         first = summaries[0]
@@ -577,30 +552,25 @@ def _main(args: argparse.Namespace) -> int:
         }
     print(f"\nwall time {wall_s:.0f} s; server logs in {log_dir}")
 
-    if args.json:
-        doc = {
-            "benchmark": "replay",
-            "machine": machine(),
-            "traffic": {k: v for k, v in vars(traffic).items()},
-            "clients": args.clients,
-            "same_slot": args.same_slot,
-            "background": args.background,
-            "code": str(args.code or editor.default_code_dir()),
-            "cold_on": {t.name: t.oracle.name if t.oracle else "self" for t in targets},
-            "servers": [
-                {"name": s.spec.name, "url": s.spec.url, "argv": s.spec.argv} for s in started
-            ]
-            + [{"name": t.name, "url": t.url} for t in targets if t.name.startswith(("url", "vs"))],
-            "wall_s": wall_s,
-            "summaries": [report.summary_json(s) for s in summaries],
-            "ratios": report.ratios(summaries),
-            "best_llama_server": best.server if best else None,
-            "requests": [o.to_json() for o in outcomes],
-            **extra,
-        }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(doc, indent=1))
-        print(f"wrote {args.json}", file=sys.stderr)
+    doc = {
+        "benchmark": "replay",
+        "machine": harness.machine(),
+        "traffic": {k: v for k, v in vars(traffic).items()},
+        "clients": args.clients,
+        "same_slot": args.same_slot,
+        "background": args.background,
+        "code": str(args.code or editor.default_code_dir()),
+        "cold_on": {t.name: t.oracle.name if t.oracle else "self" for t in targets},
+        "servers": [{"name": s.spec.name, "url": s.spec.url, "argv": s.spec.argv} for s in started]
+        + [{"name": t.name, "url": t.url} for t in targets if t.name.startswith(("url", "vs"))],
+        "wall_s": wall_s,
+        "summaries": [report.summary_json(s) for s in summaries],
+        "ratios": report.ratios(summaries),
+        "best_llama_server": best.server if best else None,
+        "requests": [o.to_json() for o in outcomes],
+        **extra,
+    }
+    harness.record("replay", argv, table_text, doc, json_path=args.json)
     if args.plot:
         try:
             report.plot(outcomes, names, args.plot)

@@ -25,7 +25,6 @@ differences with their standard error, and the share of the ring's gain that blo
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import statistics
@@ -38,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from localspec.bench import harness
 from localspec.bench.corpus import stdlib_files
 from localspec.bench.stats import fmt
 from localspec.engine.cache import PrefillPolicy, SlotCaches
@@ -265,17 +265,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     rows = run(args.model, picked, threads=args.threads, max_cont=args.max_tokens)
     summary = summarize(rows)
-    print(table(summary))
+    table_text = table(summary)
+    print(table_text)
     print(f"\n{len(rows)} samples in {time.perf_counter() - t0:.0f} s")
-    if args.json:
-        doc = {
-            "benchmark": "ringquality",
-            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-            "summary": summary,
-            "rows": rows,
-        }
-        args.json.write_text(json.dumps(doc, indent=1, default=str))
-        print(f"wrote {args.json}", file=sys.stderr)
+    doc = {
+        "benchmark": "ringquality",
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "summary": summary,
+        "rows": rows,
+    }
+    harness.record("ringquality", argv, table_text, doc, json_path=args.json)
     return 0
 
 

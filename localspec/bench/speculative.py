@@ -12,6 +12,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from localspec.bench import harness
 from localspec.bench.background import busy_loops, levels
 from localspec.bench.corpus import code_prompts, stdlib_files
 from localspec.engine import (
@@ -422,9 +423,9 @@ def main(argv: list[str] | None = None) -> int:
         quality = run_cache_quality(
             model=args.target, keystrokes=args.cache_quality, threads=args.threads
         )
-        print(json.dumps(quality, indent=2))
-        if args.json:
-            Path(args.json).write_text(json.dumps(quality, indent=2) + "\n")
+        text = json.dumps(quality, indent=2)
+        print(text)
+        harness.record("speculative", argv, text, quality, json_path=args.json)
         return 0
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     unknown = [m for m in modes if m not in MODES]
@@ -435,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         ap.error(str(exc))
     results = []
+    tables = []
     for load in loads:
         with busy_loops(load):
             result = run(
@@ -450,12 +452,11 @@ def main(argv: list[str] | None = None) -> int:
             )
         result["background"] = load
         results.append(result)
-        print(f"\n{load} busy background process(es):" if len(loads) > 1 else "")
-        print(format_table(result))
-    if args.json:
-        doc = results[0] if len(results) == 1 else {"by_background": results}
-        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
-        print(f"wrote {args.json}")
+        heading = f"{load} busy background process(es):\n" if len(loads) > 1 else ""
+        tables.append(heading + format_table(result))
+        print("\n" + tables[-1])
+    doc = results[0] if len(results) == 1 else {"by_background": results}
+    harness.record("speculative", argv, "\n\n".join(tables), doc, json_path=args.json)
     return 0
 
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import statistics
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from localspec.bench import harness
 from localspec.bench.background import levels
 from localspec.bench.command import bench_parser
 from localspec.bench.corpus import code_prompts
@@ -125,9 +125,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     machine = hardware.probe().description
     when = datetime.date.today().isoformat()
     source = f"`localspec bench steps` on {machine}, {when}, {ctx.n_threads} threads"
-    print(f"\n{'sequences':>9} {'ms a step':>10} {'tokens/s':>9}")
-    for b, t in ms.items():
-        print(f"{b:>9} {t:>10.2f} {b / t * 1000:>9.1f}")
+    rows = [f"{'sequences':>9} {'ms a step':>10} {'tokens/s':>9}"]
+    rows += [f"{b:>9} {t:>10.2f} {b / t * 1000:>9.1f}" for b, t in ms.items()]
+    table_text = "\n".join(rows)
+    print("\n" + table_text)
     if key is None:
         print(
             f"\n{args.target.name} is not a catalog file: give --model and --quant to keep these "
@@ -138,12 +139,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         costs = StepCosts(ms, args.kv_tokens, source)
         path = step_costs.save(*key, costs, machine=machine)
         print(f"\nkept for `localspec plan` ({key[0]} {key[1]}): {path}", file=sys.stderr)
-    if args.json:
-        doc = {"benchmark": "steps", "model": key, "file": str(args.target), "source": source,
-               "kv_tokens": args.kv_tokens, "ms_by_sequences": ms}  # fmt: skip
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(doc, indent=1))
-        print(f"wrote {args.json}", file=sys.stderr)
+    doc = {"benchmark": "steps", "model": key, "file": str(args.target), "source": source,
+           "kv_tokens": args.kv_tokens, "ms_by_sequences": ms}  # fmt: skip
+    harness.record("steps", argv, table_text, doc, json_path=args.json)
     return 0
 
 

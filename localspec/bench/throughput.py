@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import sys
 import threading
 import time
@@ -39,12 +38,11 @@ from typing import Any
 
 import httpx
 
-from localspec.bench import anchor
+from localspec.bench import anchor, harness
 from localspec.bench.background import TURN_GAP_S, busy_loops, levels
 from localspec.bench.command import bench_parser, interruptible
 from localspec.bench.corpus import code_prompts, ring_chunks
 from localspec.bench.driver import divergence
-from localspec.bench.replay import machine
 from localspec.bench.stats import fmt, mean, percentile, ratio
 
 EPILOG = """\
@@ -394,10 +392,10 @@ def merge(cells: Sequence[Cell]) -> list[Cell]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return interruptible(_main, build_parser().parse_args(argv))
+    return interruptible(lambda args: _main(args, argv), build_parser().parse_args(argv))
 
 
-def _main(args: argparse.Namespace) -> int:
+def _main(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     try:
         client_counts = levels(args.clients)
         loads = levels(args.background)
@@ -480,24 +478,22 @@ def _main(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     merged = merge(cells)
+    table_text = table(merged)
     print()
-    print(table(merged))
-    if args.json:
-        doc = {
-            "benchmark": "throughput",
-            "machine": machine(),
-            "settings": {k: str(v) for k, v in vars(args).items()},
-            "servers": [{"name": s.spec.name, "argv": s.spec.argv} for s in started],
-            "cells": [c.summary() for c in merged],
-            "requests": [
-                {"server": c.server, "background": c.background, "clients": c.clients, **asdict(r)}
-                for c in cells
-                for r in c.requests
-            ],
-        }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(doc, indent=1))
-        print(f"wrote {args.json}", file=sys.stderr)
+    print(table_text)
+    doc = {
+        "benchmark": "throughput",
+        "machine": harness.machine(),
+        "settings": {k: str(v) for k, v in vars(args).items()},
+        "servers": [{"name": s.spec.name, "argv": s.spec.argv} for s in started],
+        "cells": [c.summary() for c in merged],
+        "requests": [
+            {"server": c.server, "background": c.background, "clients": c.clients, **asdict(r)}
+            for c in cells
+            for r in c.requests
+        ],
+    }
+    harness.record("throughput", argv, table_text, doc, json_path=args.json)
     return 0 if all(c.errors == 0 for c in merged) else 1
 
 

@@ -9,7 +9,7 @@ from localspec.commands import common as c
 
 BENCH = c.Command(
     "bench",
-    "run a benchmark (speculative, replay, edit, throughput, steps, load, overhead)",
+    "run a benchmark (speculative, replay, edit, throughput, steps, load, overhead, ...)",
     epilog="""\
 examples:
   localspec bench speculative --help     speculative vs plain decoding, draft vs n-gram
@@ -19,10 +19,26 @@ examples:
   localspec bench steps --help           step time by busy slots, kept for `localspec plan`
   localspec bench load --help            editor-like clients hammering a running daemon
   localspec bench overhead --help        the server's own time per request, in-process
-Benchmarks print a table and write JSON; every argument after the name is theirs.
+  localspec bench kvcompact --help       KV compaction after a file switch, off vs on
+  localspec bench ringquality --help     what ring blocks cost the model's predictions
+  localspec bench render                 docs/benchmarks.md's tables from the result files
+Benchmarks print a table and write a result file (bench/results/NAME/, or
+$LOCALSPEC_RESULTS_DIR); --json FILE also writes the figures alone. Every argument after the
+name is theirs.
 """,
 )
-BENCHES = ("speculative", "replay", "edit", "throughput", "steps", "load", "overhead")
+BENCHES = (
+    "speculative",
+    "replay",
+    "edit",
+    "throughput",
+    "steps",
+    "load",
+    "overhead",
+    "kvcompact",
+    "ringquality",
+    "render",
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
