@@ -18,11 +18,12 @@ import subprocess
 from pathlib import Path
 
 DOC = "docs/benchmarks.md"
-FIRST_MEASURED = "## Measured"
+FIRST_MEASURED = "## Speculative decoding (`localspec bench speculative`)"
 
 # each measured section's benchmark (by the start of its heading); default: the one its
 # commands name most often
 BENCHMARK = {
+    "## Speculative decoding": "speculative",
     "### Machine, models, conditions": "replay",
     "## Round 2": "replay",
     "### A busy machine": "speculative",
@@ -45,10 +46,7 @@ PRIMARY = {
         1,
         "r34: the final code on the reference schedule (seed 42), localspec vs llama-server",
     ),
-    "### A busy machine": (
-        1,
-        "target only vs auto (draft + n-gram), idle and beside one busy process",
-    ),
+    "## Speculative decoding": (0, "every mode against target-only, two runs"),
     "### Many sequences in one step": (0, "a decode step's time by sequences in the step"),
     "### Instruction edits": (0, "instruction edits, localspec vs llama-server modes"),
     "### One and four clients, current code": (
@@ -67,7 +65,7 @@ EXTRA = [
 COMMIT = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,12}\b")
 DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
 RUN = re.compile(r"\b([ra]\d+)(?:-r?(\d+))?\b")
-MACHINE = re.compile(r"[^.\n]*(?:\bMachine\b[^:\n.]{0,20}:|vCPU)[^.]*\.")
+MACHINE = re.compile(r"[^.\n]*(?:\bMachine\b[^:\n.]{0,20}:|vCPU)(?:[^.]|\.(?=\w))*\.")
 
 
 def git(*args: str) -> str:
@@ -142,7 +140,7 @@ def main() -> None:
     args = p.parse_args()
     lines = git("show", f"{args.commit}:{DOC}").split("\n")
     begin = lines.index(FIRST_MEASURED) + 1
-    heads = [i for i in range(begin, len(lines)) if lines[i].startswith("##")]
+    heads = [i for i in range(begin - 1, len(lines)) if lines[i].startswith("##")]
     machine_said: dict | str = "unknown"
     round_date = "unknown"
     for n, start in enumerate(heads):
@@ -153,6 +151,8 @@ def main() -> None:
         if heading.startswith("## "):
             found = DATE.search(heading)
             round_date = found.group(0) if found else "unknown"
+        if len(text.split()) < 20:  # a heading over subsections
+            continue
         named = re.findall(r"(?:localspec bench|bench) (\w+)", text)
         bench = next((b for k, b in BENCHMARK.items() if heading.startswith(k)), None)
         if bench is None:
