@@ -65,7 +65,9 @@ EXTRA = [
 COMMIT = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,12}\b")
 DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
 RUN = re.compile(r"\b([ra]\d+)(?:-r?(\d+))?\b")
-MACHINE = re.compile(r"[^.\n]*(?:\bMachine\b[^:\n.]{0,20}:|vCPU)(?:[^.]|\.(?=\w))*\.")
+MACHINE = re.compile(
+    r"[^.\n]*(?:\bMachine\b[^:\n.]{0,20}:|vCPU)(?:[^.\n]|\n(?!\s*\n)|\.(?=\w))*?(?:\.(?!\w)|(?=\n\s*\n))"
+)
 
 
 def git(*args: str) -> str:

@@ -65,10 +65,13 @@ def section(results: Path, benchmark: str, root: Path | None) -> str:
     path, doc = found
     shown = path.relative_to(root).as_posix() if root and path.is_relative_to(root) else path.name
     commit = str(doc.get("commit", "unknown"))
-    facts = [f"`{shown}`", f"date {doc.get('date', 'unknown')}", f"commit {commit[:12]}"]
+    date = str(doc.get("date", "unknown"))
+    if date == "unknown" and doc.get("recorded", {}).get("date"):
+        date = f"unknown (written up {doc['recorded']['date'][:10]})"
+    facts = [f"`{shown}`", f"date {date}", f"commit {commit[:12]}"]
     machine = doc.get("machine")
-    if isinstance(machine, dict):
-        machine = machine.get("cpu") or machine.get("platform")
+    if isinstance(machine, dict):  # a run's facts, or the sentence a written-up run gave
+        machine = machine.get("cpu") or machine.get("text") or machine.get("platform")
     if machine and machine != "unknown":
         facts.append(f"machine: {machine}")
     parts = ["From " + ", ".join(facts) + "."]
