@@ -139,13 +139,20 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("commit", help="the commit whose docs/benchmarks.md to split")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
+    p.add_argument("--doc", default=DOC, help="another doc's measured sections")
+    p.add_argument("--first", default=FIRST_MEASURED, help="the first measured heading")
+    p.add_argument("--until", default=None, help="the heading after the last measured one")
+    p.add_argument("--bench", default=None, help="the benchmark of every section")
+    p.add_argument("--prefix", default="history", help="the files' name prefix")
     args = p.parse_args()
-    lines = git("show", f"{args.commit}:{DOC}").split("\n")
-    begin = lines.index(FIRST_MEASURED) + 1
-    heads = [i for i in range(begin - 1, len(lines)) if lines[i].startswith("##")]
+    lines = git("show", f"{args.commit}:{args.doc}").split("\n")
+    begin = lines.index(args.first) + 1
+    stop = lines.index(args.until) if args.until else len(lines)
+    heads = [i for i in range(begin - 1, stop) if lines[i].startswith("##")] + [stop]
+    heads = heads[:-1] if heads[-1] == len(lines) else heads
     machine_said: dict | str = "unknown"
     round_date = "unknown"
-    for n, start in enumerate(heads):
+    for n, start in enumerate(heads[:-1] if args.until else heads):
         end = heads[n + 1] if n + 1 < len(heads) else len(lines)
         heading = lines[start]
         body = lines[start:end]
@@ -156,7 +163,7 @@ def main() -> None:
         if len(text.split()) < 20:  # a heading over subsections
             continue
         named = re.findall(r"(?:localspec bench|bench) (\w+)", text)
-        bench = next((b for k, b in BENCHMARK.items() if heading.startswith(k)), None)
+        bench = args.bench or next((b for k, b in BENCHMARK.items() if heading.startswith(k)), None)
         if bench is None:
             counts = {b: named.count(b) for b in set(named) if b in KNOWN}
             bench = max(counts, key=lambda b: (counts[b], b)) if counts else "replay"
@@ -167,7 +174,7 @@ def main() -> None:
         commits = list(dict.fromkeys(COMMIT.findall(text)))
         in_heading = COMMIT.findall(heading)
         blame = git("blame", "--porcelain", "-L", f"{start + 1},{start + 1}", args.commit, "--",
-                    DOC).split("\n")  # fmt: skip
+                    args.doc).split("\n")  # fmt: skip
         when = next(x.split()[1] for x in blame if x.startswith("author-time "))
         recorded_date = subprocess.run(
             ["date", "-u", "-d", f"@{when}", "+%Y-%m-%dT%H:%M:%S+00:00"],
@@ -187,7 +194,7 @@ def main() -> None:
             "commands": cmds,
             "machine": machine_said,
             "recorded": {
-                "in": DOC,
+                "in": args.doc,
                 "at": args.commit,
                 "section": heading.lstrip("#").strip(),
                 "commit": blame[0].split()[0][:12],
@@ -199,7 +206,7 @@ def main() -> None:
             doc["table"] = pick(found_tables[primary[0]], primary[1])
         doc["tables"] = found_tables
         doc["notes"] = text
-        name = f"history-{n:02d}-{slug(heading)}.json"
+        name = f"{args.prefix}-{n:02d}-{slug(heading)}.json"
         out = args.out / bench / name
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
@@ -210,7 +217,7 @@ def main() -> None:
                 extra["table"] = pick(found_tables[index], title)
                 extra["tables"] = [found_tables[index]]
                 extra["notes"] = f"One table of {bench}/{name}, which holds the section's text."
-                path = args.out / other / f"history-{n:02d}-{slug(heading)}.json"
+                path = args.out / other / name
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(json.dumps(extra, indent=1, ensure_ascii=False) + "\n")
 

@@ -53,7 +53,7 @@ def test_render_shows_the_newest_run_and_says_where_none_is(tmp_path: Path) -> N
     assert "stale text" not in out
     assert "| p50 | 7 |" in out and "| p50 | 9 |" not in out
     assert "`results/replay/new.json`, date 2026-12-03T10:00:00+00:00, commit abc1234" in out
-    assert "_No result file yet: run `localspec bench steps`._" in out
+    assert "_No current table yet: run `localspec bench steps`._" in out
     assert render.render(out, results, tmp_path) == out  # rendering twice changes nothing
 
 

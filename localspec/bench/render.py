@@ -61,7 +61,9 @@ def section(results: Path, benchmark: str, root: Path | None) -> str:
     """What goes between one benchmark's markers."""
     found = newest(results, benchmark)
     if found is None:
-        return f"_No result file yet: run `localspec bench {benchmark}`._\n"
+        earlier = any((results / benchmark).glob("*.json"))
+        where = f" (written-up runs: `bench/results/{benchmark}/`)" if earlier else ""
+        return f"_No current table yet: run `localspec bench {benchmark}`{where}._\n"
     path, doc = found
     shown = path.relative_to(root).as_posix() if root and path.is_relative_to(root) else path.name
     commit = str(doc.get("commit", "unknown"))
