@@ -80,8 +80,9 @@ class EngineSettings:
     # a moved tail block drifts from what a cold evaluation would compute as the tokens before
     # it change; once this many tokens changed since it was last computed, recompute it
     tail_max_drift: int = 8
-    # re-evaluate this many tokens at the start of a moved tail block (nearest the edit):
-    # with 8/32, 96% of greedy answers equal a cold cache's in the keystroke replay
+    # re-evaluate this many tokens at the start of a moved tail block (nearest the edit): the
+    # tokens right after an edit carry most of the change (bench/results/speculative/
+    # engine-md-03-*.json: the cache-quality replay of each drift cap and refresh length)
     tail_refresh: int = 32
     # and, past those, re-evaluate a rolling window of this many tokens per keystroke: every
     # token is recomputed every few keys, so the drift cap rarely forces a whole-block recompute
