@@ -98,9 +98,8 @@ class Engine:
         # query rows (scheduler.FA_TILE_ROWS) and skips a tile of KV cells only where the mask
         # hides it from every row of the tile: a decoding sequence's row in a prompt piece's
         # tile makes the piece's rows attend (in arithmetic) to that sequence's cells as well,
-        # which costs more than one more pass over the weights (docs/benchmarks.md, "Prompt
-        # pieces in a batch of their own"). There the pieces go in a batch after the decoding
-        # rows'.
+        # which costs more than one more pass over the weights (bench/results/throughput/
+        # history-43-*.json). There the pieces go in a batch after the decoding rows'.
         self.pieces_apart = self.flash_attn and settings.target.n_gpu_layers == 0
         self.n_ctx_train = self._target.n_ctx_train
         self.model_path = self._target.path
