@@ -34,10 +34,10 @@ from localspec.engine.errors import DecodeError
 from localspec.engine.llama import Context, Segment
 from localspec.engine.types import Cancel
 
-# compact the KV buffer (Context.compact, ~30 ms for 3 800 cells of a 135M model on 2 cores)
-# before an evaluation when (holes below kept cells) x (tokens to evaluate) reaches this: each
-# hole below the highest used cell costs ~1.2-1.8 us per evaluated token without flash
-# attention (docs/engine.md), so this is ~2.5x the break-even point
+# compact the KV buffer (Context.compact, a whole-state copy) before an evaluation when
+# (holes below kept cells) x (tokens to evaluate) reaches this: without flash attention each
+# hole below the highest used cell costs every evaluated token a dot product, and this sits a
+# margin above the point where that outweighs the copy (bench/results/kvcompact/)
 COMPACT_MIN_WORK = 64 * 1024
 COMPACT_OFF = 1 << 62  # a threshold no prefill reaches
 # prefill pieces shorter than this cost mostly fixed overhead: no sample for the token price
@@ -65,11 +65,11 @@ class Pieces:
     ``chunk`` while the pieces share steps with other work (a step of others' tokens is held
     up by at most that). After a piece that ran alone in its batch (nothing else to run), as
     many tokens as ``budget_ms`` buys at that piece's own price (measured at the prompt's
-    depth), up to ``most``: llama.cpp's flash attention evaluates a 400-token prompt on 2 CPU
-    cores ~13 % faster in one batch than in four (each batch reads the weights again), and a
-    GPU's batches are cheap per token up to its ubatch. The budget bounds how long a request
-    that arrives meanwhile waits for the piece in flight. Without flash attention the piece
-    size does not change the speed on a CPU (docs/benchmarks.md), so the engine passes no
+    depth), up to ``most``: llama.cpp's flash attention evaluates a prompt faster in fewer
+    batches (each batch reads the weights again), and a GPU's batches are cheap per token up
+    to its ubatch. The budget bounds how long a request that arrives meanwhile waits for the
+    piece in flight. Without flash attention the piece size does not change the speed on a CPU
+    (bench/results/speculative/history-20-*.json, history-31-*.json), so the engine passes no
     budget there and the small piece keeps a cancel quick."""
 
     chunk: int
