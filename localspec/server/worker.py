@@ -92,10 +92,11 @@ class EngineThread:
     Why one thread, loads included. Each thread that calls llama.cpp keeps an OpenMP team of
     its own: with a chat model's worker on a second thread, the process held more OpenMP
     threads than cores once chat had answered, libgomp then cut every barrier's spin short,
-    and the completion engine decoded at half speed for the rest of the daemon's life. And
-    with the two models loading on two threads at once, about one daemon in ten crashed
-    (SIGSEGV in the CPU backend's matrix multiply) on its first chat request, whether or not
-    their decodes took turns; with every call on one thread, none did. The daemon answers
+    and the completion engine decoded far slower for the rest of the daemon's life
+    (bench/results/throughput/history-22-*.json). And with the two models loading on two
+    threads at once, daemons crashed (SIGSEGV in the CPU backend's matrix multiply) on their
+    first chat request, whether or not their decodes took turns; with every call on one
+    thread, none did (docs/engine.md, "One process, one engine thread"). The daemon answers
     nothing until both models are loaded, so loading them in turn costs no request anything.
 
     The thread runs while a worker is loading or loaded and not stopped, and starts again for
