@@ -127,8 +127,9 @@ def whole_blocks(
     fit whole, then the current file's separator. A chunk cut in the middle would be a new
     block, to evaluate again, at every cut, where a whole one moves exactly. The ring ends at
     the first chunk that does not fit: skipping it for older ones that do (a fuller budget)
-    lets chunks drop out and come back as the ring turns, each return an evaluation (1.3x the
-    prompt tokens of the contiguous rule in the editor replay, docs/benchmarks.md)."""
+    lets chunks drop out and come back as the ring turns, each return an evaluation (more
+    prompt tokens than the contiguous rule in the editor replay: bench/results/replay/
+    history-15-*.json)."""
     if len(extra) <= budget:
         return extra, list(lengths)
     closing = len(extra) - sum(lengths)
