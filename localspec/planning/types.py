@@ -40,10 +40,10 @@ def default_flash_attn(on_gpu: bool, type_k: str, type_v: str, n_slots: int = 1)
     On GPUs; for a quantized KV cache (llama.cpp needs it for a quantized V); and for several
     slots: they share one KV buffer, and without it every token computes a score for every
     cell below the highest used one, every slot's, masked or not, where its CPU kernel skips
-    masked cells (4 clients on 4 slots: 1.8x the tokens/s, docs/benchmarks.md). One slot on
-    the CPU: off, because llama.cpp's KQ matmul verifies a 16-token draft at 3.4k positions in
-    105 ms against flash attention's 187 and decodes faster (docs/engine.md), for an
-    n_kv x n_ubatch score matrix in the compute buffer that the planner counts."""
+    masked cells. One slot on the CPU: off, because llama.cpp's KQ matmul verifies a draft deep
+    in the context much faster and decodes faster (bench/results/replay/history-12-*.json,
+    bench/results/speculative/history-31-*.json), for an n_kv x n_ubatch score matrix in the
+    compute buffer that the planner counts."""
     quantized = type_k not in UNQUANTIZED_KV or type_v not in UNQUANTIZED_KV
     return on_gpu or quantized or n_slots > 1
 
