@@ -19,7 +19,7 @@ from localspec.engine.threads import SAMPLE_S
 # idle seconds before each server's turn: localspec's thread rule (engine/threads.py) reads
 # the last SAMPLE_S of other processes' CPU as load, so a turn that began the instant another
 # server's ended would run its first evaluations on fewer threads, for load the benchmark
-# made, not the machine (measured: the first of six prompts at 504 tok/s, the others ~690)
+# made, not the machine (the first prompt after another server's turn ran slower than the rest)
 TURN_GAP_S = 2.5 * SAMPLE_S
 
 
