@@ -4,7 +4,8 @@ ggml synchronises its threads with a barrier after every graph node (about 750 a
 30-layer model), and a thread that reaches one spins until the others arrive. When another
 process holds one of the cores, a descheduled member of the team stalls the rest at nearly
 every barrier for a scheduler slice: on 2 cores beside one busy process, 2 threads decoded
-SmolLM2-135M at under 1 token/s where 1 thread decodes at ~40 (docs/engine.md, "Threads").
+far slower than 1 (bench/results/speculative/history-20-*.json; docs/engine.md, "Threads follow
+the load").
 So the thread count follows the load: every evaluation runs on at most the cores that other
 processes left idle over the last fraction of a second, re-measured as it changes.
 
@@ -22,7 +23,8 @@ from dataclasses import dataclass
 
 # a core counts as taken when other processes kept it this busy over the window: a thread
 # sharing a core with a process that runs a third of the time is descheduled often enough
-# that the barrier stalls cost more than the thread adds (docs/engine.md, "Threads")
+# that the barrier stalls cost more than the thread adds (docs/engine.md, "Threads follow the
+# load")
 BUSY_CORE = 0.3
 SAMPLE_S = 0.2  # the load is re-measured at most this often (two small /proc reads)
 
