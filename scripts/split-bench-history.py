@@ -66,7 +66,8 @@ COMMIT = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,12}\b")
 DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
 RUN = re.compile(r"\b([ra]\d+)(?:-r?(\d+))?\b")
 MACHINE = re.compile(
-    r"[^.\n]*(?:\bMachine\b[^:\n.]{0,20}:|vCPU)(?:[^.\n]|\n(?!\s*\n)|\.(?=\w))*?(?:\.(?!\w)|(?=\n\s*\n))"
+    r"[^.\n]*(?:\bMachine(?: for these runs)?:|Build machine:|machine type|\d vCPUs (?:of|\())"
+    r"(?:[^.\n]|\n(?!\s*\n)|\.(?=\w))*?(?:\.(?!\w)|(?=\n\s*\n))"
 )
 
 

@@ -26,5 +26,5 @@ def _results_elsewhere(tmp_path_factory: pytest.TempPathFactory, monkeypatch) ->
     """Benchmarks run by tests write their result files to a temporary directory, never into
     the checkout's bench/results (the project's record of real runs)."""
     results = tmp_path_factory.mktemp("results")
-    monkeypatch.setenv("LOCALSPEC_RESULTS_DIR", str(results))
+    monkeypatch.setenv("BENCH_RESULTS_DIR", str(results))
     return results

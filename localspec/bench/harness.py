@@ -20,7 +20,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-RESULTS_ENV = "LOCALSPEC_RESULTS_DIR"
+# not LOCALSPEC_*: the settings refuse unknown variables with that prefix, and a benchmark
+# passes its environment to the daemons it starts
+RESULTS_ENV = "BENCH_RESULTS_DIR"
 SCHEMA = 1
 _SOURCE_ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,7 +34,7 @@ def source_checkout() -> Path | None:
 
 
 def results_dir() -> Path:
-    """``$LOCALSPEC_RESULTS_DIR``, else the checkout's ``bench/results`` (kept in git, the
+    """``$BENCH_RESULTS_DIR``, else the checkout's ``bench/results`` (kept in git, the
     project's record), else ``bench-results`` in the user's data directory."""
     if os.environ.get(RESULTS_ENV):
         return Path(os.environ[RESULTS_ENV]).expanduser()

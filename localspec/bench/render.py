@@ -75,7 +75,9 @@ def section(results: Path, benchmark: str, root: Path | None) -> str:
     if isinstance(machine, dict):  # a run's facts, or the sentence a written-up run gave
         machine = machine.get("cpu") or machine.get("text") or machine.get("platform")
     if machine and machine != "unknown":
-        facts.append(f"machine: {machine}")
+        said = " ".join(str(machine).split()).rstrip(".")
+        said = re.sub(r"^(?:- )?(?:Build )?[Mm]achine(?: for these runs)?: ", "", said)
+        facts.append(f"machine: {said if len(said) <= 160 else said[:159] + '…'}")
     parts = ["From " + ", ".join(facts) + "."]
     if doc.get("command", "unknown") != "unknown":
         parts.append(f"Command: `{doc['command']}`.")

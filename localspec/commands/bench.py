@@ -23,7 +23,7 @@ examples:
   localspec bench ringquality --help     what ring blocks cost the model's predictions
   localspec bench render                 docs/benchmarks.md's tables from the result files
 Benchmarks print a table and write a result file (bench/results/NAME/, or
-$LOCALSPEC_RESULTS_DIR); --json FILE also writes the figures alone. Every argument after the
+$BENCH_RESULTS_DIR); --json FILE also writes the figures alone. Every argument after the
 name is theirs.
 """,
 )
