@@ -66,3 +66,21 @@ def test_render_command_checks_and_writes_the_doc(tmp_path: Path) -> None:
     assert cli.main(["bench", "render", *harness_args]) == 0
     assert "stale text" not in doc.read_text()
     assert cli.main(["bench", "render", *harness_args, "--check"]) == 0
+
+
+def test_a_real_benchmark_run_leaves_a_result_that_renders(
+    qwen_target: Path, tmp_path: Path, _results_elsewhere: Path, monkeypatch
+) -> None:
+    """`localspec bench steps` on a real model: its result file repeats the command, holds the
+    printed table and the figures, and becomes the doc's current table."""
+    monkeypatch.setenv("LOCALSPEC_STATE_DIR", str(tmp_path / "state"))
+    argv = ["--target", str(qwen_target), "--batches", "1,2", "--kv-tokens", "16", "--steps", "1"]
+    assert cli.main(["bench", "steps", *argv]) == 0
+    (path,) = (_results_elsewhere / "steps").glob("*.json")
+    doc = json.loads(path.read_text())
+    assert doc["command"] == "localspec bench steps " + " ".join(argv)
+    assert set(doc["figures"]["ms_by_sequences"]) == {"1", "2"}
+    assert doc["table"]["text"].splitlines()[0].split() == ["sequences", "ms", "a", "step",
+                                                            "tokens/s"]  # fmt: skip
+    out = render.render(DOC, _results_elsewhere, None)
+    assert doc["table"]["text"] in out and path.name in out
