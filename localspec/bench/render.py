@@ -78,7 +78,8 @@ def section(results: Path, benchmark: str, root: Path | None) -> str:
         said = " ".join(str(machine).split()).rstrip(".")
         said = re.sub(r"^(?:- )?(?:Build )?[Mm]achine(?: for these runs)?: ", "", said)
         facts.append(f"machine: {said if len(said) <= 160 else said[:159] + '…'}")
-    parts = ["From " + ", ".join(facts) + "."]
+    said = "From " + ", ".join(facts)
+    parts = [said if said.endswith("…") else said + "."]
     if doc.get("command", "unknown") != "unknown":
         parts.append(f"Command: `{doc['command']}`.")
     title = doc.get("table", {}).get("title")
