@@ -89,16 +89,14 @@ find_system_nvcc() {
     return 1
 }
 
-# NVIDIA's toolkit wheels for the driver's CUDA version, no newer than the driver runs.
+# NVIDIA's toolkit wheels for the driver's CUDA version, no newer than the driver runs. Only
+# CUDA 13's carry the compiler itself (nvcc, cudafe++, fatbinary): CUDA 12's nvcc wheel holds
+# ptxas and libnvvm alone, so a CUDA 12 driver needs the toolkit installed.
 cuda_wheel_specs() {
     major=${1%%.*}
     minor=${1#*.}
     below="$major.$((minor + 1))"
-    if [ "$major" = 12 ]; then
-        printf '%s' "nvidia-cuda-nvcc-cu12<$below nvidia-cuda-runtime-cu12<$below nvidia-cuda-cccl-cu12<$below nvidia-cublas-cu12<13"
-    else
-        printf '%s' "nvidia-cuda-nvcc<$below nvidia-cuda-crt<$below nvidia-nvvm<$below nvidia-cuda-runtime<$below nvidia-cuda-cccl<$below nvidia-cublas<$((major + 1))"
-    fi
+    printf '%s' "nvidia-cuda-nvcc<$below nvidia-cuda-crt<$below nvidia-nvvm<$below nvidia-cuda-runtime<$below nvidia-cuda-cccl<$below nvidia-cublas<$((major + 1))"
 }
 
 cuda_toolkit_dir() {
@@ -142,7 +140,7 @@ choose_backend() {
         if [ "$BACKEND" = cuda ]; then
             if find_system_nvcc; then
                 CUDA_PLAN=system
-            elif CUDA_DRIVER=$(cuda_driver_version) && [ "${CUDA_DRIVER%%.*}" -ge 12 ] 2>/dev/null; then
+            elif CUDA_DRIVER=$(cuda_driver_version) && [ "${CUDA_DRIVER%%.*}" -ge 13 ] 2>/dev/null; then
                 CUDA_PLAN=wheels
                 BACKEND_LINE="$BACKEND_LINE No nvcc with cuBLAS found: NVIDIA's CUDA toolkit wheels from PyPI ($(cuda_wheel_specs "$CUDA_DRIVER")) go into $(cuda_toolkit_dir "$CUDA_DRIVER")."
             fi
@@ -170,8 +168,8 @@ choose_backend() {
         else
             driver=$(cuda_driver_version)
             major=${driver%%.*}
-            if [ -z "$driver" ] || [ "$major" -lt 12 ]; then
-                BACKEND_LINE="building llama.cpp for the CPU: this NVIDIA driver runs CUDA ${driver:-(unknown)}; install a driver for CUDA 12 or newer (R525+), or the CUDA toolkit (nvcc and cuBLAS), and run again."
+            if [ -z "$driver" ] || [ "$major" -lt 13 ]; then
+                BACKEND_LINE="building llama.cpp for the CPU: no nvcc with cuBLAS found, and this NVIDIA driver runs CUDA ${driver:-(unknown)}, older than the CUDA 13 whose compiler PyPI has; install the CUDA toolkit (https://developer.nvidia.com/cuda-downloads; Debian/Ubuntu: apt-get install nvidia-cuda-toolkit) or a driver for CUDA 13 (R580+), and run again."
                 return 0
             fi
             without=
@@ -255,8 +253,14 @@ ensure_cuda_toolkit_wheels() {
             $(cuda_wheel_specs "$CUDA_DRIVER") || return 1
         rm -rf "$tk/cuda"
         mkdir -p "$tk/cuda/lib"
-        for pkg in "$tk"/site/nvidia/*/ "$tk"/site/nvidia/cu[0-9]*/; do
-            for sub in bin include lib nvvm; do
+        # CUDA 12's wheels each have a folder (nvidia/cuda_nvcc, nvidia/cublas, ...), CUDA 13's
+        # share nvidia/cu13. nvcc finds its tools and headers from where its binary really is,
+        # so bin and nvvm are copied; the large libraries and headers are linked.
+        for pkg in "$tk"/site/nvidia/*/; do
+            for sub in bin nvvm; do
+                [ -d "$pkg$sub" ] && mkdir -p "$tk/cuda/$sub" && cp -rf "$pkg$sub/." "$tk/cuda/$sub/"
+            done
+            for sub in include lib; do
                 [ -d "$pkg$sub" ] && mkdir -p "$tk/cuda/$sub" && cp -rsf "$pkg$sub/." "$tk/cuda/$sub/"
             done
         done
@@ -343,6 +347,9 @@ prepare_gpu_build() {
                 }
                 export CUDACXX="$CUDA_TOOLKIT/bin/nvcc" CUDAToolkit_ROOT="$CUDA_TOOLKIT"
                 BUILD_ARGS="$BUILD_ARGS -DCUDAToolkit_ROOT=$CUDA_TOOLKIT"
+                # no driver library to link against (the wheels have no stub): llama.cpp then
+                # does without CUDA's virtual memory pool
+                [ -e "$CUDA_TOOLKIT/lib/libcuda.so" ] || BUILD_ARGS="$BUILD_ARGS -DGGML_CUDA_NO_VMM=ON"
             elif [ "$CUDA_PLAN" = system ]; then
                 export CUDACXX="${CUDACXX:-$NVCC}"
             fi

@@ -417,6 +417,10 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     toolkit = found.stdout.strip().splitlines()[-1]
     wheel_step.env.update(CUDACXX=f"{toolkit}/bin/nvcc", CUDAToolkit_ROOT=toolkit)
     wheel_step.env["CMAKE_ARGS"] += f" -DCUDAToolkit_ROOT={toolkit}"
+    stubs = [Path(toolkit, "lib", "libcuda.so"), Path(toolkit, "lib64", "stubs", "libcuda.so")]
+    if not any(p.exists() for p in stubs):
+        # a machine without the driver has no libcuda to link: build without CUDA's VMM pool
+        wheel_step.env["CMAKE_ARGS"] += " -DGGML_CUDA_NO_VMM=ON"
     for step in (wheel_step, *download_steps):
         print(step.line(), flush=True)
         result = execute(step, out / "logs" / f"{step.name}.log")
