@@ -318,7 +318,7 @@ fetch_vulkan_headers() {
         >"$work/sources.list"
     set -- -o Dir::Etc::SourceList="$work/sources.list" -o Dir::Etc::SourceParts=/dev/null \
         -o Dir::State::Lists="$work/lists" -o Dir::Cache="$work/cache" \
-        -o APT::Architecture=amd64 -o Debug::NoLocking=1 -q
+        -o APT::Architecture="$(dpkg --print-architecture)" -o Debug::NoLocking=1 -q
     apt-get "$@" update >/dev/null 2>&1 || return 1
     (cd "$work/deb" && apt-get "$@" download "$VULKAN_HEADERS_DEB" >/dev/null 2>&1) || return 1
     mkdir -p "$work/root"
