@@ -428,9 +428,11 @@ ensure_llama_wheel() {
 # (its RPATH is $ORIGIN): link them there, from the build-only toolkit folder.
 link_cuda_runtime() {
     [ "$BACKEND" = cuda ] && [ "$CUDA_PLAN" = wheels ] || return 0
+    # the toolkit folder, also when the wheel was built by an earlier run
+    toolkit="$(cuda_toolkit_dir "$CUDA_DRIVER")/cuda"
     libdir=$("$VENV/bin/python" -c 'import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec("llama_cpp").origin).parent / "lib")') || return 1
-    for lib in "$CUDA_TOOLKIT"/lib/libcudart.so.[0-9]* "$CUDA_TOOLKIT"/lib/libcublas.so.[0-9]* \
-        "$CUDA_TOOLKIT"/lib/libcublasLt.so.[0-9]*; do
+    for lib in "$toolkit"/lib/libcudart.so.[0-9]* "$toolkit"/lib/libcublas.so.[0-9]* \
+        "$toolkit"/lib/libcublasLt.so.[0-9]*; do
         [ -e "$lib" ] && ln -sf "$(readlink -f "$lib")" "$libdir/$(basename "$lib")"
     done
     return 0

@@ -445,3 +445,32 @@ def test_the_launcher_records_the_backend_for_localspec(tmp_path: Path) -> None:
     assert (venv / ".localspec-backend").read_text() == (
         "backend=vulkan\ncmake_args=-DGGML_VULKAN=on\nfallback=\nwheelhouse=/w\n"
     )
+
+
+def test_cuda_from_the_wheels_links_its_runtime_beside_llama_cpp(tmp_path: Path) -> None:
+    """llama.cpp's CUDA library looks beside itself ($ORIGIN) for cudart and cuBLAS: the
+    launcher links them there from the build-only toolkit folder, also for a wheel an earlier
+    run built."""
+    wheels = tmp_path / "wheels"
+    lib = wheels / "cuda-toolkit-13.0" / "cuda" / "lib"
+    lib.mkdir(parents=True)
+    for name in ("libcudart.so.13", "libcublas.so.13", "libcublasLt.so.13", "libnvrtc.so.13"):
+        (lib / name).write_text(name)
+    llama_lib = tmp_path / "site" / "llama_cpp" / "lib"
+    llama_lib.mkdir(parents=True)
+    venv_bin = tmp_path / "venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    (venv_bin / "python").write_text(f"#!/bin/sh\necho {llama_lib}\n")
+    (venv_bin / "python").chmod(0o755)
+    script = (
+        f'. "{ROOT}/launcher/bootstrap.sh"; VENV="{tmp_path / "venv"}"; BACKEND=cuda; '
+        "CUDA_PLAN=wheels; CUDA_DRIVER=13.0; link_cuda_runtime"
+    )
+    env = {**os.environ, "LOCALSPEC_WHEELHOUSE": str(wheels)}
+    subprocess.run(["sh", "-c", script, str(BACKEND)], check=True, env=env)
+    linked = {p.name: p.resolve() for p in llama_lib.iterdir()}
+    assert linked == {
+        "libcudart.so.13": lib / "libcudart.so.13",
+        "libcublas.so.13": lib / "libcublas.so.13",
+        "libcublasLt.so.13": lib / "libcublasLt.so.13",
+    }
