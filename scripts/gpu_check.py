@@ -471,14 +471,19 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         if result["rc"] != 0:
             print(f"{step.name} failed: see {out}/logs/{step.name}.log", file=sys.stderr)
             return 1
-    servers = sorted((out / "build").rglob("llama-server"))
+    servers = [p for p in sorted((out / "build").rglob("llama-server")) if p.is_file()]
     if not servers:
         print("the build tree has no llama-server: build it with scripts/build-llama-server.sh "
               "(CMAKE_EXTRA=-DGGML_CUDA=ON) and copy it to bin/", file=sys.stderr)  # fmt: skip
         return 1
     (out / "bin").mkdir(exist_ok=True)
     shutil.copy2(servers[0], out / "bin" / "llama-server")
-    subprocess.run(["strip", str(out / "bin" / "llama-server")], check=False)
+    # llama-server also links libmtmd, which the wheel (LLAVA_BUILD=OFF) does not carry; the
+    # rest (libllama, libggml*) it takes from the installed wheel at run time
+    for lib in sorted((out / "build").rglob("libmtmd.so*")):
+        shutil.copy2(lib, out / "bin" / lib.name, follow_symlinks=True)
+    for binary in (out / "bin").iterdir():
+        subprocess.run(["strip", "--strip-unneeded", str(binary)], check=False)
     return _carry_sizes(out)
 
 
@@ -515,6 +520,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     report = cuda_report()
     print(format_report(report), flush=True)
     libs = [*report["libraries"].values(), str(out / "site" / "llama_cpp" / "lib")]
+    libs.append(str(bundle / "bin"))
     # llama-server and llama.cpp's CUDA library find cuBLAS and cudart on these paths
     extra = {"LD_LIBRARY_PATH": ":".join([*libs, os.environ.get("LD_LIBRARY_PATH", "")])}
     summary: dict = {"cuda": report, "target": args.target, "steps": []}
