@@ -160,26 +160,28 @@ choose_backend() {
         fi
         return 0
     fi
+    # why an NVIDIA card gets no CUDA build: said with the CPU choice (or the Vulkan one)
+    no_cuda=
     if command -v nvidia-smi >/dev/null 2>&1 && archs=$(cuda_archs) && [ -n "$archs" ]; then
         cuda_args="$CPU_CMAKE_ARGS -DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=$archs"
+        driver=$(cuda_driver_version)
+        major=${driver%%.*}
         if find_system_nvcc; then
             candidate_line="building llama.cpp for CUDA (architectures $archs) with $NVCC."
             CUDA_PLAN=system
-        else
-            driver=$(cuda_driver_version)
-            major=${driver%%.*}
-            if [ -z "$driver" ] || [ "$major" -lt 13 ]; then
-                BACKEND_LINE="building llama.cpp for the CPU: no nvcc with cuBLAS found, and this NVIDIA driver runs CUDA ${driver:-(unknown)}, older than the CUDA 13 whose compiler PyPI has; install the CUDA toolkit (https://developer.nvidia.com/cuda-downloads; Debian/Ubuntu: apt-get install nvidia-cuda-toolkit) or a driver for CUDA 13 (R580+), and run again."
-                return 0
-            fi
+        elif [ -n "$driver" ] && [ "$major" -ge 13 ]; then
             without=
             [ -n "${NVCC_WITHOUT_CUBLAS:-}" ] && without=" ($NVCC_WITHOUT_CUBLAS has no cuBLAS beside it)"
             candidate_line="building llama.cpp for CUDA (architectures $archs) with NVIDIA's CUDA $major toolkit wheels from PyPI$without: $(cuda_wheel_specs "$driver"), into $(cuda_toolkit_dir "$driver")."
             CUDA_PLAN=wheels
             CUDA_DRIVER=$driver
+        else
+            no_cuda="no nvcc with cuBLAS found, and this NVIDIA driver runs CUDA ${driver:-(unknown)}, older than the CUDA 13 whose compiler PyPI has; for CUDA install the toolkit (https://developer.nvidia.com/cuda-downloads; Debian/Ubuntu: apt-get install nvidia-cuda-toolkit) or a driver for CUDA 13 (R580+), and run again"
         fi
-        fallback_if_failed cuda "$cuda_args" "$candidate_line"
-        return 0
+        if [ -z "$no_cuda" ]; then
+            fallback_if_failed cuda "$cuda_args" "$candidate_line"
+            return 0
+        fi
     fi
     if command -v rocminfo >/dev/null 2>&1 && targets=$(rocm_targets) && [ -n "$targets" ]; then
         if command -v hipconfig >/dev/null 2>&1; then
@@ -198,7 +200,8 @@ choose_backend() {
                 BACKEND_LINE="building llama.cpp for the CPU: Vulkan sees $gpu but glslc or the Vulkan loader is missing; install them (Debian/Ubuntu: apt-get install glslc libvulkan-dev spirv-headers glslang-tools) and run again."
                 return 0
             fi
-            fallback_if_failed vulkan "$CPU_CMAKE_ARGS -DGGML_VULKAN=on" "building llama.cpp for Vulkan ($gpu)."
+            fallback_if_failed vulkan "$CPU_CMAKE_ARGS -DGGML_VULKAN=on" \
+                "building llama.cpp for Vulkan ($gpu)${no_cuda:+: $no_cuda}."
             return 0
         fi
         if [ -n "$devices" ]; then
@@ -206,6 +209,10 @@ choose_backend() {
             BACKEND_LINE="building llama.cpp for the CPU: the only Vulkan device is a software one ($soft), slower than the CPU build; set CMAKE_ARGS=\"-DGGML_VULKAN=on\" to build for it anyway."
             return 0
         fi
+    fi
+    if [ -n "$no_cuda" ]; then
+        BACKEND_LINE="building llama.cpp for the CPU: $no_cuda."
+        return 0
     fi
     BACKEND_LINE="building llama.cpp for the CPU: no GPU found (nvidia-smi, rocminfo, vulkaninfo; for an NVIDIA card install its driver, for AMD ROCm, for Intel or other GPUs vulkan-tools and their Vulkan driver)."
 }

@@ -208,7 +208,7 @@ def test_a_cuda_12_driver_without_nvcc_says_what_to_install(machine: Machine) ->
     assert values["backend"] == "cpu"
     assert values["cmake_args"] == "-DLLAVA_BUILD=OFF"
     assert "this NVIDIA driver runs CUDA 12.4, older than the CUDA 13" in line
-    assert "install the CUDA toolkit" in line and "a driver for CUDA 13 (R580+)" in line
+    assert "for CUDA install the toolkit" in line and "a driver for CUDA 13 (R580+)" in line
 
 
 def test_nvcc_without_cublas_is_not_a_toolkit(machine: Machine) -> None:
@@ -217,6 +217,16 @@ def test_nvcc_without_cublas_is_not_a_toolkit(machine: Machine) -> None:
     values, line = machine.detect()
     assert values["cuda_plan"] == "wheels"
     assert f"({nvcc} has no cuBLAS beside it)" in line
+
+
+def test_nvidia_without_a_cuda_build_takes_vulkan_where_it_can(machine: Machine) -> None:
+    machine.nvidia(["8.6"], cuda="12.4")
+    machine.prints("vulkaninfo", ARC.replace("Intel(R) Arc(tm) A770 Graphics (DG2)", "RTX 3090"))
+    machine.prints("glslc", "")
+    machine.prints("ldconfig", "\tlibvulkan.so.1 (libc6,x86-64) => /usr/lib/libvulkan.so.1\n")
+    values, line = machine.detect()
+    assert values["backend"] == "vulkan"
+    assert line.startswith("localspec: building llama.cpp for Vulkan (RTX 3090): no nvcc with")
 
 
 def test_an_old_driver_without_a_toolkit_stays_on_the_cpu(machine: Machine) -> None:
