@@ -160,8 +160,8 @@ choose_backend() {
         fi
         return 0
     fi
-    # why an NVIDIA card gets no CUDA build: said with the CPU choice (or the Vulkan one)
-    no_cuda=
+    # why a card gets no CUDA or HIP build: said with the CPU choice (or the Vulkan one)
+    no_gpu_build=
     if command -v nvidia-smi >/dev/null 2>&1 && archs=$(cuda_archs) && [ -n "$archs" ]; then
         cuda_args="$CPU_CMAKE_ARGS -DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=$archs"
         driver=$(cuda_driver_version)
@@ -176,9 +176,9 @@ choose_backend() {
             CUDA_PLAN=wheels
             CUDA_DRIVER=$driver
         else
-            no_cuda="no nvcc with cuBLAS found, and this NVIDIA driver runs CUDA ${driver:-(unknown)}, older than the CUDA 13 whose compiler PyPI has; for CUDA install the toolkit (https://developer.nvidia.com/cuda-downloads; Debian/Ubuntu: apt-get install nvidia-cuda-toolkit) or a driver for CUDA 13 (R580+), and run again"
+            no_gpu_build="no nvcc with cuBLAS found, and this NVIDIA driver runs CUDA ${driver:-(unknown)}, older than the CUDA 13 whose compiler PyPI has; for CUDA install the toolkit (https://developer.nvidia.com/cuda-downloads; Debian/Ubuntu: apt-get install nvidia-cuda-toolkit) or a driver for CUDA 13 (R580+), and run again"
         fi
-        if [ -z "$no_cuda" ]; then
+        if [ -z "$no_gpu_build" ]; then
             fallback_if_failed cuda "$cuda_args" "$candidate_line"
             return 0
         fi
@@ -187,10 +187,9 @@ choose_backend() {
         if command -v hipconfig >/dev/null 2>&1; then
             fallback_if_failed hip "$CPU_CMAKE_ARGS -DGGML_HIP=on -DAMDGPU_TARGETS=$targets" \
                 "building llama.cpp for ROCm/HIP (targets $targets)."
-        else
-            BACKEND_LINE="building llama.cpp for the CPU: ROCm sees $targets but hipconfig is missing; install ROCm's HIP SDK (apt-get install hip-dev rocblas-dev hipblas-dev) and run again."
+            return 0
         fi
-        return 0
+        no_gpu_build="ROCm sees $targets but hipconfig is missing; for HIP install ROCm's HIP SDK (apt-get install hip-dev rocblas-dev hipblas-dev) and run again"
     fi
     if command -v vulkaninfo >/dev/null 2>&1; then
         devices=$(vulkan_devices)
@@ -201,7 +200,7 @@ choose_backend() {
                 return 0
             fi
             fallback_if_failed vulkan "$CPU_CMAKE_ARGS -DGGML_VULKAN=on" \
-                "building llama.cpp for Vulkan ($gpu)${no_cuda:+: $no_cuda}."
+                "building llama.cpp for Vulkan ($gpu)${no_gpu_build:+: $no_gpu_build}."
             return 0
         fi
         if [ -n "$devices" ]; then
@@ -210,8 +209,8 @@ choose_backend() {
             return 0
         fi
     fi
-    if [ -n "$no_cuda" ]; then
-        BACKEND_LINE="building llama.cpp for the CPU: $no_cuda."
+    if [ -n "$no_gpu_build" ]; then
+        BACKEND_LINE="building llama.cpp for the CPU: $no_gpu_build."
         return 0
     fi
     BACKEND_LINE="building llama.cpp for the CPU: no GPU found (nvidia-smi, rocminfo, vulkaninfo; for an NVIDIA card install its driver, for AMD ROCm, for Intel or other GPUs vulkan-tools and their Vulkan driver)."

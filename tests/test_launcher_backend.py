@@ -249,7 +249,7 @@ def test_rocm_without_hip_sdk_says_what_to_install(machine: Machine) -> None:
     machine.prints("rocminfo", ROCMINFO)
     values, line = machine.detect()
     assert values["backend"] == "cpu"
-    assert "hipconfig is missing; install ROCm's HIP SDK" in line
+    assert "hipconfig is missing; for HIP install ROCm's HIP SDK" in line
 
 
 def _uname(arch: str) -> str:
