@@ -18,7 +18,12 @@ side), writing every result as JSON into --out:
     python3 scripts/gpu_check.py run --bundle .gpucheck --out $OUT --target 7b
 
 ``report`` prints the CUDA report alone; ``models`` builds the GGUFs alone. ``--dry-run``
-prints each step's command instead of running it.
+prints each step's command instead of running it. On this workplace's device machine, with the
+prepared folder ignored by git and carried (it must fit the carry's 64 MiB):
+
+    python3 scripts/gpu_check.py run --bundle .gpucheck --out $OUT --work /tmp/gpucheck
+
+(``$OUT`` then holds gpu-check.json, speculative.json and replay.json; models stay in --work).
 """
 
 from __future__ import annotations
@@ -325,10 +330,13 @@ def run_steps(
     *,
     anchors: str = "plain,draft",
     scale: int = 1,
+    work: Path | None = None,
 ) -> list[Step]:
-    """Install, build the models, then the two benchmarks inside the budget."""
-    site = out / "site"
-    models = out / "models"
+    """Install, build the models, then the two benchmarks inside the budget. Results go to
+    ``out``; the installed packages, the models and the logs to ``work`` (default: ``out``)."""
+    work = work or out
+    site = work / "site"
+    models = work / "models"
     draft_path = models / "draft.path"
     target_path = models / "target.path"
     env = {"PYTHONPATH": f"{site}:{ROOT}"}
@@ -344,7 +352,7 @@ def run_steps(
         f'--draft "$(cat {draft_path})" '
         + (f"--vs-llama-server {anchors} --llama-server-bin {server} " if anchors else "")
         + "--locations 8 --max-keys 24 --greedy --quiet "
-        f"--log-dir {out / 'logs'} --json {out / 'replay.json'}"
+        f"--log-dir {work / 'logs'} --json {out / 'replay.json'}"
     )
     return [
         Step(
@@ -507,8 +515,15 @@ def _carry_sizes(out: Path) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     bundle = Path(args.bundle).resolve()
     out = Path(args.out).resolve()
+    work = Path(args.work).resolve() if args.work else out
     steps = run_steps(
-        bundle, out, args.target, args.budget_s, anchors=args.vs_llama_server, scale=args.scale
+        bundle,
+        out,
+        args.target,
+        args.budget_s,
+        anchors=args.vs_llama_server,
+        scale=args.scale,
+        work=work,
     )
     if args.dry_run:
         print("[report] nvidia-smi, nvcc --version, ldconfig -p (cuBLAS, cudart)")
@@ -516,10 +531,11 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(step.line())
         return 0
     started = time.monotonic()
-    (out / "logs").mkdir(parents=True, exist_ok=True)
+    (work / "logs").mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     report = cuda_report()
     print(format_report(report), flush=True)
-    libs = [*report["libraries"].values(), str(out / "site" / "llama_cpp" / "lib")]
+    libs = [*report["libraries"].values(), str(work / "site" / "llama_cpp" / "lib")]
     libs.append(str(bundle / "bin"))
     # llama-server and llama.cpp's CUDA library find cuBLAS and cudart on these paths
     extra = {"LD_LIBRARY_PATH": ":".join([*libs, os.environ.get("LD_LIBRARY_PATH", "")])}
@@ -528,8 +544,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         left = args.budget_s - (time.monotonic() - started)
         step.timeout_s = max(10.0, min(step.timeout_s, left))
         print(step.line(), flush=True)
-        result = execute(step, out / "logs" / f"{step.name}.log", extra)
+        log = work / "logs" / f"{step.name}.log"
+        result = execute(step, log, extra)
         print(f"  -> rc {result['rc']} in {result['seconds']} s", flush=True)
+        # the end of each step's output travels in the summary (a device run returns few files)
+        result["log_tail"] = log.read_text(errors="replace")[-3000:]
         summary["steps"].append(result)
         if result["rc"] != 0 and step.name in ("install", "models"):
             break
@@ -553,7 +572,8 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_prepare)
     r = sub.add_parser("run", help="the check itself, on the GPU machine")
     r.add_argument("--bundle", default=".gpucheck")
-    r.add_argument("--out", required=True)
+    r.add_argument("--out", required=True, help="where the JSON results go")
+    r.add_argument("--work", help="installed packages, models, logs (default: --out)")
     r.add_argument("--target", choices=["1.5b", "3b", "7b"], default="7b")
     r.add_argument("--budget-s", type=float, default=560.0, help="the whole run's time")
     r.add_argument(

@@ -157,10 +157,11 @@ def test_a_scaled_qwen_shape_is_a_gguf_llama_cpp_runs(
 
 def test_run_dry_run_prints_the_steps_and_touches_nothing(tmp_path: Path) -> None:
     out = tmp_path / "out"
+    work = tmp_path / "work"
     bundle = tmp_path / "bundle"
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "run", "--dry-run", "--bundle", str(bundle), "--out",
-         str(out), "--target", "1.5b"],
+         str(out), "--work", str(work), "--target", "1.5b"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -170,13 +171,16 @@ def test_run_dry_run_prints_the_steps_and_touches_nothing(tmp_path: Path) -> Non
     assert [line.split("]")[0] + "]" for line in lines] == [
         "[report]", "[install]", "[models]", "[speculative]", "[replay]",
     ]  # fmt: skip
-    assert "--no-index" in lines[1] and str(out / "site") in lines[1]
-    assert "models --out" in lines[2] and "--target 1.5b" in lines[2]
+    assert "--no-index" in lines[1] and str(work / "site") in lines[1]
+    assert f"models --out {work / 'models'} --target 1.5b" in lines[2]
     assert "-m localspec.bench.speculative" in lines[3] and "--gpu-layers 999" in lines[3]
+    assert f"--json {out / 'speculative.json'}" in lines[3]
     assert "-m localspec bench replay" in lines[4]
     assert f"--llama-server-bin {bundle}/bin/llama-server" in lines[4]
     assert "--vs-llama-server plain,draft" in lines[4]
-    assert not out.exists()
+    # the device run returns $OUT: results there, the models' gigabytes in --work
+    assert f"--log-dir {work / 'logs'} --json {out / 'replay.json'}" in lines[4]
+    assert not out.exists() and not work.exists()
 
 
 def test_prepare_dry_run_builds_one_arch_for_another_cpu(tmp_path: Path) -> None:
