@@ -10,10 +10,10 @@ downloads the Python packages localspec needs into one folder to carry:
     python3 scripts/gpu_check.py prepare --out .gpucheck --cuda 13.0 --arch 90
 
 ``run`` (on the GPU machine, in under 10 minutes) reports what CUDA the machine has, installs the
-carried folder into a private site directory, builds Qwen2.5-Coder-shaped GGUFs with random
-weights at real shapes (0.5B draft; 1.5B or 7B target), then runs ``localspec bench speculative``
-(both models on the GPU) and ``localspec bench replay`` (localspec and llama-server side by
-side), writing every result as JSON into --out:
+carried folder into a private site directory, writes Qwen2.5-Coder-shaped Q8_0 GGUFs with
+random weights at real shapes (0.5B draft; 1.5B, 3B or 7B target: scripts/qwen_shapes.py),
+then runs ``localspec bench speculative`` (both models on the GPU) and ``localspec bench
+replay`` (localspec and llama-server side by side), writing every result as JSON into --out:
 
     python3 scripts/gpu_check.py run --bundle .gpucheck --out $OUT --target 7b
 
@@ -41,99 +41,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from qwen_shapes import SHAPES, build_model
+
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_CPP_VERSION = "0.3.36"
 CARRY_LIMIT_MIB = 64  # what a device run carries with the working tree
-
-
-# ---- Qwen2.5-Coder shapes ----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class QwenShape:
-    """A Qwen2.5-Coder model's shape (models/qwen2.5-coder.toml; n_ff from the models'
-    config.json: intermediate_size)."""
-
-    n_layer: int
-    n_embd: int
-    n_head: int
-    n_head_kv: int
-    n_ff: int
-    n_vocab: int
-    tied: bool
-
-
-SHAPES = {
-    "0.5b": QwenShape(24, 896, 14, 2, 4864, 151936, True),
-    "1.5b": QwenShape(28, 1536, 12, 2, 8960, 151936, True),
-    "3b": QwenShape(36, 2048, 16, 2, 11008, 151936, True),
-    "7b": QwenShape(28, 3584, 28, 4, 18944, 152064, False),
-}
-
-
-def scaled(shape: QwenShape, scale: int) -> QwenShape:
-    """The shape with 1/scale of the heads, width and layers (head size and vocabulary kept):
-    the same builder at a size a test can load in seconds."""
-    if scale == 1:
-        return shape
-    head_dim = shape.n_embd // shape.n_head
-    n_head = max(1, shape.n_head // scale)
-    n_ff = max(32, shape.n_ff // scale // 32 * 32)  # Q8_0 rows are blocks of 32
-    return QwenShape(
-        n_layer=max(1, shape.n_layer // scale),
-        n_embd=n_head * head_dim,
-        n_head=n_head,
-        n_head_kv=max(1, min(n_head, shape.n_head_kv // scale or 1)),
-        n_ff=n_ff,
-        n_vocab=shape.n_vocab,
-        tied=shape.tied,
-    )
-
-
-def build_model(
-    size: str,
-    out_dir: Path,
-    *,
-    dtype: str = "q8_0",
-    seed: int = 0,
-    scale: int = 1,
-    follow_miss: int | None = None,
-) -> Path:
-    """A random-weight GGUF at a Qwen2.5-Coder size's shape with Qwen's real vocabulary (FIM
-    tokens included), through the test fixtures' writer; cached in ``out_dir``.
-
-    ``follow_miss`` None: plain random weights (a draft then agrees with its target by chance
-    only). An int: a *follow* model (tests/fixtures/models.py) whose greedy choice is a fixed
-    rule, so a draft with follow_miss n agrees with a follow_miss 0 target on about n - 1
-    tokens in n: speculation's gain at a known acceptance, on the real shapes' costs."""
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    from tests.fixtures.models import QwenSpec, qwen_gguf
-
-    shape = scaled(SHAPES[size], scale)
-    spec = QwenSpec(
-        n_vocab=shape.n_vocab,
-        n_layer=shape.n_layer,
-        n_embd=shape.n_embd,
-        n_head=shape.n_head,
-        n_head_kv=shape.n_head_kv,
-        n_ff=shape.n_ff,
-        seed=seed,
-        dtype=dtype,
-        tied=shape.tied,
-        follow=0 if follow_miss is None else 1,
-        follow_miss=follow_miss or 0,
-    )
-    # the fixtures' cache directory is read from the environment at each build
-    before = os.environ.get("LOCALSPEC_FIXTURE_CACHE")
-    os.environ["LOCALSPEC_FIXTURE_CACHE"] = str(out_dir)
-    try:
-        return qwen_gguf(spec)
-    finally:
-        if before is None:
-            del os.environ["LOCALSPEC_FIXTURE_CACHE"]
-        else:
-            os.environ["LOCALSPEC_FIXTURE_CACHE"] = before
 
 
 # ---- what CUDA the machine has ---------------------------------------------------------------
@@ -432,17 +345,11 @@ def cmd_models(args: argparse.Namespace) -> int:
     started = time.monotonic()
     follow = args.weights == "follow"
     draft = build_model(
-        "0.5b",
-        out,
-        dtype="q8_0",
-        seed=1,
-        scale=args.scale,
-        follow_miss=args.draft_miss if follow else None,
+        "0.5b", out, seed=1, scale=args.scale, follow_miss=args.draft_miss if follow else None
     )
     target = build_model(
-        args.target, out, dtype=args.dtype, seed=2, scale=args.scale,
-        follow_miss=0 if follow else None,
-    )  # fmt: skip
+        args.target, out, seed=2, scale=args.scale, follow_miss=0 if follow else None
+    )
     (out / "draft.path").write_text(str(draft))
     (out / "target.path").write_text(str(target))
     print(f"draft  {draft} ({draft.stat().st_size / 2**20:.0f} MiB)")
@@ -585,7 +492,6 @@ def main(argv: list[str] | None = None) -> int:
     m = sub.add_parser("models", help="build the Qwen-shaped GGUFs only")
     m.add_argument("--out", required=True)
     m.add_argument("--target", choices=sorted(SHAPES), default="7b")
-    m.add_argument("--dtype", choices=["q8_0", "f16"], default="q8_0")
     m.add_argument("--scale", type=int, default=1, help="1/scale of the real shape (tests)")
     m.add_argument(
         "--weights",

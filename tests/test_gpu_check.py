@@ -1,6 +1,6 @@
-"""scripts/gpu_check.py's CPU-side parts: the Qwen shape builder (a real GGUF llama.cpp loads and
-runs, at a tiny scale), the CUDA report (captured nvidia-smi / nvcc output, and the report
-command over fake tools on PATH), and the dry runs of prepare and run."""
+"""scripts/gpu_check.py's CPU-side parts: the Qwen shape writer (scripts/qwen_shapes.py: a real
+GGUF llama.cpp loads and runs, at a tiny scale), the CUDA report (captured nvidia-smi / nvcc
+output, and the report command over fake tools on PATH), and the dry runs of prepare and run."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ assert _spec and _spec.loader
 gpu_check = importlib.util.module_from_spec(_spec)
 sys.modules["gpu_check"] = gpu_check
 _spec.loader.exec_module(gpu_check)
+import qwen_shapes  # noqa: E402 - scripts/, put on the path by gpu_check
 
 # as an H200 machine printed them (one card; the second row as a two-card machine adds one)
 H200_QUERY = "NVIDIA H200, 143771, 580.159.03, 9.0\nNVIDIA H100 80GB HBM3, 81559, 580.159.03, 9.0\n"
@@ -106,7 +107,7 @@ def test_the_report_command_reads_the_machines_tools(tmp_path: Path) -> None:
 def test_the_shapes_are_the_catalogs() -> None:
     """The builder's sizes against models/qwen2.5-coder.toml's arch tables."""
     catalog = tomllib.loads((ROOT / "models" / "qwen2.5-coder.toml").read_text())["models"]
-    for size, shape in gpu_check.SHAPES.items():
+    for size, shape in qwen_shapes.SHAPES.items():
         arch = catalog[f"qwen2.5-coder-{size}"]["arch"]
         assert (shape.n_layer, shape.n_embd, shape.n_head, shape.n_head_kv) == (
             arch["n_layer"],
@@ -118,7 +119,9 @@ def test_the_shapes_are_the_catalogs() -> None:
         assert (shape.n_vocab, shape.tied) == (arch["n_vocab"], arch["tied_embeddings"]), size
 
 
-@pytest.mark.parametrize(("size", "scale", "follow_miss"), [("0.5b", 12, 5), ("7b", 14, None)])
+@pytest.mark.parametrize(
+    ("size", "scale", "follow_miss"), [("0.5b", 12, 5), ("1.5b", 12, 0), ("7b", 14, None)]
+)
 def test_a_scaled_qwen_shape_is_a_gguf_llama_cpp_runs(
     tmp_path: Path, size: str, scale: int, follow_miss: int | None
 ) -> None:
@@ -127,12 +130,12 @@ def test_a_scaled_qwen_shape_is_a_gguf_llama_cpp_runs(
 
     from tests.fixtures.models import follow_next
 
-    real = gpu_check.SHAPES[size]
-    shape = gpu_check.scaled(real, scale)
+    real = qwen_shapes.SHAPES[size]
+    shape = qwen_shapes.scaled(real, scale)
     # the head size and the vocabulary stay real; the rest shrinks
     assert shape.n_embd // shape.n_head == real.n_embd // real.n_head
     assert shape.n_vocab == real.n_vocab and shape.tied == real.tied
-    path = gpu_check.build_model(size, tmp_path, dtype="q8_0", scale=scale, follow_miss=follow_miss)
+    path = qwen_shapes.build_model(size, tmp_path, scale=scale, follow_miss=follow_miss)
     assert path.parent == tmp_path
     llm = llama_cpp.Llama(str(path), n_ctx=64, n_threads=1, verbose=False, logits_all=True)
     try:
@@ -143,7 +146,10 @@ def test_a_scaled_qwen_shape_is_a_gguf_llama_cpp_runs(
         assert llm.n_vocab() == real.n_vocab
         # Qwen's vocabulary, FIM tokens included: an /infill prompt tokenizes as Qwen's does
         assert llm.tokenize(b"<|fim_prefix|>", special=True) == [151659]
-        tokens = llm.tokenize(b"def add(a, b):\n    return")
+        code = (
+            b"def add(a, b):\n    return a + b\n\n\nclass Point:\n    x: int = 0\n    y: int = 0\n"
+        )
+        tokens = llm.tokenize(code)
         llm.eval(tokens)
         assert llm.n_tokens == len(tokens)
         if follow_miss is not None:
