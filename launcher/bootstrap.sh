@@ -493,6 +493,8 @@ ensure_env() {
         stamp_base=$(cat "$LOCALSPEC_ROOT/pyproject.toml" "$LOCALSPEC_ROOT/launcher/bootstrap.sh" | cksum | cut -d' ' -f1)-$key
         stamp_want=$stamp_base-$extras
     fi
+    # a venv whose llama.cpp predates the record: the installed wheel has this choice's key
+    [ -f "$VENV/.localspec-backend" ] || record_backend
     spec="$LOCALSPEC_ROOT"
     [ -n "$extras" ] && spec="$LOCALSPEC_ROOT[$extras]"
     say "installing localspec${extras:+ with the $extras extra} into $VENV"
