@@ -124,6 +124,7 @@ def run(
     draft_window: int = 512,
     spec: SpecSettings | None = None,
     progress: bool = True,
+    gpu_layers: int = 0,
 ) -> dict:
     """Run every mode on every prompt, interleaved (machines are noisy: compare in one run)."""
     if draft is None:
@@ -134,9 +135,14 @@ def run(
     # slot 1 only re-scores diverging outputs with a cold cache: attention is chosen as a
     # one-slot daemon chooses it (several slots turn flash attention on, which makes a
     # verify batch dearer on a CPU)
-    target_model = ModelSettings(target, n_ctx=2048, n_threads=threads)
+    # gpu_layers > 0 offloads both models (a GPU build: scripts/gpu_check.py); 0 is the CPU
+    target_model = ModelSettings(target, n_ctx=2048, n_threads=threads, n_gpu_layers=gpu_layers)
     target_model = replace(target_model, flash_attn=resolved_flash_attn(target_model, 1))
-    draft_model = ModelSettings(draft, n_ctx=2048, n_threads=threads) if draft else None
+    draft_model = (
+        ModelSettings(draft, n_ctx=2048, n_threads=threads, n_gpu_layers=gpu_layers)
+        if draft
+        else None
+    )
     if draft_model is not None:
         draft_model = replace(draft_model, flash_attn=resolved_flash_attn(draft_model, 1))
     settings = EngineSettings(target=target_model, draft=draft_model, spec=base_spec, n_slots=2)
@@ -228,6 +234,7 @@ def run(
         "n_predict": n_predict,
         "repeats": repeats,
         "threads": n_threads,
+        "gpu_layers": gpu_layers,
         "physical_cores": physical_cores(),
         "spec": asdict(base_spec),
         "flash_attn": flash_attn,
@@ -404,6 +411,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--draft-window", type=int, default=512)
     ap.add_argument(
+        "--gpu-layers",
+        type=int,
+        default=0,
+        help="layers of each model on the GPU (999: all; needs a GPU build); default 0",
+    )
+    ap.add_argument(
         "--background",
         default="0",
         help="busy processes beside the benchmark, e.g. 0,1,2: every mode at each level",
@@ -449,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
                 threads=args.threads,
                 modes=modes,
                 draft_window=args.draft_window,
+                gpu_layers=args.gpu_layers,
             )
         result["background"] = load
         results.append(result)
