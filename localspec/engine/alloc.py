@@ -24,6 +24,12 @@ _BUFFER = re.compile(
     r"(?P<buft>[\w.-]+)\s+(?P<kind>model|KV|compute|output) buffer size =\s+(?P<mib>[\d.]+) MiB"
 )
 _KIND = {"model": "model", "KV": "kv", "compute": "compute", "output": "compute"}
+# what llama.cpp and its backends log when a buffer does not fit (CPU, CUDA, Vulkan, Metal)
+_NO_MEMORY = re.compile(
+    r"failed to allocate|unable to allocate|out of memory|allocation of size \d+ failed"
+    r"|OutOfDeviceMemory|ErrorOutOfHostMemory",
+    re.IGNORECASE,
+)
 
 
 @dataclass
@@ -31,8 +37,11 @@ class Allocations:
     """Bytes by buffer type and kind, as llama.cpp logged them while this recorder was on."""
 
     by_buffer: dict[str, dict[str, int]] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)  # allocations llama.cpp said failed
 
     def feed(self, line: str) -> None:
+        if _NO_MEMORY.search(line):
+            self.failures.append(line.strip())
         for m in _BUFFER.finditer(line):
             kinds = self.by_buffer.setdefault(m.group("buft"), dict.fromkeys(KINDS, 0))
             kinds[_KIND[m.group("kind")]] += round(float(m.group("mib")) * MiB)
@@ -71,7 +80,7 @@ _local = threading.local()
 def feed(text: str) -> None:
     """Called from the llama.cpp log callback with every line it logs."""
     recorder: Allocations | None = getattr(_local, "recorder", None)
-    if recorder is not None and "buffer size" in text:
+    if recorder is not None:
         recorder.feed(text)
 
 
@@ -88,3 +97,4 @@ def recording() -> Iterator[Allocations]:
         _local.recorder = outer
         if outer is not None:
             outer.by_buffer = outer.merged(mine).by_buffer
+            outer.failures += mine.failures

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+from localspec.engine import memory
 from localspec.engine.alloc import Allocations, combine
 from localspec.engine.cache import PrefillPolicy, SlotCaches
 from localspec.engine.completion import Completion, draft_window_start
@@ -89,6 +90,8 @@ class Engine:
                     governor=self.governor,
                     n_slots=self.n_slots,
                 )
+            if settings.gpu_memory_cap is not None:
+                memory.enforce_cap(self, settings.gpu_memory_cap)
         except BaseException:
             self.close()
             raise

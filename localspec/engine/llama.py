@@ -20,7 +20,7 @@ import llama_cpp.llama_cpp as C
 import numpy as np
 
 from localspec.engine import alloc
-from localspec.engine.errors import DecodeError, ModelLoadError
+from localspec.engine.errors import DecodeError, ModelLoadError, OutOfMemoryError
 from localspec.engine.threads import ThreadGovernor, physical_cores
 from localspec.engine.types import ModelSettings
 from localspec.planning.types import default_flash_attn
@@ -174,6 +174,11 @@ class Model:
             handle = C.llama_model_load_from_file(str(settings.path).encode(), params)
         if not handle:
             size = Path(settings.path).stat().st_size
+            if allocated.failures:
+                raise OutOfMemoryError(
+                    f"llama.cpp ran out of memory loading {settings.path} ({size} bytes, "
+                    f"{settings.n_gpu_layers} GPU layers): {allocated.failures[-1]}"
+                )
             raise ModelLoadError(
                 f"llama.cpp could not load {settings.path} ({size} bytes): the file is "
                 "truncated, corrupt or of an unsupported architecture; download it again"
@@ -242,6 +247,11 @@ class Context:
         with alloc.recording() as allocated:
             handle = C.llama_init_from_model(model.handle, params)
         if not handle:
+            if allocated.failures:
+                raise OutOfMemoryError(
+                    f"llama.cpp ran out of memory creating a context for {model.path} "
+                    f"(n_ctx={n_ctx_total}): {allocated.failures[-1]}"
+                )
             raise ModelLoadError(
                 f"llama.cpp could not create a context for {model.path} "
                 f"(n_ctx={n_ctx_total}, n_batch={settings.n_batch}): out of memory?"

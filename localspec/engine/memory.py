@@ -8,12 +8,14 @@ allocator's peak plus the host logits buffer). ``localspec status`` shows them s
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from localspec.engine import devices as ggml_devices
-from localspec.engine.alloc import HOST, KINDS, Allocations
+from localspec.engine.alloc import HOST, KINDS, Allocations, MiB
+from localspec.engine.errors import OutOfMemoryError
 from localspec.engine.types import EngineSettings, ModelSettings
 from localspec.planning.facts import model_facts_from_gguf
 from localspec.planning.memory import draft_offload, model_usage
@@ -21,6 +23,8 @@ from localspec.planning.types import Device, Layout, ModelFacts
 
 if TYPE_CHECKING:
     from localspec.engine.engine import Engine
+
+_log = logging.getLogger("localspec.memory")
 
 # the planner's rule holds within this share of llama.cpp's figure, per device (tests check it)
 TOLERANCE = 0.10
@@ -140,9 +144,117 @@ def report(engine: Engine) -> list[dict[str, Any]]:
     return rows
 
 
+def enforce_cap(engine: Engine, cap: int) -> None:
+    """Raise OutOfMemoryError when llama.cpp allocated more than ``cap`` bytes on an offload
+    device: the load a card of that size would have refused (to play one on a bigger or
+    software device, and so that the cap the plan sized for holds)."""
+    gpus = ggml_devices.offload_devices()
+    t_alloc, d_alloc = engine.allocated()
+    used = t_alloc.merged(d_alloc).by_device({d.buffer_type: d.name for d in gpus})
+    for d in gpus:
+        total = sum(used.get(d.name, {}).values())
+        if total > cap:
+            raise OutOfMemoryError(
+                f"{d.name} ({d.description}): llama.cpp allocated {total / MiB:.1f} MiB, over "
+                f"the {cap / MiB:.1f} MiB cap (limits.gpu_memory_gb)"
+            )
+
+
+def props(engine: Engine) -> dict[str, Any]:
+    """What /props says of the build and its memory (``localspec status`` shows it): the
+    backends, and planned beside allocated per device. Empty for an engine that did not load
+    through llama.cpp (the tests' fake one); never raises, /props must answer."""
+    if not hasattr(engine, "allocated"):
+        return {}
+    try:
+        return {"backends": list(ggml_devices.backends()), "memory": report(engine)}
+    except Exception as exc:  # a GGUF header that moved under us, an odd build
+        _log.warning("could not compare the plan's memory with llama.cpp's: %s", exc)
+        return {}
+
+
 def within(rows: Sequence[dict[str, Any]], tolerance: float = TOLERANCE) -> bool:
     """Whether every device's allocation is within ``tolerance`` of the plan."""
     return all(r["ratio"] is not None and abs(r["ratio"] - 1.0) <= tolerance for r in rows)
 
 
-__all__ = ["Allocations", "compare", "layout_for", "planned_by_device", "report", "within"]
+__all__ = ["Allocations", "compare", "layout_for", "planned_by_device", "props", "report", "within"]
+
+
+def _available_ram() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def _fits(planned: dict[str, dict[str, int]], budgets: dict[str, int]) -> bool:
+    return all(sum(planned[name].values()) <= budget for name, budget in budgets.items())
+
+
+def refit(
+    settings: EngineSettings, *, host_bytes: int | None = None
+) -> tuple[EngineSettings, str] | None:
+    """A layout that fits after llama.cpp ran out of memory loading ``settings``: the planner's
+    arithmetic against each device's free memory (within ``gpu_memory_cap``, else less
+    llama.cpp's 1 GiB margin) and the host's available RAM (less 2 GiB). A context past the
+    model's training length goes first, then GPU layers (the draft leaves the GPU last), then
+    the context halves (not below 1024). Returns the settings and what changed, or None when
+    nothing is left to give up."""
+    from dataclasses import replace
+
+    from localspec.engine.llama import resolved_flash_attn
+    from localspec.planning.memory import GPU_MARGIN, HOST_MARGIN
+
+    gpus = ggml_devices.offload_devices()
+    target = model_facts_from_gguf(settings.target.path)
+    draft = model_facts_from_gguf(settings.draft.path) if settings.draft is not None else None
+    cap = settings.gpu_memory_cap
+    budgets = {
+        d.name: min(d.free_bytes, cap) if cap is not None else d.free_bytes - GPU_MARGIN
+        for d in gpus
+    }
+    host = _available_ram() if host_bytes is None else host_bytes
+    budgets[HOST] = host - HOST_MARGIN
+    names = [d.name for d in gpus] + [HOST]
+    flash_attn = resolved_flash_attn(settings.target, settings.n_slots)
+    old = layout_for(settings, target, draft, gpus, flash_attn)
+    full = target.n_layer + 1 if gpus else 0
+    ctx = old.n_ctx
+    if ctx > max(target.n_ctx_train, 4096):
+        ctx = max(target.n_ctx_train, 4096)
+    draft_places = [old.draft_device]
+    if old.draft_device is not None and old.draft_device < len(gpus):
+        draft_places.append(len(gpus))  # the draft to the host, once nothing else fits
+    chosen: Layout | None = None
+    while chosen is None and ctx >= min(old.n_ctx, 1024):
+        for place in draft_places:
+            for ngl in range(min(old.target_ngl, full), -1, -1):
+                layout = replace(old, n_ctx=ctx, target_ngl=ngl, draft_device=place)
+                if layout == old:
+                    continue  # what just failed
+                if _fits(planned_by_device(target, draft, layout, names), budgets):
+                    chosen = layout
+                    break
+            if chosen is not None:
+                break
+        ctx //= 2
+    if chosen is None:
+        # the arithmetic says the failed layout fits (a driver or another process took more
+        # than the device reports): give up a quarter of the GPU layers, as `smaller` does
+        if old.target_ngl == 0:
+            return None
+        chosen = replace(old, target_ngl=max(0, old.target_ngl - max(1, full // 4)))
+    changes = []
+    if chosen.target_ngl != old.target_ngl:
+        changes.append(f"GPU layers {old.target_ngl} -> {chosen.target_ngl} of {full}")
+    if chosen.draft_device != old.draft_device:
+        changes.append("the draft model to the CPU")
+    if chosen.n_ctx != old.n_ctx:
+        changes.append(f"context {old.n_ctx} -> {chosen.n_ctx} tokens")
+    t = replace(settings.target, n_gpu_layers=chosen.target_ngl, n_ctx=chosen.n_ctx)
+    d = settings.draft
+    if d is not None:
+        d = replace(d, n_ctx=chosen.n_ctx)
+        if chosen.draft_device == len(gpus):
+            d = replace(d, n_gpu_layers=0)
+    return replace(settings, target=t, draft=d), ", ".join(changes)
