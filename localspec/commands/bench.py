@@ -9,7 +9,7 @@ from localspec.commands import common as c
 
 BENCH = c.Command(
     "bench",
-    "run a benchmark (speculative, replay, edit, throughput, steps, load, overhead)",
+    "run a benchmark (speculative, replay, edit, throughput, steps, load, overhead, offload)",
     epilog="""\
 examples:
   localspec bench speculative --help     speculative vs plain decoding, draft vs n-gram
@@ -19,10 +19,11 @@ examples:
   localspec bench steps --help           step time by busy slots, kept for `localspec plan`
   localspec bench load --help            editor-like clients hammering a running daemon
   localspec bench overhead --help        the server's own time per request, in-process
+  localspec bench offload --help         plan, up and status with the pair on the device
 Benchmarks print a table and write JSON; every argument after the name is theirs.
 """,
 )
-BENCHES = ("speculative", "replay", "edit", "throughput", "steps", "load", "overhead")
+BENCHES = ("speculative", "replay", "edit", "throughput", "steps", "load", "overhead", "offload")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
