@@ -144,6 +144,8 @@ class GpuDevice:
     compute_capability: str | None = None
     unified: bool = False  # shares RAM with the CPU: Apple, an integrated or software GPU
     llama_name: str | None = None  # llama.cpp's name for it (Vulkan0, CUDA0); None: not seen
+    software: bool = False  # a Vulkan driver running on the CPU (lavapipe): its heap is RAM
+    max_tensor_bytes: int | None = None  # larger ops run on the CPU (Vulkan: storage range)
 
 
 @dataclass(frozen=True)
@@ -534,7 +536,8 @@ def merge_devices(
             spec = DeviceSpec(cpu.bandwidth_gbps, cpu.tflops)
             notes.append(
                 f"{dev.name} ({name}) is a software Vulkan device: its memory is host RAM "
-                "and it runs at the CPU's speed (limits.gpu_memory_gb caps it, to play a card)"
+                "and it runs at the CPU's speed (limits.gpu_memory_gb sets its size, to play a "
+                "card)"
             )
         gpus.append(
             GpuDevice(
@@ -548,6 +551,8 @@ def merge_devices(
                 compute_capability=match.compute_capability if match else None,
                 unified=backend == "metal" or software or dev.type == "igpu",
                 llama_name=dev.name,
+                software=software,
+                max_tensor_bytes=getattr(dev, "max_tensor_bytes", None),
             )
         )
     return gpus, notes

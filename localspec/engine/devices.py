@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -31,6 +31,9 @@ class GgmlDevice:
     total_bytes: int
     free_bytes: int
     buffer_type: str
+    # the largest tensor one op may touch there, where the backend has such a limit (Vulkan's
+    # maxStorageBufferRange): a larger op runs on the CPU
+    max_tensor_bytes: int | None = None
 
     @property
     def offloads(self) -> bool:
@@ -111,6 +114,11 @@ def devices() -> list[GgmlDevice]:
                 buffer_type=_text(base.ggml_backend_buft_name(buft)) if buft else "",
             )
         )
+    if any(d.backend == "Vulkan" for d in out):
+        from localspec.engine.vulkan_limits import storage_buffer_ranges
+
+        ranges = storage_buffer_ranges()
+        out = [replace(d, max_tensor_bytes=ranges.get(d.description)) for d in out]
     return out
 
 

@@ -76,15 +76,20 @@ def layout_for(
 
 
 def planned_by_device(
-    target: ModelFacts, draft: ModelFacts | None, layout: Layout, names: Sequence[str]
+    target: ModelFacts,
+    draft: ModelFacts | None,
+    layout: Layout,
+    names: Sequence[str],
+    max_tensor: Sequence[int | None] = (),
 ) -> dict[str, dict[str, int]]:
-    """Bytes per device name and kind under ``layout`` (``names``: the GPUs, then the host)."""
+    """Bytes per device name and kind under ``layout`` (``names``: the GPUs, then the host;
+    ``max_tensor``: each GPU's largest tensor per op)."""
     n = len(names)
     devices = [Device(name, "gpu", 0, 0, 0, 0) for name in names]
-    usages = [model_usage(target, layout, layout.target_ngl, layout.split, n)]
+    usages = [model_usage(target, layout, layout.target_ngl, layout.split, n, max_tensor)]
     if draft is not None and layout.draft_device is not None:
         ngl, split = draft_offload(draft, layout.draft_device, n - 1)
-        usages.append(model_usage(draft, layout, ngl, split, n))
+        usages.append(model_usage(draft, layout, ngl, split, n, max_tensor))
     out = {d.name: dict.fromkeys(KINDS, 0) for d in devices}
     for usage in usages:
         for d, u in zip(devices, usage, strict=True):
@@ -134,7 +139,8 @@ def report(engine: Engine) -> list[dict[str, Any]]:
     draft = model_facts_from_gguf(settings.draft.path) if settings.draft is not None else None
     layout = layout_for(settings, target, draft, gpus, engine.flash_attn)
     names = [d.name for d in gpus] + [HOST]
-    planned = planned_by_device(target, draft, layout, names)
+    limits = [d.max_tensor_bytes for d in gpus]
+    planned = planned_by_device(target, draft, layout, names, limits)
     t_alloc, d_alloc = engine.allocated()
     by_buffer = {d.buffer_type: d.name for d in gpus}
     allocated = t_alloc.merged(d_alloc).by_device(by_buffer)
@@ -216,6 +222,7 @@ def refit(
     host = _available_ram() if host_bytes is None else host_bytes
     budgets[HOST] = host - HOST_MARGIN
     names = [d.name for d in gpus] + [HOST]
+    limits = [d.max_tensor_bytes for d in gpus]
     flash_attn = resolved_flash_attn(settings.target, settings.n_slots)
     old = layout_for(settings, target, draft, gpus, flash_attn)
     full = target.n_layer + 1 if gpus else 0
@@ -232,7 +239,7 @@ def refit(
                 layout = replace(old, n_ctx=ctx, target_ngl=ngl, draft_device=place)
                 if layout == old:
                     continue  # what just failed
-                if _fits(planned_by_device(target, draft, layout, names), budgets):
+                if _fits(planned_by_device(target, draft, layout, names, limits), budgets):
                     chosen = layout
                     break
             if chosen is not None:
