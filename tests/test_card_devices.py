@@ -4,6 +4,7 @@ device lists of CUDA, Vulkan and CPU builds, and what the planner does with each
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 from localspec.catalog import load_catalog
 from localspec.engine.devices import GgmlDevice
@@ -18,6 +19,9 @@ from localspec.hardware import (
     probe,
 )
 from localspec.plan import PlanSettings, make_plan, render_plan
+from localspec.planning.facts import model_facts_from_gguf
+from localspec.planning.memory import model_usage, output_on_host
+from localspec.planning.types import Layout
 
 CPU = CpuFacts("AMD EPYC", 16, 32, 64 * GiB, 60 * GiB, bandwidth_gbps=80.0)
 HOST = GgmlDevice("CPU", "AMD EPYC", "cpu", "CPU", 64 * GiB, 60 * GiB, "CPU")
@@ -119,3 +123,24 @@ def test_probe_asks_llama_cpp_for_its_devices() -> None:
     assert gpu.llama_name == "Vulkan0" and gpu.free_bytes == 4000 * MiB
     assert any("software Vulkan device" in n for n in facts.notes)
     assert "llvmpipe" in facts.description
+
+
+def test_logits_past_the_devices_storage_range_are_computed_on_the_host(
+    smollm_fim_f16: Path,
+) -> None:
+    """lavapipe's 128 MiB maxStorageBufferRange holds 512 rows of SmolLM2's 49k logits, not
+    1024: llama.cpp then runs the output layer on the CPU (with a copy of its weights)."""
+    m = model_facts_from_gguf(smollm_fim_f16)
+    lavapipe = 128 * MiB
+
+    def usage(n_ubatch: int) -> list:
+        layout = Layout(1024, 1, "f16", n_ubatch, m.n_layer + 1, (1.0,), None, spec_n_max=0)
+        return model_usage(m, layout, m.n_layer + 1, (1.0,), 2, [lavapipe])
+
+    assert not output_on_host(m, 512, lavapipe) and output_on_host(m, 1024, lavapipe)
+    assert not output_on_host(m, 1024, None)  # no such limit (CUDA, Metal)
+    fits, spills = usage(512), usage(1024)
+    assert fits[0].compute >= 4 * 512 * m.n_vocab  # the logits on the device
+    assert spills[0].compute < 4 * 1024 * m.n_vocab <= spills[1].compute
+    assert spills[1].compute >= 4 * 1024 * m.n_vocab + m.output_bytes
+    assert spills[0].weights == fits[0].weights  # the weights stay where they were loaded
