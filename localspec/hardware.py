@@ -173,6 +173,8 @@ class BuildFacts:
     backends: tuple[str, ...] = ()
     system_info: str = ""
     devices: tuple[str, ...] = ()  # the offload devices llama.cpp sees, "Vulkan0: llvmpipe (...)"
+    chosen: str = ""  # the launcher's backend choice for this environment ("" unknown)
+    fallback: str = ""  # why the launcher fell back to the CPU, when it did
 
 
 @dataclass(frozen=True)
@@ -433,6 +435,18 @@ def probe_rocm(run: Runner = run_command) -> list[GpuDevice]:
     return parse_rocm_smi(out) if out else []
 
 
+def launcher_choice(venv: str | os.PathLike[str] | None = None) -> dict[str, str]:
+    """What launcher/bootstrap.sh recorded when it installed llama.cpp into this environment
+    (``.localspec-backend``: backend=, cmake_args=, fallback=, wheelhouse= lines); empty for
+    an environment it did not make."""
+    path = Path(venv if venv is not None else sys.prefix) / ".localspec-backend"
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return {}
+    return dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
+
+
 def probe_build(seen: Sequence[LlamaDevice] = ()) -> BuildFacts:
     """Ask the installed llama-cpp-python whether it can offload, with which backends (its
     backend registry) and to which devices."""
@@ -454,6 +468,8 @@ def probe_build(seen: Sequence[LlamaDevice] = ()) -> BuildFacts:
         backends=backends,
         system_info=info.strip(),
         devices=tuple(f"{d.name}: {d.description}" for d in seen if d.offloads),
+        chosen=(choice := launcher_choice()).get("backend", ""),
+        fallback=choice.get("fallback", ""),
     )
 
 

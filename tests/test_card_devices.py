@@ -14,6 +14,7 @@ from localspec.hardware import (
     GiB,
     HardwareFacts,
     MiB,
+    launcher_choice,
     merge_devices,
     parse_nvidia_smi,
     probe,
@@ -144,3 +145,18 @@ def test_logits_past_the_devices_storage_range_are_computed_on_the_host(
     assert spills[0].compute < 4 * 1024 * m.n_vocab <= spills[1].compute
     assert spills[1].compute >= 4 * 1024 * m.n_vocab + m.output_bytes
     assert spills[0].weights == fits[0].weights  # the weights stay where they were loaded
+
+
+def test_the_launchers_recorded_choice_is_read_and_shown(tmp_path: Path) -> None:
+    (tmp_path / ".localspec-backend").write_text(
+        "backend=cpu\ncmake_args=-DLLAVA_BUILD=OFF\n"
+        "fallback=the cuda build failed (see the compiler output above)\nwheelhouse=/w\n"
+    )
+    choice = launcher_choice(tmp_path)
+    assert choice["backend"] == "cpu" and choice["fallback"].startswith("the cuda build failed")
+    assert launcher_choice(tmp_path / "elsewhere") == {}
+    facts = _facts([], (), ("CPU",))
+    facts = replace(facts, build=replace(facts.build, chosen="cpu", fallback=choice["fallback"]))
+    text = render_plan(make_plan(load_catalog(), facts, PlanSettings()))
+    assert "build:    llama.cpp with CPU (the launcher chose cpu)" in text
+    assert "fell back to the CPU: the cuda build failed" in text

@@ -312,7 +312,11 @@ def _llama_cpp_lines(info: Any) -> list[str]:
         return []
     lines = []
     if info.get("backends"):
-        lines.append(f"  llama.cpp    {', '.join(map(str, info['backends']))}")
+        launcher = info.get("launcher") or {}
+        chosen = f" (the launcher chose {launcher['backend']})" if launcher.get("backend") else ""
+        lines.append(f"  llama.cpp    {', '.join(map(str, info['backends']))}{chosen}")
+        if launcher.get("fallback"):
+            lines.append(f"               fell back to the CPU: {launcher['fallback']}")
     rows = [r for r in info.get("memory") or () if isinstance(r, dict)]
     if rows:
         lines.append("  memory       planned / allocated by llama.cpp (model, KV, compute)")

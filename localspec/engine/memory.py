@@ -173,7 +173,14 @@ def props(engine: Engine) -> dict[str, Any]:
     if not hasattr(engine, "allocated"):
         return {}
     try:
-        return {"backends": list(ggml_devices.backends()), "memory": report(engine)}
+        from localspec.hardware import launcher_choice
+
+        choice = launcher_choice()
+        return {
+            "backends": list(ggml_devices.backends()),
+            "launcher": {k: choice[k] for k in ("backend", "fallback") if choice.get(k)},
+            "memory": report(engine),
+        }
     except Exception as exc:  # a GGUF header that moved under us, an odd build
         _log.warning("could not compare the plan's memory with llama.cpp's: %s", exc)
         return {}

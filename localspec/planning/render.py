@@ -80,7 +80,10 @@ def _build_lines(plan: Plan) -> list[str]:
     """Which llama.cpp build the plan runs on: its backends and the devices it offloads to."""
     if not plan.backends:
         return []
-    lines = [f"build:    llama.cpp with {', '.join(plan.backends)}"]
+    chosen = f" (the launcher chose {plan.build_choice})" if plan.build_choice else ""
+    lines = [f"build:    llama.cpp with {', '.join(plan.backends)}{chosen}"]
+    if plan.build_fallback:
+        lines.append(f"          fell back to the CPU: {plan.build_fallback}")
     lines += [f"device:   {d}" for d in plan.llama_devices]
     return lines
 

@@ -380,4 +380,6 @@ def _to_plan(
         cache_exact_ms=c.settings.cache_exact_ms,
         backends=c.facts.build.backends,
         llama_devices=c.facts.build.devices,
+        build_choice=c.facts.build.chosen,
+        build_fallback=c.facts.build.fallback,
     )
