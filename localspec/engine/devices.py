@@ -52,8 +52,11 @@ def _load() -> tuple[ctypes.CDLL, ctypes.CDLL]:
         if _libs is not None:
             return _libs
         import llama_cpp
-        import llama_cpp.llama_cpp  # loads libllama and, with it, the ggml libraries
         from llama_cpp._ctypes_extensions import load_shared_library
+
+        from localspec.engine.llama import init_backend
+
+        init_backend()  # libllama and the ggml libraries loaded, their log through ours
 
         lib_dir = Path(llama_cpp.__file__).resolve().parent / "lib"
         ggml = load_shared_library("ggml", lib_dir)

@@ -62,6 +62,11 @@ def _own_log() -> None:
     C.llama_log_set(_log_line, ctypes.c_void_p(0))
 
 
+def init_backend() -> None:
+    """llama.cpp's backends initialised, its log routed through localspec's (once)."""
+    _init_backend()
+
+
 def _init_backend() -> None:
     """Once per process."""
     global _backend_ready
