@@ -87,7 +87,7 @@ def test_allocated_is_within_10_percent_of_the_plan_on_the_cpu(
         assert abs(planned - real) <= 0.10 * real, (kind, planned, real)
     assert memory.within(rows)
     text = render_status({"url": "http://x", "health": "ready", "props": {"llama_cpp": info}})
-    assert "llama.cpp    CPU" in text and "host (host memory (CPU))" in text
+    assert "llama.cpp    CPU" in text and "host (RAM)" in text
     assert "of plan" in text
 
 

@@ -144,7 +144,7 @@ def report(engine: Engine) -> list[dict[str, Any]]:
     t_alloc, d_alloc = engine.allocated()
     by_buffer = {d.buffer_type: d.name for d in gpus}
     allocated = t_alloc.merged(d_alloc).by_device(by_buffer)
-    descriptions = {d.name: d.description for d in gpus} | {HOST: "host memory (CPU)"}
+    descriptions = {d.name: d.description for d in gpus} | {HOST: "RAM"}
     rows = compare(planned, allocated, descriptions)
     _reports[engine] = rows
     return rows
