@@ -15,10 +15,10 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -142,7 +142,10 @@ class GpuDevice:
     bandwidth_gbps: float
     tflops: float
     compute_capability: str | None = None
-    unified: bool = False  # Apple: shares RAM with the CPU
+    unified: bool = False  # shares RAM with the CPU: Apple, an integrated or software GPU
+    llama_name: str | None = None  # llama.cpp's name for it (Vulkan0, CUDA0); None: not seen
+    software: bool = False  # a Vulkan driver running on the CPU (lavapipe): its heap is RAM
+    max_tensor_bytes: int | None = None  # larger ops run on the CPU (Vulkan: storage range)
 
 
 @dataclass(frozen=True)
@@ -169,6 +172,9 @@ class BuildFacts:
     gpu_offload: bool | None = None
     backends: tuple[str, ...] = ()
     system_info: str = ""
+    devices: tuple[str, ...] = ()  # the offload devices llama.cpp sees, "Vulkan0: llvmpipe (...)"
+    chosen: str = ""  # the launcher's backend choice for this environment ("" unknown)
+    fallback: str = ""  # why the launcher fell back to the CPU, when it did
 
 
 @dataclass(frozen=True)
@@ -429,20 +435,143 @@ def probe_rocm(run: Runner = run_command) -> list[GpuDevice]:
     return parse_rocm_smi(out) if out else []
 
 
-def probe_build() -> BuildFacts:
-    """Ask the installed llama-cpp-python whether it can offload, and with which backend."""
+def launcher_choice(venv: str | os.PathLike[str] | None = None) -> dict[str, str]:
+    """What launcher/bootstrap.sh recorded when it installed llama.cpp into this environment
+    (``.localspec-backend``: backend=, cmake_args=, fallback=, wheelhouse= lines); empty for
+    an environment it did not make."""
+    path = Path(venv if venv is not None else sys.prefix) / ".localspec-backend"
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return {}
+    return dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
+
+
+def probe_build(seen: Sequence[LlamaDevice] = ()) -> BuildFacts:
+    """Ask the installed llama-cpp-python whether it can offload, with which backends (its
+    backend registry) and to which devices."""
     try:
         import llama_cpp
     except ImportError:
         return BuildFacts(installed=False)
     info = llama_cpp.llama_print_system_info().decode("utf-8", "replace")
+    try:
+        from localspec.engine import devices as ggml_devices
+
+        backends = ggml_devices.backends()
+    except (ImportError, OSError, AttributeError):  # an older or unusual build: its text
+        backends = parse_system_info(info)
     return BuildFacts(
         installed=True,
         version=getattr(llama_cpp, "__version__", None),
         gpu_offload=bool(llama_cpp.llama_supports_gpu_offload()),
-        backends=parse_system_info(info),
+        backends=backends,
         system_info=info.strip(),
+        devices=tuple(f"{d.name}: {d.description}" for d in seen if d.offloads),
+        chosen=(choice := launcher_choice()).get("backend", ""),
+        fallback=choice.get("fallback", ""),
     )
+
+
+class LlamaDevice(Protocol):
+    """What the probe reads of a device llama.cpp sees (localspec.engine.devices.GgmlDevice)."""
+
+    name: str
+    description: str
+    type: str
+    backend: str
+    total_bytes: int
+    free_bytes: int
+
+    @property
+    def offloads(self) -> bool: ...
+
+
+def probe_llama_devices() -> list[LlamaDevice]:
+    """The devices the installed llama.cpp sees (ggml's device registry); empty when
+    llama-cpp-python is missing or its libraries cannot be read."""
+    try:
+        from localspec.engine import devices as ggml_devices
+
+        return list(ggml_devices.devices())
+    except (ImportError, OSError, AttributeError):
+        return []
+
+
+# ggml backend registry names -> localspec's backend names
+_LLAMA_BACKENDS: dict[str, Backend] = {
+    "cuda": "cuda",
+    "rocm": "rocm",
+    "hip": "rocm",
+    "metal": "metal",
+    "mtl": "metal",
+    "vulkan": "vulkan",
+}
+# Vulkan drivers that run on the CPU (Mesa's lavapipe/llvmpipe, SwiftShader): their "device
+# memory" is host RAM and their speed the CPU's
+SOFTWARE_DEVICES = ("llvmpipe", "lavapipe", "swiftshader")
+
+
+def _same_card(a: str, b: str) -> bool:
+    def norm(name: str) -> str:
+        return " ".join(name.lower().replace("nvidia", "").replace("geforce", "").split())
+
+    return bool(norm(a)) and (norm(a) in norm(b) or norm(b) in norm(a))
+
+
+def merge_devices(
+    seen: Sequence[LlamaDevice], vendor: Sequence[GpuDevice], cpu: CpuFacts
+) -> tuple[list[GpuDevice], list[str]]:
+    """The GPUs to plan for: llama.cpp's own devices (what it can offload to, with the memory
+    its backend reports), each given what nvidia-smi / rocm-smi / sysctl add (compute
+    capability, the vendor's name for the bandwidth table) where the names match. With no
+    offload device (a CPU-only build) the vendor tools' list stands, so the plan can say the
+    build cannot use the card. Returns the GPUs and notes for the user."""
+    offload = [d for d in seen if d.offloads]
+    if not offload:
+        return list(vendor), []
+    gpus: list[GpuDevice] = []
+    notes: list[str] = []
+    unmatched = list(vendor)
+    for index, dev in enumerate(offload):
+        backend = _LLAMA_BACKENDS.get(dev.backend.lower())
+        if backend is None:
+            notes.append(f"llama.cpp device {dev.name} ({dev.backend}) is not planned for")
+            continue
+        match = next((g for g in unmatched if _same_card(g.name, dev.description)), None)
+        if match is not None:
+            unmatched.remove(match)
+        name = dev.description or (match.name if match else dev.name)
+        total = dev.total_bytes or (match.total_bytes if match else 0)
+        free = dev.free_bytes if dev.total_bytes else (match.free_bytes if match else 0)
+        software = any(s in name.lower() for s in SOFTWARE_DEVICES)
+        spec = lookup_device(name) or UNKNOWN_GPU
+        if match is not None:  # the vendor tool's name found it in the table (or not)
+            spec = DeviceSpec(match.bandwidth_gbps, match.tflops)
+        if software:
+            spec = DeviceSpec(cpu.bandwidth_gbps, cpu.tflops)
+            notes.append(
+                f"{dev.name} ({name}) is a software Vulkan device: its memory is host RAM "
+                "and it runs at the CPU's speed (limits.gpu_memory_gb sets its size, to play a "
+                "card)"
+            )
+        gpus.append(
+            GpuDevice(
+                index=index,
+                name=name,
+                backend=backend,
+                total_bytes=total,
+                free_bytes=min(free, total) if total else free,
+                bandwidth_gbps=spec.bandwidth_gbps,
+                tflops=spec.tflops,
+                compute_capability=match.compute_capability if match else None,
+                unified=backend == "metal" or software or dev.type == "igpu",
+                llama_name=dev.name,
+                software=software,
+                max_tensor_bytes=getattr(dev, "max_tensor_bytes", None),
+            )
+        )
+    return gpus, notes
 
 
 def probe_cpu(run: Runner = run_command) -> tuple[CpuFacts, dict[str, str]]:
@@ -479,17 +608,22 @@ def _apple_bandwidth(chip: str) -> float | None:
     return spec.bandwidth_gbps if spec else None
 
 
-def probe(run: Runner = run_command) -> HardwareFacts:
-    """Probe this machine. Never raises for a missing tool: absent means 'not there'."""
+def probe(
+    run: Runner = run_command, llama_devices: Callable[[], Sequence[LlamaDevice]] | None = None
+) -> HardwareFacts:
+    """Probe this machine. Never raises for a missing tool: absent means 'not there'.
+    ``llama_devices``: what llama.cpp sees (default: ask the installed build)."""
     cpu, sysctl = probe_cpu(run)
-    gpus: list[GpuDevice] = probe_nvidia(run) or probe_rocm(run)
+    vendor: list[GpuDevice] = probe_nvidia(run) or probe_rocm(run)
     working_set = None
-    if not gpus and sysctl:
+    if not vendor and sysctl:
         apple = apple_gpu(sysctl, cpu.ram_available_bytes)
         if apple is not None:
-            gpus = [apple]
+            vendor = [apple]
             working_set = apple.total_bytes
-    build = probe_build()
+    seen = llama_devices() if llama_devices is not None else probe_llama_devices()
+    gpus, notes = merge_devices(seen, vendor, cpu)
+    build = probe_build(seen)
     names = ", ".join(g.name for g in gpus) or "no GPU"
     return HardwareFacts(
         name="this machine",
@@ -499,6 +633,7 @@ def probe(run: Runner = run_command) -> HardwareFacts:
         gpus=tuple(gpus),
         build=build,
         working_set_bytes=working_set,
+        notes=tuple(notes),
     )
 
 

@@ -152,7 +152,14 @@ def file_engine_settings(
         spec=spec_settings(speculation(settings), has_draft=draft is not None),
         cache_reuse=settings.cache.reuse_chunk,
         exact_ms=settings.cache.exact_ms,
+        gpu_memory_cap=gpu_memory_cap(settings),
     )
+
+
+def gpu_memory_cap(settings: Settings) -> int | None:
+    """``limits.gpu_memory_gb`` in bytes (decimal GB, as the plan reads it); None: no cap."""
+    cap = settings.limits.gpu_memory_gb
+    return int(cap * 1e9) if cap else None
 
 
 def server_settings(

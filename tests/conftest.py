@@ -28,3 +28,14 @@ def _results_elsewhere(tmp_path_factory: pytest.TempPathFactory, monkeypatch) ->
     results = tmp_path_factory.mktemp("results")
     monkeypatch.setenv("BENCH_RESULTS_DIR", str(results))
     return results
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``vulkan`` need a Vulkan build of llama.cpp: they run only when the marker
+    expression names them (``-m vulkan``, .ci/run's second step), not in the CPU suite."""
+    if "vulkan" in (config.option.markexpr or ""):
+        return
+    kept = [item for item in items if item.get_closest_marker("vulkan") is None]
+    if len(kept) != len(items):
+        config.hook.pytest_deselected(items=[i for i in items if i not in kept])
+        items[:] = kept

@@ -9,7 +9,7 @@ from localspec.commands import common as c
 
 BENCH = c.Command(
     "bench",
-    "run a benchmark (speculative, replay, edit, throughput, steps, load, overhead, ...)",
+    "run a benchmark (speculative, replay, edit, throughput, steps, load, overhead, offload, ...)",
     epilog="""\
 examples:
   localspec bench speculative --help     speculative vs plain decoding, draft vs n-gram
@@ -21,6 +21,7 @@ examples:
   localspec bench overhead --help        the server's own time per request, in-process
   localspec bench kvcompact --help       KV compaction after a file switch, off vs on
   localspec bench ringquality --help     what ring blocks cost the model's predictions
+  localspec bench offload --help         plan, up and status with the pair on the device
   localspec bench render                 docs/benchmarks.md's tables from the result files
 Benchmarks print a table and write a result file (bench/results/NAME/, or
 $BENCH_RESULTS_DIR); --json FILE also writes the figures alone. Every argument after the
@@ -37,6 +38,7 @@ BENCHES = (
     "overhead",
     "kvcompact",
     "ringquality",
+    "offload",
     "render",
 )
 

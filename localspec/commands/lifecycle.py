@@ -279,6 +279,7 @@ def render_status(report: dict[str, Any]) -> str:
     if "slots" in report:
         slots = report["slots"]
         lines.append(f"  slots        {slots['busy']} busy of {slots['total']}")
+    lines += _llama_cpp_lines(props.get("llama_cpp"))
     for device in report.get("gpu_memory") or props.get("devices") or []:
         if isinstance(device, dict):
             name = device.get("name", "device")
@@ -302,6 +303,39 @@ def render_status(report: dict[str, Any]) -> str:
             "drafted tokens" + (f" ({rate:.0%})" if rate is not None else "")
         )
     return "\n".join(lines)
+
+
+def _llama_cpp_lines(info: Any) -> list[str]:
+    """The build's backends and, per device, the plan's memory beside what llama.cpp
+    allocated (weights, KV, compute)."""
+    if not isinstance(info, dict) or not info:
+        return []
+    lines = []
+    if info.get("backends"):
+        launcher = info.get("launcher") or {}
+        chosen = f" (the launcher chose {launcher['backend']})" if launcher.get("backend") else ""
+        lines.append(f"  llama.cpp    {', '.join(map(str, info['backends']))}{chosen}")
+        if launcher.get("fallback"):
+            lines.append(f"               fell back to the CPU: {launcher['fallback']}")
+    rows = [r for r in info.get("memory") or () if isinstance(r, dict)]
+    if rows:
+        lines.append("  memory       planned / allocated by llama.cpp (model, KV, compute)")
+    for r in rows:
+        planned, real = r.get("planned") or {}, r.get("allocated") or {}
+
+        def mib(d: dict[str, Any], key: str) -> str:
+            return f"{(d.get(key) or 0) / 2**20:.1f}"
+
+        name = r.get("device", "?")
+        if r.get("description") and r["description"] != name:
+            name = f"{name} ({r['description']})"
+        ratio = r.get("ratio")
+        share = f", {ratio:.0%} of plan" if isinstance(ratio, int | float) else ""
+        lines.append(
+            f"    {name}: {mib(planned, 'total')} / {mib(real, 'total')} MiB{share}; "
+            + ", ".join(f"{k} {mib(planned, k)}/{mib(real, k)}" for k in ("model", "kv", "compute"))
+        )
+    return lines
 
 
 def _backend_lines(backend: dict[str, Any]) -> list[str]:

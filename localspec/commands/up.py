@@ -289,8 +289,9 @@ def _planned_models(settings: st.Settings) -> Served:
             chat_engine = settings_to.plan_engine_settings(chat_plan, *chat_paths)
     except fetch.FetchError as exc:
         raise UpError(str(exc)) from None
+    engine = settings_to.plan_engine_settings(chosen, target_path, draft_path)
     return Served(
-        settings_to.plan_engine_settings(chosen, target_path, draft_path),
+        dataclasses.replace(engine, gpu_memory_cap=settings_to.gpu_memory_cap(settings)),
         chosen.pair_id,
         chosen,
         (target_path, draft_path),
@@ -300,19 +301,31 @@ def _planned_models(settings: st.Settings) -> Served:
     )
 
 
-def _fallback(served: Served) -> Served | None:
+def _fallback(served: Served, *, out_of_memory: bool = False) -> Served | None:
     """The next, more frugal plan after a planned pair failed to load (llama.cpp ran out of
     memory because a driver or another process took more than the probe saw); None when
-    nothing is left to give up or the models were given as files."""
+    nothing is left to give up. Models given as files are re-fitted only when llama.cpp ran
+    out of memory (``out_of_memory``): fewer GPU layers, a shorter context
+    (engine/memory.py ``refit``), said in one line."""
     from localspec import plan
 
     if served.plan is None or served.paths is None:
-        return None
+        if not out_of_memory:
+            return None
+        from localspec.engine.memory import refit
+
+        refitted = refit(served.engine)
+        if refitted is None:
+            return None
+        engine, changed = refitted
+        c.warn(f"loading ran out of memory: re-planned with {changed}; retrying")
+        return dataclasses.replace(served, engine=engine)
     smaller = plan.smaller(served.plan)
     if smaller is None:
         return None
     c.warn(f"{smaller.notes[-1]}; retrying")
     engine = settings_to.plan_engine_settings(smaller, *served.paths)
+    engine = dataclasses.replace(engine, gpu_memory_cap=served.engine.gpu_memory_cap)
     return dataclasses.replace(served, engine=engine, plan=smaller)
 
 
@@ -440,8 +453,12 @@ def _serve(
                 log_level=uvicorn_level,
                 upstream=upstream,
             )
-            # serve: 0 clean stop, 4 could not bind, else the model failed to load
-            retry = _fallback(served) if code not in (0, 4) and served else None
+            # serve: 0 clean stop, 4 could not bind, 5 out of memory, else the load failed
+            retry = (
+                _fallback(served, out_of_memory=code == 5)
+                if code not in (0, 4) and served
+                else None
+            )
             if retry is None:
                 break
             served = retry

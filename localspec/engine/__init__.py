@@ -5,6 +5,7 @@ from localspec.engine.errors import (
     DecodeError,
     EngineError,
     ModelLoadError,
+    OutOfMemoryError,
     PairMismatchError,
     PromptTooLongError,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "IndexedTokenCallback",
     "ModelLoadError",
     "ModelSettings",
+    "OutOfMemoryError",
     "PairMismatchError",
     "PromptTooLongError",
     "SamplingParams",

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+from localspec.engine import memory
+from localspec.engine.alloc import Allocations, combine
 from localspec.engine.cache import PrefillPolicy, SlotCaches
 from localspec.engine.completion import Completion, draft_window_start
 from localspec.engine.errors import EngineError
@@ -88,6 +90,8 @@ class Engine:
                     governor=self.governor,
                     n_slots=self.n_slots,
                 )
+            if settings.gpu_memory_cap is not None:
+                memory.enforce_cap(self, settings.gpu_memory_cap)
         except BaseException:
             self.close()
             raise
@@ -132,6 +136,13 @@ class Engine:
     @classmethod
     def load(cls, settings: EngineSettings) -> Engine:
         return cls(settings)
+
+    def allocated(self) -> tuple[Allocations, Allocations]:
+        """llama.cpp's own account of the buffers it allocated: (target, draft), each its
+        weights, KV, compute and output buffers by buffer type (engine/alloc.py)."""
+        parts = [(self._target, self._tctx), (self._draft, self._dctx)]
+        target, draft = (combine(x.allocated for x in part if x is not None) for part in parts)
+        return target, draft
 
     @property
     def max_completions(self) -> int:

@@ -11,6 +11,11 @@ class ModelLoadError(EngineError):
     """A GGUF file is missing, truncated, not GGUF, or llama.cpp refused it."""
 
 
+class OutOfMemoryError(ModelLoadError):
+    """llama.cpp could not allocate a buffer on a device (or went over the device memory cap):
+    a smaller layout may load (``up`` re-plans)."""
+
+
 class PairMismatchError(EngineError):
     """The draft model cannot speculate for the target (vocabularies differ)."""
 

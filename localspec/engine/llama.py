@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -18,7 +19,8 @@ from pathlib import Path
 import llama_cpp.llama_cpp as C
 import numpy as np
 
-from localspec.engine.errors import DecodeError, ModelLoadError
+from localspec.engine import alloc
+from localspec.engine.errors import DecodeError, ModelLoadError, OutOfMemoryError
 from localspec.engine.threads import ThreadGovernor, physical_cores
 from localspec.engine.types import ModelSettings
 from localspec.planning.types import default_flash_attn
@@ -37,25 +39,41 @@ _log = logging.getLogger("localspec.llama")
 
 
 @C.llama_log_callback
-def _quiet_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-    """llama.cpp's errors go to our logger; its chatter (load lines, warnings) is dropped.
-    Set LOCALSPEC_LLAMA_LOG=1 to see everything."""
-    if level == 4:  # GGML_LOG_LEVEL_ERROR
-        _log.error("%s", text.decode("utf-8", errors="replace").rstrip())
+def _log_line(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    """Every line feeds the allocation recorder (engine/alloc.py); llama.cpp's errors go to our
+    logger and its chatter (load lines, warnings) is dropped. LOCALSPEC_LLAMA_LOG=1 shows it
+    all on stderr."""
+    line = text.decode("utf-8", errors="replace")
+    alloc.feed(line)
+    if _show_all:
+        sys.stderr.write(line)
+    elif level == 4:  # GGML_LOG_LEVEL_ERROR
+        _log.error("%s", line.rstrip())
 
 
+_show_all = bool(os.environ.get("LOCALSPEC_LLAMA_LOG"))
 _backend_lock = threading.Lock()
 _backend_ready = False
 
 
+def _own_log() -> None:
+    """Route llama.cpp's log through ``_log_line`` (again: a test or llama-cpp-python may have
+    set its own callback since)."""
+    C.llama_log_set(_log_line, ctypes.c_void_p(0))
+
+
+def init_backend() -> None:
+    """llama.cpp's backends initialised, its log routed through localspec's (once)."""
+    _init_backend()
+
+
 def _init_backend() -> None:
-    """Once per process; llama-cpp-python logs every load line unless told otherwise."""
+    """Once per process."""
     global _backend_ready
     with _backend_lock:
         if _backend_ready:
             return
-        if not os.environ.get("LOCALSPEC_LLAMA_LOG"):
-            C.llama_log_set(_quiet_log, ctypes.c_void_p(0))
+        _own_log()
         C.llama_backend_init()
         _backend_ready = True
 
@@ -156,14 +174,22 @@ class Model:
         split = gpu_split(settings.tensor_split, int(C.llama_max_devices()))
         if split is not None and settings.n_gpu_layers > 0:
             params.tensor_split = ctypes.cast(split, ctypes.POINTER(ctypes.c_float))
-        handle = C.llama_model_load_from_file(str(settings.path).encode(), params)
+        _own_log()
+        with alloc.recording() as allocated:
+            handle = C.llama_model_load_from_file(str(settings.path).encode(), params)
         if not handle:
             size = Path(settings.path).stat().st_size
+            if allocated.failures:
+                raise OutOfMemoryError(
+                    f"llama.cpp ran out of memory loading {settings.path} ({size} bytes, "
+                    f"{settings.n_gpu_layers} GPU layers): {allocated.failures[-1]}"
+                )
             raise ModelLoadError(
                 f"llama.cpp could not load {settings.path} ({size} bytes): the file is "
                 "truncated, corrupt or of an unsupported architecture; download it again"
             )
         self.handle = handle
+        self.allocated = allocated  # its weights' buffers, as llama.cpp logged them
         self.path = str(settings.path)
         self.vocab_handle = C.llama_model_get_vocab(handle)
         self.n_ctx_train = int(C.llama_model_n_ctx_train(handle))
@@ -222,13 +248,21 @@ class Context:
                     f"unknown KV cache type {name}={value!r}: use one of {', '.join(_KV_TYPES)}"
                 )
             setattr(params, name, _KV_TYPES[value])
-        handle = C.llama_init_from_model(model.handle, params)
+        _own_log()
+        with alloc.recording() as allocated:
+            handle = C.llama_init_from_model(model.handle, params)
         if not handle:
+            if allocated.failures:
+                raise OutOfMemoryError(
+                    f"llama.cpp ran out of memory creating a context for {model.path} "
+                    f"(n_ctx={n_ctx_total}): {allocated.failures[-1]}"
+                )
             raise ModelLoadError(
                 f"llama.cpp could not create a context for {model.path} "
                 f"(n_ctx={n_ctx_total}, n_batch={settings.n_batch}): out of memory?"
             )
         self.handle = handle
+        self.allocated = allocated  # its KV, compute and output buffers
         self.model = model
         self.n_seq = n_seq
         self.clock = clock

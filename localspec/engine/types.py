@@ -105,6 +105,9 @@ class EngineSettings:
     # per slot) and the KV cells each holds beyond the shared prompt
     n_aux: int | None = None
     aux_room: int = AUX_ROOM
+    # bytes llama.cpp may allocate on each offload device (limits.gpu_memory_gb): a load over
+    # it fails as out of memory, as on a card that size (engine/memory.py); None: no cap
+    gpu_memory_cap: int | None = None
 
 
 # llama-server's default chain (common_params_sampling.samplers); at the default values every

@@ -109,7 +109,7 @@ def _split_for(c: SearchContext, cand: Candidate, layout: Layout) -> tuple[float
             m, layout.n_ubatch, layers=True, output=i == c.n_gpus - 1
         )
         if cand.draft is not None and layout.draft_device == i:
-            room -= draft_bytes(cand.draft, layout, len(c.devices))[i]
+            room -= draft_bytes(cand.draft, layout, c.devices)[i]
         free.append(room if room >= one_layer else 0)
     total = sum(free)
     if total <= 0:

@@ -29,10 +29,14 @@ CTX_STEP = 256  # llama.cpp pads the context to a multiple of 256
 
 def devices_for(facts: HardwareFacts, cap: int | None = None) -> list[Device]:
     """The devices a plan may use, with budgets: GPU free − 1 GiB; unified memory
-    min(working set, available RAM) − 2 GiB; host available RAM − 2 GiB."""
+    min(working set, available RAM) − 2 GiB; host available RAM − 2 GiB. A software device's
+    heap is RAM of whatever size its driver chose: ``cap`` sets it (to play a card that size),
+    with a GPU's margin."""
     out: list[Device] = []
     for g in facts.usable_gpus:
         available = g.free_bytes if cap is None else min(g.free_bytes, cap)
+        if g.software and cap is not None:
+            available = cap
         if g.unified:
             available = min(available, facts.cpu.ram_available_bytes)
         out.append(
@@ -40,9 +44,10 @@ def devices_for(facts: HardwareFacts, cap: int | None = None) -> list[Device]:
                 f"{g.backend}:{g.index} {g.name}",
                 "unified" if g.unified else "gpu",
                 available,
-                HOST_MARGIN if g.unified else GPU_MARGIN,
+                HOST_MARGIN if g.unified and not g.software else GPU_MARGIN,
                 g.bandwidth_gbps,
                 g.tflops,
+                g.max_tensor_bytes,
             )
         )
     cpu = facts.cpu
@@ -136,10 +141,23 @@ class _Usage:
     draft: int = 0
 
 
+def output_on_host(m: ModelFacts, n_ubatch: int, max_tensor: int | None) -> bool:
+    """Whether llama.cpp computes the output layer on the host although its weights are on a
+    device: a ubatch of f32 logits is larger than one op may touch there (Vulkan's
+    maxStorageBufferRange; 128 MiB on lavapipe), so the scheduler runs that op on the CPU."""
+    return max_tensor is not None and 4 * n_ubatch * m.n_vocab > max_tensor
+
+
 def model_usage(
-    m: ModelFacts, layout: Layout, ngl: int, split: Sequence[float], n_devices: int
+    m: ModelFacts,
+    layout: Layout,
+    ngl: int,
+    split: Sequence[float],
+    n_devices: int,
+    max_tensor: Sequence[int | None] = (),
 ) -> list[_Usage]:
-    """Bytes per device (GPUs, then host last) for one model under ``layout``."""
+    """Bytes per device (GPUs, then host last) for one model under ``layout``; ``max_tensor``:
+    each GPU's largest tensor per op (``output_on_host``)."""
     usage = [_Usage() for _ in range(n_devices)]
     host = n_devices - 1
     homes = layer_homes(m.n_layer, ngl, split, n_devices)
@@ -154,8 +172,13 @@ def model_usage(
         usage[out_dev].weights += m.output_bytes
     usage[host].weights += m.embd_bytes
     holds_layers = set(homes[: m.n_layer])
+    out_compute = out_dev
+    limit = max_tensor[out_dev] if out_dev < len(max_tensor) else None
+    if out_dev != host and output_on_host(m, layout.n_ubatch, limit):
+        out_compute = host
+        usage[host].compute += m.output_bytes  # the weights, copied for the CPU's op
     for dev in range(n_devices):
-        has_layers, has_out = dev in holds_layers, dev == out_dev
+        has_layers, has_out = dev in holds_layers, dev == out_compute
         if has_layers or has_out:
             usage[dev].compute += compute_bytes(
                 m,
@@ -165,16 +188,18 @@ def model_usage(
                 n_kv=0 if layout.flash_attn else cells,
             )
     usage[host].compute += output_buffer_bytes(m, layout.n_slots, layout.spec_n_max)
-    if host not in holds_layers and out_dev != host:
+    if host not in holds_layers and out_compute != host:
         usage[host].compute += 4 * layout.n_ubatch * m.n_embd * 2  # input embeddings staging
     return usage
 
 
-def draft_bytes(draft: ModelFacts, layout: Layout, n_devices: int) -> list[int]:
+def draft_bytes(draft: ModelFacts, layout: Layout, devices: Sequence[Device]) -> list[int]:
     """The draft's whole footprint per device, on ``layout.draft_device``."""
     assert layout.draft_device is not None
-    ngl, split = draft_offload(draft, layout.draft_device, n_devices - 1)
-    return [u.weights + u.kv + u.compute for u in model_usage(draft, layout, ngl, split, n_devices)]
+    ngl, split = draft_offload(draft, layout.draft_device, len(devices) - 1)
+    limits = [d.max_tensor_bytes for d in devices]
+    usage = model_usage(draft, layout, ngl, split, len(devices), limits)
+    return [u.weights + u.kv + u.compute for u in usage]
 
 
 def memory_table(
@@ -182,9 +207,10 @@ def memory_table(
 ) -> list[DeviceMemory]:
     """Every device's bytes under ``layout``: the target, its KV and compute, the draft."""
     n = len(devices)
-    usage = model_usage(target, layout, layout.target_ngl, layout.split, n)
+    limits = [d.max_tensor_bytes for d in devices]
+    usage = model_usage(target, layout, layout.target_ngl, layout.split, n, limits)
     if draft is not None and layout.draft_device is not None:
-        for u, extra in zip(usage, draft_bytes(draft, layout, n), strict=True):
+        for u, extra in zip(usage, draft_bytes(draft, layout, devices), strict=True):
             u.draft += extra
     rows = [
         DeviceMemory(d.name, u.weights, u.kv, u.compute, u.draft, d.margin, d.available)

@@ -19,7 +19,7 @@ def gib(n: float) -> str:
 
 def render_plan(plan: Plan) -> str:
     """The table `localspec plan` prints: choice, memory per device, rejections, speed."""
-    lines = [f"hardware: {plan.hardware}", *_pair_lines(plan)]
+    lines = [f"hardware: {plan.hardware}", *_build_lines(plan), *_pair_lines(plan)]
     target_tps, draft_tps = plan.decode_ceiling_tps
     lines += [
         "",
@@ -74,6 +74,18 @@ def render_team(team: TeamServer) -> str:
         team.profile.rstrip(),
     ]
     return "\n".join(lines)
+
+
+def _build_lines(plan: Plan) -> list[str]:
+    """Which llama.cpp build the plan runs on: its backends and the devices it offloads to."""
+    if not plan.backends:
+        return []
+    chosen = f" (the launcher chose {plan.build_choice})" if plan.build_choice else ""
+    lines = [f"build:    llama.cpp with {', '.join(plan.backends)}{chosen}"]
+    if plan.build_fallback:
+        lines.append(f"          fell back to the CPU: {plan.build_fallback}")
+    lines += [f"device:   {d}" for d in plan.llama_devices]
+    return lines
 
 
 def _pair_lines(plan: Plan) -> list[str]:

@@ -73,6 +73,10 @@ class Plan:
     cache_reuse: int = 256
     cache_exact_ms: float = 100.0
     chat: ChatPlan | None = None  # who answers chat (planning/chat.py); None: not decided
+    backends: tuple[str, ...] = ()  # the llama.cpp build's backends (its registry: Vulkan, CPU)
+    llama_devices: tuple[str, ...] = ()  # the devices it offloads to, "Vulkan0: llvmpipe (...)"
+    build_choice: str = ""  # the launcher's backend choice ("" unknown), and why it fell back
+    build_fallback: str = ""
 
     @property
     def concurrent_sessions(self) -> int:

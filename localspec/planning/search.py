@@ -378,4 +378,8 @@ def _to_plan(
         speculative=c.settings.speculative,
         cache_reuse=c.settings.cache_reuse,
         cache_exact_ms=c.settings.cache_exact_ms,
+        backends=c.facts.build.backends,
+        llama_devices=c.facts.build.devices,
+        build_choice=c.facts.build.chosen,
+        build_fallback=c.facts.build.fallback,
     )

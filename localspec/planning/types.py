@@ -120,6 +120,7 @@ class Device:
     margin: int
     bandwidth_gbps: float
     tflops: float
+    max_tensor_bytes: int | None = None  # an op with a larger tensor runs on the host
 
     @property
     def budget(self) -> int:

@@ -18,6 +18,7 @@ from typing import Any
 
 import uvicorn
 
+from localspec.engine.errors import OutOfMemoryError
 from localspec.engine.types import EngineSettings
 from localspec.server.app import create_app
 from localspec.server.options import ServerSettings
@@ -27,6 +28,7 @@ log = logging.getLogger("localspec.server")
 
 EXIT_LOAD_FAILED = 3
 EXIT_BIND_FAILED = 4
+EXIT_OUT_OF_MEMORY = 5  # loading failed for memory: a smaller layout may load (``up`` re-plans)
 
 
 def _listen(host: str, port: int, family: socket.AddressFamily) -> socket.socket:
@@ -114,7 +116,8 @@ def serve(
     log_level: str = "warning",
     upstream: UpstreamSettings | None = None,
 ) -> int:
-    """Serve until SIGINT/SIGTERM; 0 on a clean stop, non-zero when loading or binding failed.
+    """Serve until SIGINT/SIGTERM; 0 on a clean stop, non-zero when loading (3; 5: for memory)
+    or binding (4) failed.
     ``upstream``: a team server answers, the local model (``engine_settings``; None: none)
     only while it cannot. ``chat_engine_settings``: a second pair that answers chat (its own
     worker)."""
@@ -164,6 +167,6 @@ def serve(
         for sock in sockets:
             sock.close()
     if failure:
-        return EXIT_LOAD_FAILED
+        return EXIT_OUT_OF_MEMORY if isinstance(failure[0], OutOfMemoryError) else EXIT_LOAD_FAILED
     log.info("stopped")
     return 0

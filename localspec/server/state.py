@@ -14,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from localspec import __version__
+from localspec.engine import memory
 from localspec.engine.types import EngineSettings, SamplingParams, TokenEvent
 from localspec.server import dispatch, results
 from localspec.server.chatmodel import chat_model
@@ -382,6 +383,7 @@ class Service:
             **self._chat_props(),
             "capabilities": self.capabilities(),
             "build_info": f"localspec {__version__}",
+            "llama_cpp": memory.props(engine),  # backends; planned vs allocated per device
             "is_sleeping": False,
         }
 
