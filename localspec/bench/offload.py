@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from localspec.bench import harness
 from localspec.bench.anchor import free_port
 from localspec.bench.command import bench_parser
 
@@ -158,9 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args(argv)
     result = run(args)
-    print(render(result))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
+    table = render(result)
+    print(table)
+    harness.record("offload", argv, table, result, json_path=args.json)
     return 0 if result["all_equal"] else 1
 
 
