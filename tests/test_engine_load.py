@@ -19,6 +19,7 @@ from localspec.engine import (
     SamplingParams,
     SpecSettings,
 )
+from tests.test_house import assert_serves
 
 QWEN_FIM = (151659, 151661, 151660, 151662, 151663, 151664)
 
@@ -111,6 +112,10 @@ def test_vocab_exposes_fim_eog_and_tokenizes_without_special(qwen_pair: Engine) 
     assert v.detokenize(literal) == "x = '<|fim_prefix|>'"
     assert v.piece(151659) == b"" and v.piece(151659, special=True) == b"<|fim_prefix|>"
     assert qwen_pair.n_ctx == 512 and qwen_pair.n_slots == 2 and qwen_pair.n_ctx_train > 0
+
+
+def test_the_engine_serves_as_the_server_holds_it(qwen_pair: Engine) -> None:
+    assert_serves(qwen_pair)
 
 
 def test_bad_requests_are_value_errors(qwen_pair: Engine) -> None:

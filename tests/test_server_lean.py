@@ -16,7 +16,6 @@ from pydantic import BaseModel
 from starlette.testclient import TestClient
 
 from localspec.engine.types import EngineSettings, GenerationResult, ModelSettings
-from localspec.engine.vocab import FimTokens
 from localspec.server import ServerSettings, create_app, logs
 from localspec.server.errors import InvalidRequest
 from localspec.server.gate import LeanRoute
@@ -29,44 +28,15 @@ from localspec.server.requests import (
     parse_body,
 )
 from localspec.server.results import dumps
-from tests.fake_engine import StepEngine
-
-
-class FakeVocab:
-    n_vocab = 1000
-    bos = None
-    add_bos = False
-    fim = FimTokens(pre=1, suf=2, mid=3, rep=4, sep=5)
-
-    def __init__(self) -> None:
-        self.piece_calls = 0
-
-    def tokenize(self, text: str, *, special: bool = False) -> list[int]:
-        return [10 + ord(c) % 900 for c in text]
-
-    def piece(self, token: int, *, special: bool = False) -> bytes:
-        self.piece_calls += 1
-        # some tokens are half a UTF-8 character: pieces must be joined before decoding
-        return {7: b"\xc3", 8: b"\xa9"}.get(token, chr(32 + token % 90).encode())
-
-    def detokenize(self, tokens: list[int], *, special: bool = False) -> str:
-        return b"".join(self.piece(t, special=special) for t in tokens).decode("utf-8", "replace")
+from tests.fake_engine import FakeVocab, StepEngine
 
 
 class FakeEngine(StepEngine):
     n_ctx = 4096
     n_batch = 512
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.vocab = FakeVocab()
-        self.tokens: list[int] = []
-
-    def slot_tokens(self, slot: int) -> list[int]:
-        return list(self.tokens)
-
     def run(self, req: Any, **_: Any) -> GenerationResult:
-        self.tokens = [*req.prompt, 7, 8]
+        self.slots[req.slot].target.tokens = [*req.prompt, 7, 8]
         return GenerationResult(
             tokens=[7, 8], text='é "x",', stop_type="limit", n_prompt=len(req.prompt),
             n_evaluated=len(req.prompt), prompt_ms=1.0, predicted_ms=1.0,

@@ -47,11 +47,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from localspec.engine.api import ServedEngine
 from localspec.engine.types import PromptLayout
 from localspec.engine.vocab import FimTokens
 from localspec.server.errors import InvalidRequest, NotSupported
 
-Prepare = Callable[[Any], PromptLayout]  # engine -> the prompt, as the engine evaluates it
+Prepare = Callable[[ServedEngine], PromptLayout]  # engine -> the prompt, as the engine evaluates it
 
 # --- the FIM layout -------------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from localspec import __version__
+from localspec.engine.api import ServedEngine
 from localspec.engine.types import EngineSettings, SamplingParams, TokenEvent
 from localspec.server import dispatch, results
 from localspec.server.chatmodel import chat_model
@@ -33,16 +34,18 @@ def _probes(worker: Worker) -> Probes:
         if engine is None:
             return {}
         files = {"target": str(engine.model_path)}
-        if getattr(engine, "draft_path", None) is not None:
+        if engine.draft_path is not None:
             files["draft"] = str(engine.draft_path)
         return files
 
     def cpu() -> tuple[int, float] | None:
-        governor = getattr(worker.engine, "governor", None)
+        engine = worker.engine
+        governor = None if engine is None else engine.governor
         return None if governor is None else (governor.free, governor.other_busy)
 
     def kv() -> tuple[int, int] | None:
-        return getattr(worker.engine, "kv_holes", None)  # (none before the model loads)
+        engine = worker.engine
+        return None if engine is None else engine.kv_holes  # (none before the model loads)
 
     return Probes(
         cpu=cpu,
@@ -99,7 +102,7 @@ class Service:
         cls,
         settings: ServerSettings,
         engine_settings: EngineSettings,
-        load: Callable[[], Any],
+        load: Callable[[], ServedEngine],
         *,
         on_ready: Callable[[], None] | None = None,
         on_failure: Callable[[BaseException], None] | None = None,
@@ -122,8 +125,12 @@ class Service:
     # ------------------------------------------------------------------ state
 
     @property
-    def engine(self) -> Any:
-        return self.worker.engine
+    def engine(self) -> ServedEngine:
+        """The loaded engine (a route asks ``not_ready`` first)."""
+        engine = self.worker.engine
+        if engine is None:
+            raise Unavailable("Loading model")
+        return engine
 
     def not_ready(self) -> ApiError | None:
         state = self.worker.state
@@ -422,7 +429,7 @@ class Service:
                     "meta": {
                         "n_ctx": svc.engine.n_ctx,
                         "n_vocab": svc.engine.vocab.n_vocab,
-                        "n_ctx_train": getattr(svc.engine, "n_ctx_train", None),
+                        "n_ctx_train": svc.engine.n_ctx_train,
                     },
                 }
                 for svc in served
@@ -431,4 +438,4 @@ class Service:
 
     def slots(self) -> list[dict[str, Any]]:
         speculative = self.engine.draft_path is not None or self.engine_settings.spec.mode != "off"
-        return [s.to_json(speculative=speculative) for s in list(self.worker.slots)]
+        return [results.slot_json(s, speculative=speculative) for s in list(self.worker.slots)]

@@ -17,19 +17,20 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Generic, Literal, TypeVar
 
+from localspec.engine.api import ServedEngine
 from localspec.engine.cache_plan import choose_slot, pinned_slot
-from localspec.engine.scheduler import Task
+from localspec.engine.slot import Slot, Task
 from localspec.engine.types import GenerationResult, PromptLayout, TokenEvent
 from localspec.server.errors import ContextExceeded, InvalidRequest, Unavailable
 from localspec.server.logs import REQUESTS
 from localspec.server.prompts import truncate
 from localspec.server.requests import TaskParams
-from localspec.server.results import Completion, SlotInfo
+from localspec.server.results import FinishedCompletion
 
 log = logging.getLogger("localspec.server")
 # a request cut short is logged by its route when the client leaves, before the engine has
@@ -37,6 +38,7 @@ log = logging.getLogger("localspec.server")
 _requests_log = logging.getLogger(REQUESTS)
 
 MIN_CALL_QUEUE = 16  # tokenize/detokenize calls that may wait (at least; else queue_limit)
+T = TypeVar("T")
 
 
 TokenSink = Callable[[int, TokenEvent], None]  # (completion index, event), on the worker thread
@@ -45,7 +47,7 @@ TokenSink = Callable[[int, TokenEvent], None]  # (completion index, event), on t
 @dataclass(eq=False)
 class Job:
     params: TaskParams
-    prepare: Callable[[Any], PromptLayout]  # builds the prompt, on the worker thread
+    prepare: Callable[[ServedEngine], PromptLayout]  # builds the prompt, on the worker thread
     detokenize: Callable[[list[int]], str] | None = None  # set when the answer shows the prompt
     on_token: TokenSink | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
@@ -69,7 +71,7 @@ class Job:
 
 @dataclass
 class JobResult:
-    completions: list[Completion]
+    completions: list[FinishedCompletion]
     n_prompt: int = 0
     truncated: bool = False  # the prompt was cut to fit the context
     cancelled: str | None = None  # why it stopped early: "client left", "superseded", ...
@@ -132,18 +134,18 @@ class EngineThread:
                     if not self._workers:
                         self._thread = None
                         return
-                    turns = [(w, w._next_turn()) for w in self._workers]
+                    turns = [(w, w.next_turn()) for w in self._workers]
                     due = [(w, t) for w, t in turns if t is not None]
                     if due:
                         break
                     self.cond.wait()
             if loading is not None:
-                if loading._load_main():
+                if loading.load_here():
                     with self.cond:
                         self._workers.append(loading)
                 continue
             for worker, turn in due:
-                if not worker._play(turn):
+                if not worker.play(turn):
                     with self.cond:
                         self._workers.remove(worker)
 
@@ -160,7 +162,7 @@ class _Turn:
 class Worker:
     def __init__(
         self,
-        load: Callable[[], Any],
+        load: Callable[[], ServedEngine],
         *,
         queue_limit: int = 16,
         on_ready: Callable[[], None] | None = None,
@@ -185,8 +187,7 @@ class Worker:
         self._stopped = threading.Event()  # the engine is closed (or was never loaded)
         self.state: State = "loading"
         self.error: BaseException | None = None
-        self.engine: Any = None
-        self.slots: list[SlotInfo] = []
+        self.engine: ServedEngine | None = None
         self.n_done = 0
         self.n_cancelled = 0  # jobs that ended early: client left, superseded, timed out
         # prompt tokens the engine evaluated for every job, those the client left included
@@ -223,6 +224,12 @@ class Worker:
                 job.cancel.set()
 
     @property
+    def slots(self) -> Sequence[Slot]:
+        """The engine's slots (none before it loads): what each holds and runs."""
+        engine = self.engine
+        return () if engine is None else engine.slots
+
+    @property
     def queued(self) -> int:
         return len(self._queue)
 
@@ -249,12 +256,12 @@ class Worker:
             self._queue.append(job)
             self._cond.notify_all()
 
-    def call(self, fn: Callable[[Any], Any]) -> Future[Any]:
+    def call(self, fn: Callable[[ServedEngine], T]) -> Future[T]:
         """Run ``fn(engine)`` on the worker thread ahead of queued jobs (tokenize, detokenize).
 
         The vocabulary's helpers share buffers, so even cheap calls go through the owner thread.
         """
-        call = _Call(fn)
+        call: _Call[T] = _Call(fn)
         with self._cond:
             if self.state != "ready":
                 raise Unavailable(
@@ -328,7 +335,7 @@ class Worker:
 
     # ------------------------------------------------------------------ thread
 
-    def _load_main(self) -> bool:
+    def load_here(self) -> bool:
         """On the engine thread: load the model; True when the worker is ready to serve."""
         with self._cond:
             if self.state == "stopping":  # stopped before its turn to load
@@ -349,9 +356,6 @@ class Worker:
             return False
         with self._cond:
             self.engine = engine
-            self.slots = [
-                SlotInfo(id=i, n_ctx=engine.n_ctx, tokens=[]) for i in range(engine.n_slots)
-            ]
             stopping = self.state == "stopping"
             if not stopping:
                 self.state = "ready"
@@ -362,7 +366,7 @@ class Worker:
             self._on_ready()
         return True
 
-    def _next_turn(self) -> _Turn | None:
+    def next_turn(self) -> _Turn | None:
         """Under the lock, on the engine thread: the queued calls, the jobs whose slots are
         free, and whether the engine has a step to run; None when there is nothing to do."""
         if self.state == "stopping":
@@ -370,14 +374,16 @@ class Worker:
         calls = list(self._calls)
         self._calls.clear()
         starts = self._startable()
+        assert self.engine is not None  # (loaded: only a loaded worker takes turns)
         if calls or starts or self.engine.busy:
             return _Turn(calls, starts)
         return None
 
-    def _play(self, turn: _Turn) -> bool:
+    def play(self, turn: _Turn) -> bool:
         """On the engine thread: run the turn's calls, start its jobs, then one engine step.
         False once the worker has stopped (its engine closed)."""
         engine = self.engine
+        assert engine is not None
         if turn.stop:
             self._close(engine)
             return False
@@ -427,13 +433,11 @@ class Worker:
             starts.append(job)
         return starts
 
-    def _close(self, engine: Any) -> None:
+    def _close(self, engine: ServedEngine) -> None:
         for job in list(self._running.values()):
             job.cancel.set()
-        close = getattr(engine, "close", None)
         try:
-            if callable(close):
-                close()
+            engine.close()
         finally:
             with self._cond:
                 for job in list(self._running.values()):
@@ -443,7 +447,7 @@ class Worker:
                 self.state = "stopped"
             self._stopped.set()
 
-    def _start(self, engine: Any, job: Job) -> None:
+    def _start(self, engine: ServedEngine, job: Job) -> None:
         """Build the job's prompt and hand its completions to the engine."""
         job.t_start = time.perf_counter()
         out = job.out = JobResult([], t_queue_ms=(job.t_start - job.t_submit) * 1e3)
@@ -462,11 +466,8 @@ class Worker:
                 return
             slot_id = job.slot
             job.n_prompt = len(prompt)
-            slot = self.slots[slot_id]
             with self._cond:
                 self._running[slot_id] = job
-            slot.is_processing, slot.running = True, prompt
-            slot.running_warm_up = job.cache_only
             if not prompt:  # llama-server answers an empty prompt with an empty completion
                 empty = GenerationResult(tokens=[], text="", stop_type="none")
                 self._done(job, [empty], None)
@@ -493,7 +494,7 @@ class Worker:
         except BaseException as exc:  # one request's failure, not the daemon's
             self._failed(job, exc)
 
-    def _layout(self, engine: Any, job: Job) -> PromptLayout:
+    def _layout(self, engine: ServedEngine, job: Job) -> PromptLayout:
         """The job's prompt, cut to the context where its endpoint allows (llama-server's
         rule), else refused."""
         layout = job.prepare(engine)
@@ -533,20 +534,18 @@ class Worker:
             self._failed(job, error)
             return
         engine, out = self.engine, job.out
-        assert out is not None
-        slot = self.slots[job.slot]
+        assert engine is not None and out is not None
         out.t_engine_ms = (time.perf_counter() - job.t_start) * 1e3 - out.t_prep_ms
-        slot.hold(engine.slot_tokens(job.slot) if results and job.prompt else [])
+        # (the slot took its tokens when its task ended; an empty prompt ran no task)
+        n_cached = len(engine.slots[job.slot].tokens) if job.prompt else 0
         n_ctx = engine.n_ctx
         for index, result in enumerate(results):
-            if index == 0:
-                slot.last_prompt_n, slot.last_cache_n = result.n_evaluated, result.n_cached
             hit_end = (
                 result.stop_type == "limit" and len(job.prompt) + len(result.tokens) >= n_ctx - 1
             )
             out.completions.append(
-                Completion(
-                    result, index, job.slot, len(slot.tokens), truncated=out.truncated or hit_end
+                FinishedCompletion(
+                    result, index, job.slot, n_cached, truncated=out.truncated or hit_end
                 )
             )
         if any(r.cancelled for r in results):
@@ -569,7 +568,7 @@ class Worker:
         if not isinstance(exc, (Unavailable, ContextExceeded, InvalidRequest, ValueError)):
             log.error("request failed", exc_info=exc)
         if job.slot >= 0 and self._running.get(job.slot) is job:
-            self._reset_slot(self.slots[job.slot])
+            self._reset_slot(job.slot)
         self._release(job)
         if not job.future.done():
             job.future.set_exception(exc)
@@ -578,29 +577,24 @@ class Worker:
         with self._cond:
             if job.slot >= 0 and self._running.get(job.slot) is job:
                 del self._running[job.slot]
-                slot = self.slots[job.slot]
-                slot.is_processing, slot.running = False, []
-                slot.last_used = time.monotonic()
-                slot.n_requests += 1
             self.n_done += 1
             self._cond.notify_all()
 
-    def _reset_slot(self, slot: SlotInfo) -> None:
-        slot.hold([])
-        clear = getattr(self.engine, "clear_slot", None)
-        if callable(clear):
-            try:
-                clear(slot.id)
-            except Exception:
-                log.exception("could not clear slot %d after a failed request", slot.id)
+    def _reset_slot(self, slot: int) -> None:
+        if self.engine is None:
+            return
+        try:
+            self.engine.clear_slot(slot)
+        except Exception:
+            log.exception("could not clear slot %d after a failed request", slot)
 
 
-class _Call:
-    def __init__(self, fn: Callable[[Any], Any]) -> None:
+class _Call(Generic[T]):
+    def __init__(self, fn: Callable[[ServedEngine], T]) -> None:
         self.fn = fn
-        self.future: Future[Any] = Future()
+        self.future: Future[T] = Future()
 
-    def run(self, engine: Any) -> None:
+    def run(self, engine: ServedEngine) -> None:
         try:
             self.future.set_result(self.fn(engine))
         except BaseException as exc:
