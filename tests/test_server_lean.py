@@ -8,11 +8,12 @@ import json
 import logging
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Annotated, Any
 
 import pytest
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends, FastAPI, Request
 from pydantic import BaseModel
+from starlette.responses import Response
 from starlette.testclient import TestClient
 
 from localspec.engine.types import EngineSettings, GenerationResult, ModelSettings
@@ -188,6 +189,42 @@ def test_lean_routes_refuse_parameters_they_would_not_fill() -> None:
 
     with pytest.raises(TypeError, match="limit"):
         router.get("/x")(needs_a_query)
+
+
+async def _path_of(request: Request) -> str:
+    return request.url.path
+
+
+def _blocking(request: Request) -> str:  # FastAPI would run it in a thread
+    return ""
+
+
+async def _nested(limit: int) -> str:
+    return ""
+
+
+async def _where(at: Annotated[str, Depends(_path_of)]) -> Response:
+    return Response(at)
+
+
+async def _blocked(x: Annotated[str, Depends(_blocking)]) -> Response:
+    return Response(x)
+
+
+async def _queried(x: Annotated[str, Depends(_nested)]) -> Response:
+    return Response(x)
+
+
+def test_lean_routes_solve_their_dependencies_with_the_declared_functions() -> None:
+    router = APIRouter(route_class=LeanRoute)
+    router.get("/where")(_where)
+    app = FastAPI()
+    app.include_router(router)
+    with TestClient(app) as c:
+        assert c.get("/where").text == "/where"
+    for endpoint in (_blocked, _queried):  # what this handler would not solve as FastAPI does
+        with pytest.raises(TypeError, match="dependency x"):
+            router.get("/y")(endpoint)
 
 
 def test_detokenize_joins_remembered_pieces_like_the_vocabulary() -> None:

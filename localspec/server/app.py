@@ -49,7 +49,8 @@ log = logging.getLogger("localspec.server")
 
 
 async def service(request: Request) -> Service:
-    """The routes' one dependency (async: FastAPI runs a plain ``def`` one in a thread)."""
+    """The routes' one dependency, declared with ``Depends`` (``Svc``) and solved by
+    ``gate.LeanRoute`` per request (async: FastAPI runs a plain ``def`` one in a thread)."""
     return request.app.state.service
 
 
