@@ -13,3 +13,8 @@ def human_bytes(n: float | None) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1000
     return f"{n:.2f} TB"
+
+
+def gib(n: float) -> str:
+    """``3 * 2**30`` -> ``3.00``: memory in binary gigabytes, as plans quote it."""
+    return f"{n / 2**30:.2f}"

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from localspec.engine.policy import SpecPolicy, VerifyCost
-from localspec.engine.scheduler import Task
+from localspec.engine.slot import Task
 
 HOLD_S = 60.0  # a hold lets go after this long (the test then fails on its own checks)
 

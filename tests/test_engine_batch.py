@@ -63,7 +63,7 @@ def scorer(qwen_target: Path) -> Iterator[Scorer]:
 @pytest.fixture
 def batches(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> list[list[Segment]]:
     """Every batch the target decodes during the test, as its segments."""
-    return each_batch(engine._tctx, monkeypatch, list)
+    return each_batch(engine.pair.tctx, monkeypatch, list)
 
 
 def prompts(engine: Engine, n: int, lines: int = 8) -> list[list[int]]:
@@ -163,8 +163,8 @@ def test_n_cmpl_evaluates_the_prompt_once_and_agreeing_completions_share_a_seque
         assert len(r.tokens) == 12 and exact(scorer, prompt, r.tokens)
     # the slot keeps the first completion, as with one; the others' sequences are freed
     assert engine.slot_tokens(0) == prompt + results[0].tokens[:-1]
-    for aux in engine._tcache.aux:
-        assert aux.tokens == [] and engine._tctx.seq_pos_max(aux.seq) == -1
+    for aux in engine.pair.tcache.aux:
+        assert aux.tokens == [] and engine.pair.tctx.seq_pos_max(aux.seq) == -1
 
 
 def test_a_cancel_ends_a_request_whose_completions_share_a_sequence(engine: Engine) -> None:
@@ -184,8 +184,8 @@ def test_a_cancel_ends_a_request_whose_completions_share_a_sequence(engine: Engi
     assert all(r.cancelled and r.tokens == task.results[0].tokens for r in task.results)
     assert 0 < len(task.results[0].tokens) < 40
     assert engine.slot_tokens(0) == prompt + task.results[0].tokens[:-1]
-    for aux in engine._tcache.aux:
-        assert aux.tokens == [] and engine._tctx.seq_pos_max(aux.seq) == -1
+    for aux in engine.pair.tcache.aux:
+        assert aux.tokens == [] and engine.pair.tctx.seq_pos_max(aux.seq) == -1
 
 
 def test_completions_that_part_decode_in_sequences_of_their_own(
@@ -219,13 +219,13 @@ def test_completions_that_part_decode_in_sequences_of_their_own(
         )
         k = agreed(own, greedy)
         seen: list[set[int]] = []
-        decode_many = engine._tctx.decode_many
+        decode_many = engine.pair.tctx.decode_many
 
         def record(segments: Sequence[Segment]) -> list[int]:
             seen.append({s.seq for s in segments if s.pos0 >= len(prompt)})
             return decode_many(segments)
 
-        monkeypatch.setattr(engine._tctx, "decode_many", record)
+        monkeypatch.setattr(engine.pair.tctx, "decode_many", record)
         engine.clear_slot(0)
         lead, part, twin = engine.generate_many([first, sampled(seed), sampled(seed)])
     assert lead.tokens == greedy and part.tokens == own and twin.tokens == own
@@ -254,7 +254,7 @@ def test_extra_completions_draft_with_the_draft_model_in_one_draft_batch(
     with follow_draft_engine(
         qwen_follow, qwen_follow_draft, monkeypatch, pipeline=pipelined
     ) as engine:
-        dctx, dcache = engine._dctx, engine._dcache
+        dctx, dcache = engine.pair.dctx, engine.pair.dcache
         assert dctx is not None and dcache is not None
         (prompt,) = prompts(engine, 1)
         first = GenerationRequest(slot=0, prompt=prompt, n_predict=n, sampling=GREEDY)
@@ -277,7 +277,7 @@ def test_extra_completions_draft_with_the_draft_model_in_one_draft_batch(
             piped = any(c.pipe is not None for run in running for c in run.completions)
             return len({seg.seq for seg in segments}), piped
 
-        steps = each_batch(engine._tctx, monkeypatch, watch)
+        steps = each_batch(engine.pair.tctx, monkeypatch, watch)
         engine.clear_slot(0)
         lead, *extras = engine.generate_many([first, *(hot(first, seed) for seed in early)])
         assert lead.tokens == greedy
@@ -392,7 +392,7 @@ def test_a_long_prompt_is_evaluated_in_pieces_between_the_others_steps(
     attention (two slots) the piece goes in a batch of its own after the decoding rows': a
     row of another sequence in a piece's 64-row tile of llama.cpp's CPU kernel would make
     every row of the tile attend to that sequence's cells too."""
-    assert engine.pieces_apart
+    assert engine.pair.pieces_apart
     switch_beside_a_completion(engine, scorer)
     assert not any(any(map(is_piece, b)) and any(s.seq == 0 for s in b) for b in batches)
     # a batch of the decoding sequence's rows before each piece (but the last few, once
@@ -417,10 +417,10 @@ def test_without_flash_attention_a_piece_shares_the_decoding_rows_batch(
         spec=SpecSettings(mode="off"),
     )
     with Engine.load(s) as plain:
-        assert not plain.pieces_apart
-        seen = each_batch(plain._tctx, monkeypatch, list)
+        assert not plain.pair.pieces_apart
+        seen = each_batch(plain.pair.tctx, monkeypatch, list)
         observed: list[int] = []  # each step's tokens, as the step-cost table learns them
-        monkeypatch.setattr(plain, "observe_step", lambda n, ms, pipelined: observed.append(n))
+        monkeypatch.setattr(plain.pair, "observe_step", lambda n, ms, pipelined: observed.append(n))
         switch_beside_a_completion(plain, scorer)
     shared = [b for b in seen if any(map(is_piece, b)) and any(s.seq == 0 for s in b)]
     assert len(shared) >= 440 // 64 - 1
@@ -526,7 +526,7 @@ def test_the_draft_model_drafts_for_several_sequences_in_one_batch(
     scorer = Scorer(qwen_follow)
     try:
         with Engine.load(s) as engine:
-            dctx = engine._dctx
+            dctx = engine.pair.dctx
             assert dctx is not None
             seen = batch_sequences(dctx, monkeypatch)
             a, b = prompts(engine, 2)
@@ -570,7 +570,7 @@ def follow_auto_engine(
         follow_load=False,
     )
     with Engine.load(s) as engine:
-        engine.draft_size_ratio = 0.1
+        engine.pair.draft_size_ratio = 0.1
         yield engine
 
 
@@ -600,7 +600,7 @@ def test_a_shared_step_runs_the_draft_model_only_where_its_tokens_pay(
         a, b = prompts(engine, 2, lines=40)
         for slot, prompt in ((0, a), (1, b)):  # the draft's cache holds each prompt
             engine.prefill_draft(slot, prompt)
-        dctx, tctx = engine._dctx, engine._tctx
+        dctx, tctx = engine.pair.dctx, engine.pair.tctx
         assert dctx is not None
         events: list[tuple[str, int]] = []  # (which model, decoding sequences in the batch)
         for name, ctx in (("draft", dctx), ("target", tctx)):
@@ -635,7 +635,7 @@ def test_on_flat_step_costs_auto_mode_drafts_for_extra_completions_with_the_mode
     editor's next keystroke)."""
     flat = {1: 10.0, 64: 10.5}
     with follow_auto_engine(qwen_follow, qwen_follow_draft, monkeypatch, flat) as engine:
-        dctx, dcache = engine._dctx, engine._dcache
+        dctx, dcache = engine.pair.dctx, engine.pair.dcache
         assert dctx is not None and dcache is not None
         (prompt,) = prompts(engine, 1)
         engine.prefill_draft(0, prompt)
@@ -713,12 +713,12 @@ def test_a_prompt_alone_goes_in_the_pieces_its_time_budget_buys(
     long = engine.vocab.tokenize("".join(code_prompts(6, lines=20)))[:440]
     ask = GenerationRequest(slot=1, prompt=long, n_predict=4, sampling=GREEDY)
     engine.clear_slot(1)
-    monkeypatch.setattr(engine._tcache, "ms_per_token", -1.0)  # nothing measured yet
+    monkeypatch.setattr(engine.pair.tcache, "ms_per_token", -1.0)  # nothing measured yet
     task = Task([ask])
     run(engine, task)
     assert piece_sizes(batches, 1) == [63, 377]  # (440 as pieces of 64 would be 7 of 63)
     assert exact(scorer, long, task.results[0].tokens)
-    assert engine._tcache.ms_per_token > 0  # the first piece priced itself
+    assert engine.pair.tcache.ms_per_token > 0  # the first piece priced itself
     engine.clear_slot(1)
     batches.clear()
     run(engine, Task([ask]))
@@ -728,8 +728,8 @@ def test_a_prompt_alone_goes_in_the_pieces_its_time_budget_buys(
         target=model_settings(qwen_target), prefill_chunk=64, prefill_piece_ms=1e9
     )
     with Engine.load(one_slot) as plain:
-        assert not plain._tctx.flash_attn
-        seen = batch_sizes(plain._tctx, monkeypatch)
+        assert not plain.pair.tctx.flash_attn
+        seen = batch_sizes(plain.pair.tctx, monkeypatch)
         plain.generate(replace(ask, slot=0))
         plain.clear_slot(0)
         seen.clear()

@@ -80,15 +80,15 @@ def warm_logits(engine: Engine, slot: int, tokens: list[int]) -> np.ndarray:
     """Evaluate ``tokens`` on the slot's current cache (prefix reuse only) and read logits."""
     res = engine.generate(GenerationRequest(slot=slot, prompt=tokens, n_predict=0))
     assert res.n_cached == len(engine.slot_tokens(slot)) - res.n_evaluated
-    return np.array(engine._tctx.logits(-1))
+    return np.array(engine.pair.tctx.logits(-1))
 
 
 def assert_slot_consistent(engine: Engine, slot: int) -> None:
     toks = engine.slot_tokens(slot)
-    assert engine._tctx.seq_pos_max(slot) == len(toks) - 1
-    if engine._dcache is not None:
+    assert engine.pair.tctx.seq_pos_max(slot) == len(toks) - 1
+    if engine.pair.dcache is not None:
         d = engine.draft_slot_tokens(slot)
-        assert engine._dctx.seq_pos_max(slot) == len(d) - 1
+        assert engine.pair.dctx.seq_pos_max(slot) == len(d) - 1
 
 
 def test_identical_prompt_evaluates_at_most_one_token(engine: Engine, prompt_text: str) -> None:
@@ -135,7 +135,7 @@ def test_deleted_middle_chunk_is_moved_not_recomputed(
     assert engine.slot_tokens(0) == a + c
     assert_slot_consistent(engine, 0)
     # the moved KV is an approximation (it saw B), but a close one
-    warm = np.array(engine._tctx.logits(-1))
+    warm = np.array(engine.pair.tctx.logits(-1))
     ref = cold_logits(cold, a + c)
     assert np.corrcoef(warm, ref)[0, 1] > 0.9
 
@@ -174,7 +174,7 @@ def test_with_reuse_off_output_equals_a_cold_context(
         eng.generate(GenerationRequest(slot=0, prompt=a + b + c, n_predict=8, sampling=GREEDY))
         warm = eng.generate(GenerationRequest(slot=0, prompt=a + c, n_predict=16, sampling=GREEDY))
         assert warm.n_cached == len(a) and warm.n_shifted == 0
-        warm_row = np.array(eng._tctx.logits(-1))
+        warm_row = np.array(eng.pair.tctx.logits(-1))
         cold = eng.generate(
             GenerationRequest(
                 slot=0, prompt=a + c, n_predict=16, sampling=GREEDY, cache_prompt=False
@@ -182,7 +182,7 @@ def test_with_reuse_off_output_equals_a_cold_context(
         )
         assert cold.n_cached == 0
         assert warm.tokens == cold.tokens
-        np.testing.assert_allclose(warm_row, np.array(eng._tctx.logits(-1)), atol=0.05)
+        np.testing.assert_allclose(warm_row, np.array(eng.pair.tctx.logits(-1)), atol=0.05)
 
 
 @pytest.mark.parametrize("reject_at", ["first", "middle", "last"])
@@ -512,7 +512,7 @@ def test_auto_mode_skips_a_draft_prefill_that_does_not_pay(
             )
 
         run(first)
-        (policy,) = eng._policies.values()
+        (policy,) = eng.pair._policies.values()
         assert policy.target_prefill_ms > 0  # the target's price, measured on its prefill
 
         def worth_drafting() -> None:

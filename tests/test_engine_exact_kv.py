@@ -157,7 +157,7 @@ def test_a_ring_warm_up_repairs_the_held_context_when_it_is_affordable(
     kept_len = 300
     settings = EngineSettings(target=ms(qwen_target), cache_reuse=64, spec=SpecSettings("off"))
     with Engine.load(settings) as eng:
-        tcache = eng._tcache
+        tcache = eng.pair.tcache
         eng.generate(GenerationRequest(slot=0, prompt=first, n_predict=0))
         tcache.ms_per_token = -1.0  # unmeasured: this rotation is shifted
         shifted = eng.generate(GenerationRequest(slot=0, prompt=second, n_predict=0))
@@ -169,7 +169,7 @@ def test_a_ring_warm_up_repairs_the_held_context_when_it_is_affordable(
         assert warm_up.n_approx == 0
         assert tcache.slots[0].tokens == second and tcache.slots[0].exact == len(second)
         np.testing.assert_allclose(
-            np.array(eng._tctx.logits(-1)), cold_logits(eng._target, second), atol=ATOL
+            np.array(eng.pair.tctx.logits(-1)), cold_logits(eng.pair.target, second), atol=ATOL
         )
         # exact already: the next warm-up evaluates nothing and keeps what follows
         again = eng.generate(GenerationRequest(slot=0, prompt=second[:kept_len], n_predict=0))
@@ -184,7 +184,7 @@ def test_a_repair_cut_short_keeps_the_cache_consistent(qwen_target: Path, toks: 
         target=ms(qwen_target), cache_reuse=64, prefill_chunk=32, spec=SpecSettings("off")
     )
     with Engine.load(settings) as eng:
-        tcache = eng._tcache
+        tcache = eng.pair.tcache
         eng.generate(GenerationRequest(slot=0, prompt=first, n_predict=0))
         tcache.ms_per_token = -1.0
         eng.generate(GenerationRequest(slot=0, prompt=second, n_predict=0))  # shifted
@@ -199,5 +199,5 @@ def test_a_repair_cut_short_keeps_the_cache_consistent(qwen_target: Path, toks: 
         done = eng.generate(GenerationRequest(slot=0, prompt=second, n_predict=0))
         assert done.n_evaluated == len(second) and done.n_approx == 0
         np.testing.assert_allclose(
-            np.array(eng._tctx.logits(-1)), cold_logits(eng._target, second), atol=ATOL
+            np.array(eng.pair.tctx.logits(-1)), cold_logits(eng.pair.target, second), atol=ATOL
         )

@@ -87,13 +87,13 @@ def assert_draft_cache_exact(
     seq = prompt[start:] + out
     d = engine.draft_slot_tokens(slot)  # joins the draft thread
     assert d == seq[: len(d)]
-    assert engine._dctx.seq_pos_max(slot) == len(d) - 1
+    assert engine.pair.dctx.seq_pos_max(slot) == len(d) - 1
     if not d:
         return
     probe = [*d, seq[len(d)] if len(d) < len(seq) else d[-1]]
-    dcache = engine._dcache
+    dcache = engine.pair.dcache
     dcache.append(dcache.slots[slot], probe[-1:], logits="last")
-    warm = np.array(engine._dctx.logits(-1))
+    warm = np.array(engine.pair.dctx.logits(-1))
     dcache.truncate(dcache.slots[slot], len(d))
     cold.seq_rm(0, -1, -1)
     np.testing.assert_allclose(warm, last_logits(cold, 0, probe), atol=0.05)
@@ -220,7 +220,7 @@ def test_steered_rejections_leave_both_caches_exact(
     assert res.draft_n_accepted < res.draft_n
     assert res.draft_n_decoded > len(res.tokens)  # the thread drafted (and wasted) ahead
     assert engine.slot_tokens(0) == prompt + res.tokens[:-1]
-    assert engine._tctx.seq_pos_max(0) == len(prompt) + len(res.tokens) - 2
+    assert engine.pair.tctx.seq_pos_max(0) == len(prompt) + len(res.tokens) - 2
 
 
 def test_cancel_mid_generation_keeps_the_draft_cache_exact(
@@ -328,7 +328,7 @@ def test_a_request_joining_a_prompt_prefill_stops_its_draft_thread(
     second = Task([GenerationRequest(slot=1, prompt=short, n_predict=8, sampling=GREEDY)])
     engine.submit(second)
     engine.step()
-    assert engine._draft_job is None
+    assert engine.pair.draft_job is None
     assert all(c.pipe is None for r in engine.scheduler.running for c in r.completions)
     while engine.step():
         pass

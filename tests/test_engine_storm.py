@@ -172,10 +172,10 @@ def test_every_sequence_holds_what_the_engine_believes_after_a_storm(
     engine: Engine, seed: int
 ) -> None:
     rng = random.Random(seed)
-    tsize = StateSize.measure(engine._tctx, engine._tcache.aux[0].seq)
+    tsize = StateSize.measure(engine.pair.tctx, engine.pair.tcache.aux[0].seq)
     dsize = None
-    if engine._dcache is not None and engine._dctx is not None:
-        dsize = StateSize.measure(engine._dctx, engine._dcache.aux[0].seq)
+    if engine.pair.dcache is not None and engine.pair.dctx is not None:
+        dsize = StateSize.measure(engine.pair.dctx, engine.pair.dcache.aux[0].seq)
     pieces = [engine.vocab.tokenize(text)[:160] for text in code_prompts(12, lines=12)]
     last: dict[int, tuple[list[int], tuple[int, ...]]] = {}
     counts = {"done": 0, "cancelled": 0, "shifted": 0, "extra": 0, "blocks": 0}
@@ -199,10 +199,12 @@ def test_every_sequence_holds_what_the_engine_believes_after_a_storm(
             counts["shifted"] += bool(res and res.n_shifted)
             counts["extra"] += len(task.requests) > 1
             counts["blocks"] += bool(task.first.blocks)
-        engine._settle_draft()  # a pipelined draft's thread is joined by the cache's next user
-        wrong = _mismatches(engine._tctx, engine._tcache, tsize)
-        if dsize is not None and engine._dcache is not None and engine._dctx is not None:
-            wrong += [f"draft {w}" for w in _mismatches(engine._dctx, engine._dcache, dsize)]
+        engine.pair.settle_draft()  # a pipelined draft's thread is joined by the cache's next user
+        wrong = _mismatches(engine.pair.tctx, engine.pair.tcache, tsize)
+        if dsize is not None and engine.pair.dcache is not None and engine.pair.dctx is not None:
+            wrong += [
+                f"draft {w}" for w in _mismatches(engine.pair.dctx, engine.pair.dcache, dsize)
+            ]
         assert not wrong, (counts, wrong)
     # the storm did what it is for: moved runs, ring blocks, extra completions and cancels
     assert all(counts.values()), counts

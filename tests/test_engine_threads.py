@@ -84,11 +84,11 @@ def test_every_decode_runs_on_the_free_cores(qwen_target: Path) -> None:
     )
     load = OtherLoad()
     with Engine.load(settings) as eng:
-        eng._tctx.governor = load.governor(4)
+        eng.pair.tctx.governor = load.governor(4)
         prompt = eng.vocab.tokenize("def add(a, b):\n    return a + b\n")
         load.run(seconds=1.0, other_cores=3.0)
         res = eng.generate(GenerationRequest(slot=0, prompt=prompt, n_predict=2))
-        assert res.threads == (1, 1) == eng._tctx.threads_now
+        assert res.threads == (1, 1) == eng.pair.tctx.threads_now
         load.run(seconds=1.0, other_cores=0.0)
         res = eng.generate(GenerationRequest(slot=0, prompt=[*prompt, 11], n_predict=2))
         assert res.threads == (2, 2)  # four free cores, capped at the configured two

@@ -117,8 +117,8 @@ PROMPTS = [
 def _logits(eng: Engine, seq: list[int], first: int) -> np.ndarray:
     """Rows of logits for positions ``first``.. of ``seq``, evaluated cold in one batch."""
     eng.clear_slot(0)
-    eng._tctx.decode(seq, 0, 0, logits=list(range(first, len(seq))))
-    return np.array([np.array(eng._tctx.logits(first + i)) for i in range(len(seq) - first)])
+    eng.pair.tctx.decode(seq, 0, 0, logits=list(range(first, len(seq))))
+    return np.array([np.array(eng.pair.tctx.logits(first + i)) for i in range(len(seq) - first)])
 
 
 def test_dequantized_smollm_matches_original(smollm_q4: Path, smollm_f16: Path) -> None:

@@ -59,7 +59,7 @@ def test_the_plan_counts_the_kv_cells_the_engine_allocates(
 
     settings = EngineSettings(target=ms(qwen_target), draft=ms(qwen_draft), n_slots=n_slots)
     with Engine.load(settings) as engine:
-        assert engine._dctx is not None
+        assert engine.pair.dctx is not None
         cells = kv_cells(Layout(1024, n_slots, "f16", 256, 0, (), 0))
-        assert engine._tctx.n_ctx_total == engine._dctx.n_ctx_total == cells
+        assert engine.pair.tctx.n_ctx_total == engine.pair.dctx.n_ctx_total == cells
         assert cells > 1024 * n_slots  # (room for the extra completions, not the slots alone)

@@ -88,7 +88,7 @@ def engine_settings(path: Path, draft: Path | None = None, n_slots: int = 2) -> 
 
 @pytest.fixture(scope="module")
 def qwen(qwen_target: Path, qwen_target_f16: Path) -> Iterator[Live]:
-    settings = ServerSettings(port=0, api_key=KEY, queue_limit=1, n_parallel=2)
+    settings = ServerSettings(port=0, api_key=KEY, queue_limit=1)
     live = start(create_app(settings, engine_settings(qwen_target, qwen_target_f16)))
     yield live
     stop(live)
@@ -251,7 +251,7 @@ class Editors:
             waiting = threading.Thread(target=self.send, args=(name, body))
             waiting.start()
             wait_until(lambda: worker.queued == 1)
-            assert len(worker._running) == 1
+            assert len(worker.running_jobs()) == 1
             worker.cancel_running()
             running.join()
             hold.release.set()
@@ -375,8 +375,8 @@ def test_one_editors_keystroke_leaves_the_other_editors_warm_up_running(qwen: Li
         hold.wait_reached()
         key = threading.Thread(target=editors.send, args=("key", keystroke))
         key.start()
-        wait_until(lambda: len(worker._running) == 2)  # b's keystroke runs on b's slot
-        assert not any(job.cancel.is_set() for job in worker._running.values())
+        wait_until(lambda: len(worker.running_jobs()) == 2)  # b's keystroke runs on b's slot
+        assert not any(job.cancel.is_set() for job in worker.running_jobs())
         hold.release.set()
         warming.join()
         key.join()
@@ -430,7 +430,7 @@ def server_layout(qwen: Live) -> Iterator[None]:
     """llama-server's own /infill layout: the typed cursor line ends the prefix."""
     svc = qwen.service
     original = svc.settings
-    svc.settings = replace(original, typed_in_middle=False)
+    svc.settings = replace(original, infill_layout="llama-server")
     try:
         yield
     finally:
@@ -670,7 +670,7 @@ def test_full_queue_answers_503_with_retry_after(qwen: Live) -> None:
         runners = [threading.Thread(target=send) for _ in range(3)]
         for n, runner in enumerate(runners[:2], start=1):
             runner.start()
-            wait_until(lambda n=n: len(worker._running) == n)  # both slots decode at once
+            wait_until(lambda n=n: len(worker.running_jobs()) == n)  # both slots decode at once
         runners[2].start()
         wait_until(lambda: worker.queued == 1)
         with qwen.client(headers=AUTH) as c:
@@ -704,7 +704,7 @@ def test_a_newer_request_for_a_slot_replaces_its_queued_warmup(qwen: Live) -> No
         hold.wait_reached()
         also = threading.Thread(target=send, args=("also running", long_body))
         also.start()
-        wait_until(lambda: len(worker._running) == 2)
+        wait_until(lambda: len(worker.running_jobs()) == 2)
         old = threading.Thread(target=send, args=("old", {**base, "n_predict": 0}))
         old.start()
         wait_until(lambda: worker.queued == 1)
@@ -970,7 +970,7 @@ def test_ring_blocks_move_a_rotated_ring_exactly(
     (approximate, counted); as blocks it is moved exactly and the answer is the cold one's."""
     svc = qwen.service
     original = svc.settings
-    svc.settings = replace(original, ring_blocks=blocks)
+    svc.settings = replace(original, ring_attention="blocks" if blocks else "causal")
     engine = svc.worker.engine
     engine_settings = engine.settings
     # on this tiny model re-evaluating the ring costs less than the exact budget: shift instead

@@ -8,15 +8,15 @@ import json
 import logging
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Annotated, Any
 
 import pytest
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends, FastAPI, Request
 from pydantic import BaseModel
+from starlette.responses import Response
 from starlette.testclient import TestClient
 
 from localspec.engine.types import EngineSettings, GenerationResult, ModelSettings
-from localspec.engine.vocab import FimTokens
 from localspec.server import ServerSettings, create_app, logs
 from localspec.server.errors import InvalidRequest
 from localspec.server.gate import LeanRoute
@@ -29,44 +29,15 @@ from localspec.server.requests import (
     parse_body,
 )
 from localspec.server.results import dumps
-from tests.fake_engine import StepEngine
-
-
-class FakeVocab:
-    n_vocab = 1000
-    bos = None
-    add_bos = False
-    fim = FimTokens(pre=1, suf=2, mid=3, rep=4, sep=5)
-
-    def __init__(self) -> None:
-        self.piece_calls = 0
-
-    def tokenize(self, text: str, *, special: bool = False) -> list[int]:
-        return [10 + ord(c) % 900 for c in text]
-
-    def piece(self, token: int, *, special: bool = False) -> bytes:
-        self.piece_calls += 1
-        # some tokens are half a UTF-8 character: pieces must be joined before decoding
-        return {7: b"\xc3", 8: b"\xa9"}.get(token, chr(32 + token % 90).encode())
-
-    def detokenize(self, tokens: list[int], *, special: bool = False) -> str:
-        return b"".join(self.piece(t, special=special) for t in tokens).decode("utf-8", "replace")
+from tests.fake_engine import FakeVocab, StepEngine
 
 
 class FakeEngine(StepEngine):
     n_ctx = 4096
     n_batch = 512
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.vocab = FakeVocab()
-        self.tokens: list[int] = []
-
-    def slot_tokens(self, slot: int) -> list[int]:
-        return list(self.tokens)
-
     def run(self, req: Any, **_: Any) -> GenerationResult:
-        self.tokens = [*req.prompt, 7, 8]
+        self.slots[req.slot].target.tokens = [*req.prompt, 7, 8]
         return GenerationResult(
             tokens=[7, 8], text='é "x",', stop_type="limit", n_prompt=len(req.prompt),
             n_evaluated=len(req.prompt), prompt_ms=1.0, predicted_ms=1.0,
@@ -218,6 +189,42 @@ def test_lean_routes_refuse_parameters_they_would_not_fill() -> None:
 
     with pytest.raises(TypeError, match="limit"):
         router.get("/x")(needs_a_query)
+
+
+async def _path_of(request: Request) -> str:
+    return request.url.path
+
+
+def _blocking(request: Request) -> str:  # FastAPI would run it in a thread
+    return ""
+
+
+async def _nested(limit: int) -> str:
+    return ""
+
+
+async def _where(at: Annotated[str, Depends(_path_of)]) -> Response:
+    return Response(at)
+
+
+async def _blocked(x: Annotated[str, Depends(_blocking)]) -> Response:
+    return Response(x)
+
+
+async def _queried(x: Annotated[str, Depends(_nested)]) -> Response:
+    return Response(x)
+
+
+def test_lean_routes_solve_their_dependencies_with_the_declared_functions() -> None:
+    router = APIRouter(route_class=LeanRoute)
+    router.get("/where")(_where)
+    app = FastAPI()
+    app.include_router(router)
+    with TestClient(app) as c:
+        assert c.get("/where").text == "/where"
+    for endpoint in (_blocked, _queried):  # what this handler would not solve as FastAPI does
+        with pytest.raises(TypeError, match="dependency x"):
+            router.get("/y")(endpoint)
 
 
 def test_detokenize_joins_remembered_pieces_like_the_vocabulary() -> None:

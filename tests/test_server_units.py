@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
 import pytest
 from pydantic import ValidationError
 
+from localspec.engine.cache import SeqState
 from localspec.engine.cache_plan import (
     SlotChoice,
     cache_fit,
@@ -14,8 +16,10 @@ from localspec.engine.cache_plan import (
     choose_slot,
     common_prefix,
 )
+from localspec.engine.slot import Slot, Task
 from localspec.engine.types import (
     DraftStats,
+    GenerationRequest,
     GenerationResult,
     PromptLayout,
     SamplingParams,
@@ -27,8 +31,7 @@ from localspec.server.options import ServerSettings
 from localspec.server.requests import RANDOM_SEED, InfillRequest, sampler_chain, task_params
 from localspec.server.results import (
     LOWEST_LOGPROB,
-    Completion,
-    SlotInfo,
+    FinishedCompletion,
     completion_probabilities,
     dumps,
     final_object,
@@ -59,7 +62,7 @@ def test_final_object_has_every_llama_server_field() -> None:
     result = _result(n_prompt=10, n_cached=7, n_evaluated=3, prompt_ms=6.0, predicted_ms=4.0)
     result.drafted["ngram"] = DraftStats(drafted=4, accepted=3)
     obj = final_object(
-        Completion(result, index=0, id_slot=1, tokens_cached=12, prompt_text="p"),
+        FinishedCompletion(result, index=0, id_slot=1, tokens_cached=12, prompt_text="p"),
         model="m.gguf",
         settings_json={"n_ctx": 4096},
     )
@@ -163,6 +166,17 @@ def test_common_prefix_across_chunk_boundaries() -> None:
     assert common_prefix(a, a[:300]) == 300 and common_prefix([], a) == 0
 
 
+def _slot(i: int, last_used: float = 0.0) -> Slot:
+    return Slot(i, 4096, SeqState(i), None, last_used=last_used)
+
+
+def _busy(slot: Slot, prompt: Sequence[int] = (), *, warm_up: bool = False) -> None:
+    """A request (``prompt``; a warm-up: n_predict 0) runs on ``slot``, instead of any before."""
+    slot.queued.clear()
+    req = GenerationRequest(slot=slot.id, prompt=list(prompt), n_predict=0 if warm_up else 16)
+    slot.submitted(Task([req]))
+
+
 def _editor(seed: int, n: int = 400) -> list[int]:
     """An editor's prompt: its own ring of project code (tokens no other editor has)."""
     return [seed * 100_000 + i for i in range(n)]
@@ -171,7 +185,7 @@ def _editor(seed: int, n: int = 400) -> list[int]:
 def test_slot_choice_follows_the_cache_that_holds_the_prompt() -> None:
     """Two editors both pin slot 0: each still gets the slot that holds its own context."""
     a, b = _editor(1), _editor(2)
-    slots = [SlotInfo(0, 4096, [], last_used=5.0), SlotInfo(1, 4096, [], last_used=1.0)]
+    slots = [_slot(0, last_used=5.0), _slot(1, last_used=1.0)]
     slots[0].hold([*a, 7, 7])
     slots[1].hold([*b, 8])
     assert choose_slot([*b, 9, 9], slots, id_slot=0, follow_pin=False) == SlotChoice(1)
@@ -186,12 +200,12 @@ def test_slot_choice_follows_the_cache_that_holds_the_prompt() -> None:
     assert choose_slot([*b, 9], slots, id_slot=0, follow_pin=False) == SlotChoice(0)
     slots[0].hold([*a, 7, 7])
     slots[1].hold([*b, 8])
-    slots[0].is_processing = True
+    _busy(slots[0])
     assert choose_slot([*a, 1], slots, id_slot=0) == SlotChoice(0, wait=True)
 
 
 def test_slot_choice_without_a_fit_takes_an_unused_slot_then_the_least_recent() -> None:
-    slots = [SlotInfo(i, 4096, []) for i in range(3)]
+    slots = [_slot(i) for i in range(3)]
     # nothing cached anywhere (N clients that each pin their own slot): the pin breaks the tie
     assert choose_slot(_editor(1), slots, id_slot=2, follow_pin=False) == SlotChoice(2)
     slots[0].hold(_editor(1))
@@ -212,9 +226,9 @@ def test_slot_choice_without_a_fit_takes_an_unused_slot_then_the_least_recent() 
 
 def test_slot_choice_waits_for_a_busy_slot_only_when_it_holds_much_more() -> None:
     a = _editor(1, 1200)
-    slots = [SlotInfo(0, 4096, []), SlotInfo(1, 4096, [])]
+    slots = [_slot(0), _slot(1)]
     slots[0].hold(a)
-    slots[0].is_processing = True  # the same editor's previous keystroke, about to stop
+    _busy(slots[0])  # the same editor's previous keystroke, about to stop
     assert choose_slot([*a, 3], slots, follow_pin=False) == SlotChoice(0, wait=True)
     slots[1].hold(a[:1000])  # the idle one holds nearly as much: no reason to wait
     assert choose_slot([*a, 3], slots, follow_pin=False) == SlotChoice(1)
@@ -222,31 +236,31 @@ def test_slot_choice_waits_for_a_busy_slot_only_when_it_holds_much_more() -> Non
     slots[0].hold([*a[600:], *a[:600]])
     slots[1].hold([])
     assert choose_slot([*a, 3], slots, follow_pin=False) == SlotChoice(1)
-    slots[1].is_processing = True
+    _busy(slots[1])
     assert choose_slot(_editor(2), slots, follow_pin=False).wait
     # the editor's first warm-up, still filling an empty slot: the prompt it runs counts
-    slots = [SlotInfo(0, 4096, []), SlotInfo(1, 4096, [], last_used=1.0)]
+    slots = [_slot(0), _slot(1, last_used=1.0)]
     slots[1].hold(_editor(2))  # another editor's context, idle
-    slots[0].is_processing, slots[0].running = True, a[:1000]
+    _busy(slots[0], a[:1000])
     assert choose_slot([*a, 3], slots, follow_pin=False) == SlotChoice(0, wait=True)
-    slots[0].running = _editor(3)  # another editor's request runs there: take the idle slot
+    _busy(slots[0], _editor(3))  # another editor's request runs there: take the idle slot
     assert choose_slot([*a, 3], slots, follow_pin=False) == SlotChoice(1)
     # the slot still holds this prompt, but another client's completion runs there and will
     # replace it: waiting would buy nothing (four clients on any slot waited seconds)
     slots[0].hold(a)
     assert choose_slot([*a, 3], slots, follow_pin=False) == SlotChoice(1)
     # a warm-up running there instead: a completion stops it, and the slot keeps its cache
-    slots[0].running_warm_up = True
+    _busy(slots[0], _editor(3), warm_up=True)
     assert choose_slot([*a, 3], slots, follow_pin=False) == SlotChoice(0, wait=True)
 
     # the editor's ring moved on by a chunk (the oldest left the front): no prefix in common
     # with its busy slot, but its pieces are all there; a warm-up waits for that slot rather
     # than evict the other editor's context from the idle one (a completion does not wait)
     ring = _editor(1, 1200)
-    slots = [SlotInfo(0, 4096, []), SlotInfo(1, 4096, [], last_used=1.0)]
+    slots = [_slot(0), _slot(1, last_used=1.0)]
     slots[0].hold([*ring, *_editor(4, 300)])
     slots[1].hold(_editor(2))
-    slots[0].is_processing, slots[0].running = True, [*ring, *_editor(4, 302)]
+    _busy(slots[0], [*ring, *_editor(4, 302)])
     moved = [*ring[100:], *_editor(5, 100)]
     assert choose_slot(moved, slots, follow_pin=False, patient=True) == SlotChoice(0, wait=True)
     assert choose_slot(moved, slots, follow_pin=False) == SlotChoice(1)
@@ -332,7 +346,7 @@ def test_completion_probabilities_in_llama_server_shape() -> None:
     assert report[1]["token"] == "ok" and report[1]["logprob"] == 0.0
     result = GenerationResult(tokens=[1, 2], text="ok", stop_type="limit")
     result.probs = [TokenProbs(0.5, ((1, 0.5),)), TokenProbs(1.0, ((2, 1.0),))]
-    done = Completion(result, 0, 0, 0)
+    done = FinishedCompletion(result, 0, 0, 0)
     whole = final_object(done, model="m", settings_json={}, piece=pieces.__getitem__)
     assert len(whole["completion_probabilities"]) == 2
     streamed = final_object(

@@ -12,7 +12,7 @@ import pytest
 
 from localspec import settings as st
 from localspec import settings_to
-from localspec.engine.types import ModelSettings, SpecSettings
+from localspec.engine.types import EngineSettings, ModelSettings, SpecSettings
 from localspec.plan import PlanSettings, Speculation
 from localspec.server import ServerSettings, UpstreamSettings
 
@@ -30,6 +30,10 @@ def test_defaults_of_each_part_are_the_settings_models() -> None:
     assert settings_to.server_settings(defaults, api_key=None) == ServerSettings()
     assert settings_to.plan_inputs(defaults) == PlanSettings()
     assert settings_to.speculation(defaults) == Speculation()
+    target, draft = ModelSettings(path="t.gguf"), ModelSettings(path="d.gguf")
+    assert settings_to.file_engine_settings(defaults, target, draft) == EngineSettings(
+        target=target, draft=draft
+    )
     assert settings_to.spec_settings(Speculation(), has_draft=True) == SpecSettings()
     remote = _settings(backend={"kind": "llama-server", "url": "https://team:8443"})
     assert settings_to.upstream_settings(remote, api_key=None) == UpstreamSettings(
@@ -48,14 +52,12 @@ def test_server_settings_carry_every_server_key() -> None:
     )  # fmt: skip
     got = settings_to.server_settings(settings, api_key="k", model_alias="m", chat_alias="c")
     assert got == ServerSettings(
-        host="127.0.0.2", port=9000, api_key="k", n_parallel=3, queue_limit=3,
+        host="127.0.0.2", port=9000, api_key="k", queue_limit=3,
         request_timeout_s=5, metrics=False, cors_origins=("http://a",), model_alias="m",
-        spm_infill=True, typed_in_middle=False, ring_blocks=False, n_cmpl_max=2,
+        spm_infill=True, infill_layout="llama-server", ring_attention="causal", n_cmpl_max=2,
         max_body_bytes=4096, body_timeout_s=7, max_connections=9, chat_alias="c",
-        follow_pins=True,
+        slot_choice="pinned",
     )  # fmt: skip
-    # the engine's slot count, once known, is what the server serves
-    assert settings_to.server_settings(settings, api_key=None, n_parallel=5).n_parallel == 5
 
 
 @pytest.mark.parametrize(

@@ -107,7 +107,7 @@ def divergence_gap(engine: Engine, prompt: list[int], ref: list[int], out: list[
     engine.generate(
         GenerationRequest(slot=1, prompt=prompt + ref[:i], n_predict=0, cache_prompt=False)
     )
-    row = engine._tctx.logits(-1)
+    row = engine.pair.tctx.logits(-1)
     return abs(float(row[ref[i]]) - float(row[out[i]]))
 
 
@@ -168,7 +168,7 @@ def run(
                 for mode in order:
                     engine.settings = replace(settings, spec=replace(base_spec, **MODES[mode]))
                     if mode in MULTI_THREADED:
-                        engine._tctx.set_threads(mt_threads)
+                        engine.pair.tctx.set_threads(mt_threads)
                     t0 = time.perf_counter()
                     try:
                         res = engine.generate(
@@ -177,7 +177,7 @@ def run(
                             )
                         )
                     finally:
-                        engine._tctx.set_threads(n_threads)
+                        engine.pair.tctx.set_threads(n_threads)
                     totals[mode].add(res, (time.perf_counter() - t0) * 1000.0)
                     outputs[mode] = res.tokens
                     done += 1

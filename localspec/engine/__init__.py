@@ -1,5 +1,6 @@
 """localspec's engine: the only code that touches llama-cpp-python's low-level API."""
 
+from localspec.engine.api import ServedEngine
 from localspec.engine.engine import Engine
 from localspec.engine.errors import (
     DecodeError,
@@ -9,7 +10,7 @@ from localspec.engine.errors import (
     PairMismatchError,
     PromptTooLongError,
 )
-from localspec.engine.scheduler import Task
+from localspec.engine.slot import Task
 from localspec.engine.types import (
     Cancel,
     DraftStats,
@@ -42,6 +43,7 @@ __all__ = [
     "PairMismatchError",
     "PromptTooLongError",
     "SamplingParams",
+    "ServedEngine",
     "SpecSettings",
     "Task",
     "TokenCallback",

@@ -12,7 +12,6 @@ token in the same order with or without speculation, so the output is the target
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -20,6 +19,7 @@ from localspec.engine.cache import SeqState
 from localspec.engine.errors import DecodeError
 from localspec.engine.llama import Segment
 from localspec.engine.ngram import NgramIndex
+from localspec.engine.pair import ModelPair
 from localspec.engine.pipeline import DraftPipeline
 from localspec.engine.policy import SpecPolicy, ngram_source
 from localspec.engine.sampling import Sampler
@@ -33,9 +33,6 @@ from localspec.engine.types import (
     TokenEvent,
     TokenProbs,
 )
-
-if TYPE_CHECKING:
-    from localspec.engine.engine import Engine
 
 ADAPTIVE_P_MIN = 0.3
 CHEAP_DRAFT_PREFILL = 64  # draft prompt tokens a probe of the draft model may cost
@@ -65,7 +62,7 @@ class Completion:
 
     def __init__(
         self,
-        engine: Engine,
+        pair: ModelPair,
         req: GenerationRequest,
         st: SeqState,
         *,
@@ -73,19 +70,20 @@ class Completion:
         cancel: Cancel | None = None,
         on_token: IndexedTokenCallback | None = None,
         dst: SeqState | None = None,
+        dslot: SeqState | None = None,
     ) -> None:
-        """``st``: the target sequence it decodes in; ``dst``: the draft model's, where it
-        drafts (None: the slot's)."""
-        self.e = engine
+        """``st``: the target sequence it decodes in; ``dslot``: the slot's sequence in the
+        draft context (None without a draft model); ``dst``: where it drafts (None: ``dslot``)."""
+        self.pair = pair
         self.req = req
         self.index = index
         self.st = st
-        dslot = engine._dcache.slots[req.slot] if engine._dcache is not None else None
+        self._dslot = dslot
         self._dst = dst if dst is not None else dslot
         self.cancel = cancel
         self.on_token = on_token
         self.slot = req.slot
-        spec = engine.settings.spec
+        spec = pair.settings.spec
         self.n_max = spec.n_max if req.spec_n_max is None else req.spec_n_max
         self.n_min = spec.n_min if req.spec_n_min is None else req.spec_n_min
         self.p_min = spec.p_min if req.spec_p_min is None else req.spec_p_min
@@ -95,7 +93,7 @@ class Completion:
             # the cost model caps the length; p_min only has to stop hopeless drafts (a
             # small draft model is often unsure of tokens the target then accepts)
             self.p_min = min(self.p_min, ADAPTIVE_P_MIN)
-        self.sampler = Sampler(req.sampling, engine._tctx, engine.vocab.handle, req.prompt)
+        self.sampler = Sampler(req.sampling, pair.tctx, pair.vocab.handle, req.prompt)
         self.result = GenerationResult(tokens=[], text="", stop_type="none")
         self.result.n_prompt = len(req.prompt)
         self.out: list[int] = []
@@ -107,7 +105,7 @@ class Completion:
         self.dbase: list[int] | None = None  # the draft's window of the prompt, once synced
         self._dgood = 0  # draft KV entries known to match dbase + out
         self._behind: int | None = None  # see _draft_behind
-        self.draft_ok = engine._dcache is not None and self.mode in ("draft", "hybrid", "auto")
+        self.draft_ok = pair.dcache is not None and self.mode in ("draft", "hybrid", "auto")
         self.pipe: DraftPipeline | None = None
         self._wait_ms = 0.0  # waiting for the draft thread (counts as llama.cpp time)
         self.policy: SpecPolicy = self._policy(pipelined=False)
@@ -123,7 +121,7 @@ class Completion:
         self.t_decode0 = 0.0
 
     def _policy(self, *, pipelined: bool) -> SpecPolicy:
-        policy = self.e.policy_for(pipelined, self.e.settings.spec, self.p_min)
+        policy = self.pair.policy_for(pipelined, self.pair.settings.spec, self.p_min)
         policy.n_max = max(self.n_max, 1)
         return policy
 
@@ -137,8 +135,8 @@ class Completion:
     def dslot(self) -> SeqState:
         """The slot's sequence in the draft context: the prompt's window is evaluated there
         (an extra completion copies it, and the next keystroke reuses it)."""
-        assert self.e._dcache is not None
-        return self.e._dcache.slots[self.slot]
+        assert self._dslot is not None
+        return self._dslot
 
     def close(self) -> None:
         self.sampler.close()
@@ -149,28 +147,28 @@ class Completion:
     def start_pipeline(self) -> bool:
         """Draft on the draft model's own thread (its window prefill runs beside the target's
         prompt prefill). False when this prompt cannot be drafted for."""
-        e = self.e
-        assert e._dcache is not None and e._dctx is not None
+        pair = self.pair
+        assert pair.dcache is not None and pair.dctx is not None
         base = self._draft_window()
-        if any(t >= e._dctx.n_vocab for t in base):  # a target-only (padding) id
+        if any(t >= pair.dctx.n_vocab for t in base):  # a target-only (padding) id
             self.draft_ok = False
             return False
-        spec = e.settings.spec
+        spec = pair.settings.spec
         self.dbase = base
         self.policy = self._policy(pipelined=True)
         self.pipe = DraftPipeline(
-            e._dcache,
+            pair.dcache,
             self.dst,
             base,
             p_min=self.p_min,
             p_chain=PIPELINE_P_CHAIN,
             ahead=min(spec.pipeline_ahead, max(self.n_max, 1)),
-            n_ctx=e.draft_n_ctx,
-            n_target_vocab=e.vocab.n_vocab,
-            prefill=e.draft_prefill_policy(self.req.cache_prompt),
-            previous=e._draft_job,
+            n_ctx=pair.draft_n_ctx,
+            n_target_vocab=pair.vocab.n_vocab,
+            prefill=pair.draft_prefill_policy(self.req.cache_prompt),
+            previous=pair.draft_job,
         )
-        e._draft_job = self.pipe
+        pair.draft_job = self.pipe
         self.pipe.start()
         return True
 
@@ -180,7 +178,7 @@ class Completion:
         if pipe is None:
             return
         self._pipeline_stats()
-        self.e._settle_draft()
+        self.pair.settle_draft()
         self.pipe = None
         self.policy = self._policy(pipelined=False)
         # the draft's cache holds verified tokens (some of its window, perhaps not all): the
@@ -202,7 +200,7 @@ class Completion:
             t_max_predict_ms=req.t_max_predict_ms,
         )
         if self.mode != "off":
-            self.ngram = NgramIndex(req.prompt, n_min=self.e.settings.spec.ngram_min)
+            self.ngram = NgramIndex(req.prompt, n_min=self.pair.settings.spec.ngram_min)
         ts = time.perf_counter()
         last = self.sampler.sample(logits_index)
         res.t_sample_ms += (time.perf_counter() - ts) * 1000.0
@@ -216,12 +214,12 @@ class Completion:
 
     def room(self) -> int:
         """Draft tokens this step may carry."""
-        e, req = self.e, self.req
+        pair, req = self.pair, self.req
         n_before = len(self.st.tokens)
-        room = e.n_ctx - n_before - 2  # keep one cell free after the batch (llama-server)
-        room = min(room, e.n_batch - 1)  # the verify batch is [last, *draft]
+        room = pair.n_ctx - n_before - 2  # keep one cell free after the batch (llama-server)
+        room = min(room, pair.n_batch - 1)  # the verify batch is [last, *draft]
         if self.index > 0:
-            room = min(room, e.aux_room - (n_before - len(req.prompt)) - 2)
+            room = min(room, pair.aux_room - (n_before - len(req.prompt)) - 2)
         if req.n_predict >= 0:
             room = min(room, req.n_predict - len(self.out) - 1)
         return room
@@ -254,19 +252,19 @@ class Completion:
         """After the step's decode: draw at this sequence's rows (from batch index ``base``),
         accept drafted tokens while the draw equals them, emit, drop rejected KV. Followers
         draw at the same rows before the rejected KV goes (one may accept more of the draft)."""
-        e = self.e
+        pair = self.pair
         draft, n_before = self.draft, self._n_before
-        e._tcache.appended(self.st, [self.last, *draft])
-        mine = self._take(base, step_ms, n_before)
+        pair.tcache.appended(self.st, [self.last, *draft])
+        mine = self.take(base, step_ms, n_before)
         if self.pipe is not None:
             self.pipe.confirm(mine)
         if self.followers:
             self._lead(base, step_ms, n_before, draft, mine)
         # KV keeps everything emitted except the newest token (it is not decoded yet)
-        e._tcache.truncate(self.st, n_before + len(mine))
+        pair.tcache.truncate(self.st, n_before + len(mine))
         self._sync_draft_after_step()
 
-    def _take(self, base: int, step_ms: float, n_before: int) -> list[int]:
+    def take(self, base: int, step_ms: float, n_before: int) -> list[int]:
         """Draw at the step's rows for ``[last, *draft]`` (from batch index ``base``) with this
         completion's sampler, emit through its stop rules; returns the tokens emitted."""
         res = self.result
@@ -321,7 +319,7 @@ class Completion:
         going: list[Completion] = []
         for f in self.followers:
             f.draft, f.source, f.key = draft, self.source, self.key
-            theirs = f._take(base, step_ms, n_before)
+            theirs = f.take(base, step_ms, n_before)
             f.result.n_followed += len(theirs)
             if not f.done and not self.done and theirs == mine:
                 going.append(f)
@@ -329,7 +327,7 @@ class Completion:
                 parted.append(f)
         self.followers = going
         for g in follow_alike(parted):
-            self.e._tcache.share_prefix(self.st, g.st, n_before + len(g.out) - out0)
+            self.pair.tcache.share_prefix(self.st, g.st, n_before + len(g.out) - out0)
 
     def finish(self) -> GenerationResult:
         """The result, once the completion stopped (or was cancelled)."""
@@ -346,7 +344,7 @@ class Completion:
         if self.pipe is not None:
             self._pipeline_stats()
         res.tokens = list(self.out)
-        res.threads = self.e._tctx.threads_now
+        res.threads = self.pair.tctx.threads_now
         return res
 
     def _pipeline_stats(self) -> None:
@@ -377,12 +375,12 @@ class Completion:
             self.result.probs.append(probs)
         if self.ngram is not None:
             self.ngram.extend((tok,))
-        e = self.e
+        pair = self.pair
         assert self.stops is not None
         outcome = self.stops.push(
-            e.vocab.piece(tok),
-            is_eog=tok in e.vocab.eog,
-            context_full=n_kv_before + 1 >= e.n_ctx,
+            pair.vocab.piece(tok),
+            is_eog=tok in pair.vocab.eog,
+            context_full=n_kv_before + 1 >= pair.n_ctx,
         )
         text = outcome.text
         if outcome.stop:
@@ -408,7 +406,7 @@ class Completion:
     def _propose(self, room: int) -> tuple[str, str, list[int]]:
         res = self.result
         # the step costs of the threads the target runs on now
-        self.policy.verify = self.e.step_costs(self.pipe is not None)
+        self.policy.verify = self.pair.step_costs(self.pipe is not None)
         if self.mode == "off" or room < 1 or self.ngram is None:
             return "", "", []
         auto = self.auto
@@ -440,7 +438,7 @@ class Completion:
                 if k >= n_min and self._defer:
                     self.model_k = k  # asked; the step decides (draft_together makes them)
                 elif k >= n_min:
-                    draft = self._draft_with_fallback(k)
+                    draft = self.draft_with_fallback(k)
                     source = key = "draft"
                     if not draft:  # the draft model paid a decode and was unsure: a miss
                         self.policy.observe_result("draft", 1, 0)
@@ -462,7 +460,7 @@ class Completion:
             # traffic); it restarts a couple of steps before its probe is due
             pipe.set_active(not self.policy.is_off("draft", lead=2))
         tw = time.perf_counter()
-        avail = pipe.proposals(n_max, wait_for=self.e.settings.spec.pipeline_wait)
+        avail = pipe.proposals(n_max, wait_for=self.pair.settings.spec.pipeline_wait)
         self._wait_ms += (time.perf_counter() - tw) * 1000.0
         if not auto or not avail:
             return avail
@@ -478,12 +476,12 @@ class Completion:
         return self.policy.gain("draft", len(cand)) > self.policy.gain(ngram_key, len(ngram))
 
     def _draft_window(self) -> list[int]:
-        e = self.e
+        pair = self.pair
         prompt = self.req.prompt
-        start = draft_window_start(len(prompt), e.settings.spec.draft_window)
+        start = draft_window_start(len(prompt), pair.settings.spec.draft_window)
         base = list(prompt[start:])
-        if len(base) + len(self.out) + self.n_max + 2 > e.draft_n_ctx:
-            base = base[-max(1, e.draft_n_ctx - len(self.out) - self.n_max - 2) :]
+        if len(base) + len(self.out) + self.n_max + 2 > pair.draft_n_ctx:
+            base = base[-max(1, pair.draft_n_ctx - len(self.out) - self.n_max - 2) :]
         return base
 
     def model_ready(self) -> bool:
@@ -509,10 +507,10 @@ class Completion:
     def _draft_behind(self) -> int:
         """Prompt tokens the draft model would evaluate to catch up on this request."""
         if self._behind is None:
-            e = self.e
-            assert e._dcache is not None
-            policy = e.draft_prefill_policy(self.req.cache_prompt)
-            self._behind = e._dcache.plan(self.dslot, self._draft_window(), policy).n_evaluated
+            pair = self.pair
+            assert pair.dcache is not None
+            policy = pair.draft_prefill_policy(self.req.cache_prompt)
+            self._behind = pair.dcache.plan(self.dslot, self._draft_window(), policy).n_evaluated
         return self._behind
 
     def _draft_prefill_pays(self) -> bool:
@@ -527,22 +525,22 @@ class Completion:
             horizon = min(horizon, int(req.t_max_predict_ms / t1) + LINE_TOKENS)
         return self.policy.prefill_pays(behind, horizon)
 
-    def _draft_target_seq(self) -> list[int]:
+    def draft_seq(self) -> list[int]:
         assert self.dbase is not None
         return self.dbase + self.out
 
-    def _sync_draft(self) -> bool:
+    def sync_draft(self) -> bool:
         """Bring the draft's cache in step with the prompt window + emitted tokens (lazy: a
         request that never drafts with the model never pays for the draft's prefill). The
         window is evaluated in the slot's sequence; an extra completion's sequence then shares
         its cells and catches up on its own tokens."""
-        e, res = self.e, self.result
-        dcache = e._dcache
+        pair, res = self.pair, self.result
+        dcache = pair.dcache
         assert dcache is not None
-        e._settle_draft()  # a draft thread may still run on the draft's cache
+        pair.settle_draft()  # a draft thread may still run on the draft's cache
         if self.dbase is None:
             base = self._draft_window()
-            if any(t >= e._dctx.n_vocab for t in base):  # a target-only (padding) id
+            if any(t >= pair.dctx.n_vocab for t in base):  # a target-only (padding) id
                 self.draft_ok = False
                 return False
             dslot = self.dslot
@@ -550,7 +548,7 @@ class Completion:
             # (which the slot may hold already, perhaps with the first completion's tokens after it)
             if not (extra and dslot.tokens[: len(base)] == base):
                 tp = time.perf_counter()
-                policy = e.draft_prefill_policy(self.req.cache_prompt)
+                policy = pair.draft_prefill_policy(self.req.cache_prompt)
                 pre = dcache.prefill(dslot, base, policy, cancel=self.cancel)
                 spent = (time.perf_counter() - tp) * 1000.0
                 res.draft_prompt_ms += spent
@@ -566,29 +564,29 @@ class Completion:
             self.dbase = base
         return True
 
-    def _draft_with_fallback(self, k: int) -> list[int]:
+    def draft_with_fallback(self, k: int) -> list[int]:
         """A failing draft model (no KV cells left, ...) ends drafting, not the request."""
         try:
             return self._draft_model(k)
         except DecodeError:
-            assert self.e._dcache is not None
-            self.e._dcache.clear(self.dst)
+            assert self.pair.dcache is not None
+            self.pair.dcache.clear(self.dst)
             self.draft_ok = False
             self.dbase = None
             return []
 
     def _draft_model(self, k: int) -> list[int]:
-        e = self.e
-        dcache = e._dcache
-        dctx = e._dctx
+        pair = self.pair
+        dcache = pair.dcache
+        dctx = pair.dctx
         assert dcache is not None and dctx is not None
-        if not self._sync_draft():
+        if not self.sync_draft():
             return []
-        seq = self._draft_target_seq()
+        seq = self.draft_seq()
         dst = self.dst
         have = dst.tokens
-        if len(seq) + k + 1 > e.draft_n_ctx:
-            k = e.draft_n_ctx - len(seq) - 1
+        if len(seq) + k + 1 > pair.draft_n_ctx:
+            k = pair.draft_n_ctx - len(seq) - 1
             if k < 1:
                 self.draft_ok = False
                 return []
@@ -600,7 +598,7 @@ class Completion:
         for i in range(0, len(pending), dctx.n_batch):
             dcache.append(dst, pending[i : i + dctx.n_batch], logits="last")
         proposals: list[int] = []
-        n_target_vocab = e.vocab.n_vocab
+        n_target_vocab = pair.vocab.n_vocab
         t0 = time.perf_counter()
         while True:
             row = dctx.logits(-1)
@@ -619,12 +617,12 @@ class Completion:
 
     def _sync_draft_after_step(self) -> None:
         """Drop the draft's KV for proposals the target rejected (never keep them)."""
-        dcache = self.e._dcache
+        dcache = self.pair.dcache
         if dcache is None or self.dbase is None or self.pipe is not None:
             return  # a pipelined draft cuts its own KV
         dst = self.dst
         have = dst.tokens
-        seq = self._draft_target_seq()
+        seq = self.draft_seq()
         n = max(len(self.dbase), min(self._dgood, len(have)))  # before _dgood: checked already
         limit = min(len(have), len(seq) - 1)
         while n < limit and have[n] == seq[n]:
@@ -657,22 +655,22 @@ def draft_together(wants: list[Completion]) -> None:
     by side, each while it is at least ``p_min`` sure, up to its ``model_k`` tokens."""
     synced = []
     for c in wants:  # the window's prefill first, where the draft's cache lags
-        if c._sync_draft():
+        if c.sync_draft():
             synced.append(c)
         else:
             c.model_k = 0
     wants = synced
     if not wants:
         return
-    e = wants[0].e
-    dcache, dctx = e._dcache, e._dctx
+    pair = wants[0].pair
+    dcache, dctx = pair.dcache, pair.dctx
     assert dcache is not None and dctx is not None
     t0 = time.perf_counter()
     going: list[Completion] = []
     catch_up: list[Segment] = []
     for c in wants:
-        seq = c._draft_target_seq()
-        k = min(c.model_k, e.draft_n_ctx - len(seq) - 1)
+        seq = c.draft_seq()
+        k = min(c.model_k, pair.draft_n_ctx - len(seq) - 1)
         if len(c.dst.tokens) >= len(seq):  # logits come from decoding: redo the newest
             dcache.truncate(c.dst, len(seq) - 1)
         pending = seq[len(c.dst.tokens) :]
@@ -681,7 +679,7 @@ def draft_together(wants: list[Completion]) -> None:
             if k < 1 or len(pending) <= dctx.n_batch:
                 c.draft_ok = False
             else:  # far behind (a long stretch without the model): catch up on its own
-                c.draft = c._draft_with_fallback(k)
+                c.draft = c.draft_with_fallback(k)
                 c.source = c.key = "draft" if c.draft else ""
             continue
         c.model_k = k
@@ -701,7 +699,7 @@ def draft_together(wants: list[Completion]) -> None:
                 row = dctx.logits(row_at)
                 tok = int(row.argmax())
                 p = 1.0 / float(np.exp(row - row[tok]).sum())
-                if p < c.p_min or tok >= e.vocab.n_vocab:
+                if p < c.p_min or tok >= pair.vocab.n_vocab:
                     continue
                 c.draft.append(tok)
                 if len(c.draft) < c.model_k:

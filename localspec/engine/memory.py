@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from localspec.engine import devices as ggml_devices
 from localspec.engine.alloc import HOST, KINDS, Allocations, MiB
@@ -20,9 +20,6 @@ from localspec.engine.types import EngineSettings, ModelSettings
 from localspec.planning.facts import model_facts_from_gguf
 from localspec.planning.memory import draft_offload, model_usage
 from localspec.planning.types import Device, Layout, ModelFacts
-
-if TYPE_CHECKING:
-    from localspec.engine.engine import Engine
 
 _log = logging.getLogger("localspec.memory")
 
@@ -125,10 +122,19 @@ def compare(
     return rows
 
 
-_reports: weakref.WeakKeyDictionary[Engine, list[dict[str, Any]]] = weakref.WeakKeyDictionary()
+class LoadedPair(Protocol):
+    """What the memory check reads of a loaded pair (engine/pair.py's ModelPair)."""
+
+    settings: EngineSettings
+    flash_attn: bool
+
+    def allocated(self) -> tuple[Allocations, Allocations]: ...
 
 
-def report(engine: Engine) -> list[dict[str, Any]]:
+_reports: weakref.WeakKeyDictionary[LoadedPair, list[dict[str, Any]]] = weakref.WeakKeyDictionary()
+
+
+def report(engine: LoadedPair) -> list[dict[str, Any]]:
     """Planned beside allocated, per device, for a loaded engine (computed once per engine:
     the GGUF headers are read again)."""
     if engine in _reports:
@@ -150,7 +156,7 @@ def report(engine: Engine) -> list[dict[str, Any]]:
     return rows
 
 
-def enforce_cap(engine: Engine, cap: int) -> None:
+def enforce_cap(engine: LoadedPair, cap: int) -> None:
     """Raise OutOfMemoryError when llama.cpp allocated more than ``cap`` bytes on an offload
     device: the load a card of that size would have refused (to play one on a bigger or
     software device, and so that the cap the plan sized for holds)."""
@@ -166,12 +172,9 @@ def enforce_cap(engine: Engine, cap: int) -> None:
             )
 
 
-def props(engine: Engine) -> dict[str, Any]:
+def props(engine: LoadedPair) -> dict[str, Any]:
     """What /props says of the build and its memory (``localspec status`` shows it): the
-    backends, and planned beside allocated per device. Empty for an engine that did not load
-    through llama.cpp (the tests' fake one); never raises, /props must answer."""
-    if not hasattr(engine, "allocated"):
-        return {}
+    backends, and planned beside allocated per device. Never raises: /props must answer."""
     try:
         from localspec.hardware import launcher_choice
 

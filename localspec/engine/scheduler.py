@@ -18,7 +18,7 @@ The policy, step by step:
   others (a step costs them at most the pieces in it); prompts that arrive together are
   evaluated together, one pass over the weights for all of them. On a CPU with flash
   attention the pieces go in a second batch of the step, after the decoding rows'
-  (``Engine.pieces_apart``).
+  (``ModelPair.pieces_apart``).
 * A cancelled task's sequences stop at the next step; the others go on.
 """
 
@@ -27,82 +27,23 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from dataclasses import replace
 
-from localspec.engine.cache import PrefillResult, PrefillSteps, SeqState
+from localspec.engine.cache import PrefillResult, SeqState
 from localspec.engine.completion import Completion, draft_together, follow_alike
 from localspec.engine.errors import DecodeError
 from localspec.engine.llama import Segment
+from localspec.engine.pair import ModelPair
 from localspec.engine.policy import share_step
+from localspec.engine.slot import Aux, Running, Slot, Task
 from localspec.engine.types import (
-    Cancel,
-    GenerationRequest,
     GenerationResult,
-    IndexedTokenCallback,
 )
-
-if TYPE_CHECKING:
-    from localspec.engine.engine import Engine
 
 # the query rows of one tile of llama.cpp's CPU flash attention (GGML_FA_TILE_Q); a batch of
 # fewer rows takes its row-by-row kernel
 FA_TILE_ROWS = 64
-
-
-@dataclass(eq=False)
-class Task:
-    """One request on one slot: a prompt evaluated once, and one or more completions.
-
-    ``requests[i]`` is completion i's (its sampler, seed, stops); the first one's slot,
-    prompt, blocks and cache rule are the task's. ``on_done`` is called on the engine's thread
-    once ``results`` (or ``error``) is set."""
-
-    requests: Sequence[GenerationRequest]
-    cancel: Cancel | None = None
-    prefill_cancel: Cancel | None = None  # stops the prompt's evaluation (default: cancel)
-    on_token: IndexedTokenCallback | None = None
-    on_done: Callable[[Task], None] | None = None
-    results: list[GenerationResult] = field(default_factory=list)
-    error: BaseException | None = None
-    done: bool = False
-
-    @property
-    def first(self) -> GenerationRequest:
-        return self.requests[0]
-
-    @property
-    def slot(self) -> int:
-        return self.requests[0].slot
-
-
-@dataclass(frozen=True)
-class _Aux:
-    """An extra completion's sequences: where it decodes, and where it drafts (None without
-    a draft model)."""
-
-    target: SeqState
-    draft: SeqState | None
-
-
-@dataclass(eq=False)
-class _Running:
-    """A started task: its prompt's evaluation, then its completions."""
-
-    task: Task
-    t0: float
-    inside0: float
-    completions: list[Completion] = field(default_factory=list)
-    aux: list[_Aux] = field(default_factory=list)  # the extra completions' sequences
-    # taken from the free ones when the task starts, so tasks evaluating their prompts at the
-    # same time cannot all count on the same free sequences; used once the prompt is in
-    reserved: list[_Aux] = field(default_factory=list)
-    steps: PrefillSteps | None = None  # the prompt's evaluation while it runs
-    piece: Segment | None = None  # its next piece
-    pre: PrefillResult | None = None
-    prompt_ms: float = 0.0
-    shared: bool = False  # the prompt shared steps with other sequences (no price sample)
 
 
 def _with_held_context(prompt: Sequence[int], blocks: Sequence[int], held: SeqState) -> list[int]:
@@ -122,49 +63,54 @@ def _with_held_context(prompt: Sequence[int], blocks: Sequence[int], held: SeqSt
 class Scheduler:
     """Runs tasks in steps; single-threaded (the engine's owner calls ``step``)."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.e = engine
+    def __init__(self, pair: ModelPair) -> None:
+        self.pair = pair
         self.waiting: deque[Task] = deque()
-        self.running: list[_Running] = []
-        self.prefilling: list[_Running] = []  # prompts being evaluated, oldest first
-        taux = engine._tcache.aux
+        self.running: list[Running] = []
+        self.prefilling: list[Running] = []  # prompts being evaluated, oldest first
+        self.slots = [
+            Slot(i, pair.n_ctx, pair.tcache.slots[i], pair.dcache.slots[i] if pair.dcache else None)
+            for i in range(pair.n_slots)
+        ]
+        taux = pair.tcache.aux
         # (the draft context, when there is one, has as many extra sequences as the target's)
-        daux = engine._dcache.aux if engine._dcache is not None else [None] * len(taux)
-        self._free_aux: list[_Aux] = [_Aux(t, d) for t, d in zip(taux, daux, strict=True)]
+        daux = pair.dcache.aux if pair.dcache is not None else [None] * len(taux)
+        self._free_aux: list[Aux] = [Aux(t, d) for t, d in zip(taux, daux, strict=True)]
 
     # --- the owner's side ------------------------------------------------------------------
     def submit(self, task: Task) -> None:
         """Queue ``task``; bad requests raise ValueError here, before anything runs."""
-        e = self.e
+        pair = self.pair
         if not task.requests:
             raise ValueError("a task needs at least one request")
         first = task.first
-        e._check_slot(first.slot)
-        if len(task.requests) - 1 > len(e._tcache.aux):
+        pair.check_slot(first.slot)
+        if len(task.requests) - 1 > len(pair.tcache.aux):
             raise ValueError(
                 f"{len(task.requests)} completions asked; this engine decodes at most "
-                f"{len(e._tcache.aux) + 1} of one request at once"
+                f"{len(pair.tcache.aux) + 1} of one request at once"
             )
         n_prompt = len(first.prompt)
         if n_prompt == 0:
             raise ValueError("empty prompt")
-        if n_prompt >= e.n_ctx:
+        if n_prompt >= pair.n_ctx:
             from localspec.engine.errors import PromptTooLongError
 
             raise PromptTooLongError(
-                f"prompt of {n_prompt} tokens does not fit the slot context of {e.n_ctx}"
+                f"prompt of {n_prompt} tokens does not fit the slot context of {pair.n_ctx}"
             )
-        bad = [t for t in first.prompt if not 0 <= t < e.vocab.n_vocab]
+        bad = [t for t in first.prompt if not 0 <= t < pair.vocab.n_vocab]
         if bad:
-            raise ValueError(f"token id {bad[0]} out of range (n_vocab {e.vocab.n_vocab})")
+            raise ValueError(f"token id {bad[0]} out of range (n_vocab {pair.vocab.n_vocab})")
         self.waiting.append(task)
+        self.slots[first.slot].submitted(task)
 
     @property
     def busy(self) -> bool:
         return bool(self.waiting or self.running)
 
     def slot_busy(self, slot: int) -> bool:
-        return any(r.task.slot == slot for r in self.running)
+        return self.slots[slot].run is not None
 
     def busy_besides(self, slot: int) -> bool:
         """Anything else running or waiting (a prompt of a client that left is evaluated on,
@@ -185,16 +131,16 @@ class Scheduler:
                     c.unpipe()
         pending = sum(len(r.piece.tokens) for r in self.prefilling if r.piece is not None)
         # pieces in a batch of their own add nothing to the decoding rows' step
-        apart = bool(live and pending) and self.e.pieces_apart
-        self._drafts(live, 0 if apart else min(pending, self.e.n_batch))
+        apart = bool(live and pending) and self.pair.pieces_apart
+        self._drafts(live, 0 if apart else min(pending, self.pair.n_batch))
         segments = [c.segment() for c in live]
         n_tokens = sum(len(s.tokens) for s in segments)
         apart = apart and n_tokens + pending >= FA_TILE_ROWS  # (fewer: the row-by-row kernel)
-        pieces: list[tuple[_Running, Segment]] = []
+        pieces: list[tuple[Running, Segment]] = []
         rows = 0 if apart else n_tokens  # in the pieces' batch
         for run in self.prefilling:  # oldest first, while the batch has room
             assert run.piece is not None
-            if (rows or pieces) and rows + len(run.piece.tokens) > self.e.n_batch:
+            if (rows or pieces) and rows + len(run.piece.tokens) > self.pair.n_batch:
                 break
             pieces.append((run, run.piece))
             rows += len(run.piece.tokens)
@@ -209,7 +155,7 @@ class Scheduler:
         self,
         live: list[Completion],
         segments: list[Segment],
-        pieces: list[tuple[_Running, Segment]],
+        pieces: list[tuple[Running, Segment]],
         *,
         shared: bool = False,
     ) -> bool:
@@ -221,11 +167,11 @@ class Scheduler:
             return True
         try:
             t0 = time.perf_counter()
-            bases = self.e._tctx.decode_many(batch)
+            bases = self.pair.tctx.decode_many(batch)
             step_ms = (time.perf_counter() - t0) * 1000.0
             if segments:  # (what a step of this many tokens costs, pieces included)
                 n_tokens = sum(len(s.tokens) for s in batch)
-                self.e.observe_step(n_tokens, step_ms, pipelined=live[0].pipe is not None)
+                self.pair.observe_step(n_tokens, step_ms, pipelined=live[0].pipe is not None)
             for c, base in zip(live, bases, strict=False):
                 c.verify(base, step_ms)
             # a piece alone in its step prices prompt tokens
@@ -277,7 +223,11 @@ class Scheduler:
         ]
         made = [not c.draft for c in adaptive]
         lengths = share_step(
-            offers, self.e.step_costs(False), others=fixed, made=made, draft_ms=self._draft_ms(live)
+            offers,
+            self.pair.step_costs(False),
+            others=fixed,
+            made=made,
+            draft_ms=self._draft_ms(live),
         )
         for c, k, by_model in zip(adaptive, lengths, made, strict=True):
             if by_model:
@@ -295,7 +245,7 @@ class Scheduler:
         known = [c.policy.source("draft").cost_ms for c in live]
         if max(known) >= 0:
             return max(known)
-        return self.e.step_costs(False).t1 * self.e.draft_size_ratio
+        return self.pair.step_costs(False).t1 * self.pair.draft_size_ratio
 
     # --- starting ------------------------------------------------------------------------------
     def _admit(self) -> None:
@@ -308,29 +258,31 @@ class Scheduler:
             self._start(task)
 
     def _start(self, task: Task) -> None:
-        e = self.e
+        pair = self.pair
         first = task.first
-        st = e._tcache.slots[task.slot]
-        run = _Running(task, time.perf_counter(), e.inside_ms())
+        slot = self.slots[task.slot]
+        st = slot.target
+        run = Running(task, time.perf_counter(), pair.inside_ms())
         run.reserved = [self._free_aux.pop() for _ in range(len(task.requests) - 1)]
         self.running.append(run)
+        slot.started(run)
         try:
             if not first.cache_prompt:
-                e.clear_slot(task.slot)
+                pair.clear_slot(task.slot)
             c = self._completion(run, 0, st)
             # (extra completions follow it while they agree)
             alone = len(self.running) == 1 and not self.waiting
-            if alone and first.n_predict != 0 and c.draft_ok and e.pipeline_enabled():
+            if alone and first.n_predict != 0 and c.draft_ok and pair.pipeline_enabled():
                 # the draft's window prefill runs on its thread beside the target's prefill
                 c.start_pipeline()
             prompt: Sequence[int] = first.prompt
-            held = e._tcache.slots[task.slot]
-            policy = e.prefill_policy(first.cache_prompt)
+            held = slot.target
+            policy = pair.prefill_policy(first.cache_prompt)
             if (
                 first.n_predict == 0
                 and len(held.tokens) > len(first.prompt)
                 and held.tokens[: len(first.prompt)] == first.prompt
-                and e._tcache.blocks_in_place(held, first.blocks, first.block_sink)
+                and pair.tcache.blocks_in_place(held, first.blocks, first.block_sink)
             ):
                 # a cache fill the slot already holds, and more: what follows stays (an
                 # editor's ring warm-up must not drop the cursor's cached prefix and suffix
@@ -338,7 +290,7 @@ class Scheduler:
                 # left the held tokens approximate and re-evaluating them fits the exactness
                 # budget: idle time repays it
                 debt = len(held.tokens) - held.exact
-                if debt <= 0 or not e._tcache.affordable(debt, e.settings.exact_ms):
+                if debt <= 0 or not pair.tcache.affordable(debt, pair.settings.exact_ms):
                     res = c.result
                     res.n_cached, res.stop_type = len(first.prompt), "limit"
                     res.n_approx = max(0, len(first.prompt) - held.exact)
@@ -351,7 +303,7 @@ class Scheduler:
                 # (only where KV shifts may move it: else it would be evaluated again)
                 prompt = _with_held_context(first.prompt, first.blocks, held)
             cancel = task.prefill_cancel if task.prefill_cancel is not None else task.cancel
-            run.steps = e._tcache.prefill_steps(
+            run.steps = pair.tcache.prefill_steps(
                 st,
                 prompt,
                 policy,
@@ -366,28 +318,29 @@ class Scheduler:
             self._fail(run, exc)
 
     def _completion(
-        self, run: _Running, index: int, st: SeqState, dst: SeqState | None = None
+        self, run: Running, index: int, st: SeqState, dst: SeqState | None = None
     ) -> Completion:
         task = run.task
         req = task.requests[index]
         if index > 0:
-            cap = self.e.aux_room - 1  # an extra completion's sequence has this many cells
+            cap = self.pair.aux_room - 1  # an extra completion's sequence has this many cells
             if req.n_predict < 0 or req.n_predict > cap:
                 req = replace(req, n_predict=cap)
         c = Completion(
-            self.e,
+            self.pair,
             req,
             st,
             index=index,
             cancel=task.cancel,
             on_token=task.on_token,
             dst=dst,
+            dslot=self.slots[task.slot].draft,
         )
         run.completions.append(c)
         return c
 
     def _advance(
-        self, run: _Running, logits_index: int, ms: float | None, *, first_piece: bool = False
+        self, run: Running, logits_index: int, ms: float | None, *, first_piece: bool = False
     ) -> None:
         """Resume the prompt's evaluation after its piece was decoded (``logits_index``: the
         batch row of the piece's last token); at its end, the completions begin."""
@@ -402,7 +355,7 @@ class Scheduler:
             self.prefilling.remove(run)
         run.pre = pre
         run.prompt_ms = (time.perf_counter() - run.t0) * 1000.0
-        e, task = self.e, run.task
+        pair, task = self.pair, run.task
         first = task.first
         cancelled = task.cancel is not None and task.cancel.is_set()
         first_c = run.completions[0]
@@ -417,18 +370,18 @@ class Scheduler:
                 first_c.result.stop_type = "limit"
             first_c.done = True
             return
-        slot_st = e._tcache.slots[task.slot]
+        slot_st = self.slots[task.slot].target
         for index in range(1, len(task.requests)):
             aux = run.reserved.pop()
             run.aux.append(aux)
-            e._tcache.share_prefix(slot_st, aux.target, len(slot_st.tokens))
+            pair.tcache.share_prefix(slot_st, aux.target, len(slot_st.tokens))
             c = self._completion(run, index, aux.target, aux.draft)
             self._fill_prompt_stats(run, c.result, index)
         for c in run.completions:
             c.begin(logits_index)
         follow_alike(run.completions)  # a request whose completions agree costs one's steps
 
-    def _fill_prompt_stats(self, run: _Running, res: GenerationResult, index: int) -> None:
+    def _fill_prompt_stats(self, run: Running, res: GenerationResult, index: int) -> None:
         pre = run.pre
         assert pre is not None
         n_prompt = len(run.task.first.prompt)
@@ -461,50 +414,51 @@ class Scheduler:
                 results = [c.finish() for c in run.completions]
                 self._complete(run, results)
 
-    def _complete(self, run: _Running, results: list[GenerationResult]) -> None:
-        e = self.e
+    def _complete(self, run: Running, results: list[GenerationResult]) -> None:
+        pair = self.pair
         wall = (time.perf_counter() - run.t0) * 1000.0
-        inside = e.inside_ms() - run.inside0
+        inside = pair.inside_ms() - run.inside0
         for res in results:
             res.t_outside_ms = max(0.0, wall - inside)
             if not res.threads[0]:
-                res.threads = e._tctx.threads_now
+                res.threads = pair.tctx.threads_now
         self._close(run)
         run.task.results = results
         self._finish(run)
 
-    def _close(self, run: _Running) -> None:
+    def _close(self, run: Running) -> None:
         for c in run.completions:
             c.close()
-        e, n_prompt = self.e, len(run.task.first.prompt)
+        pair, n_prompt = self.pair, len(run.task.first.prompt)
         for index, aux in enumerate(run.aux, start=1):
-            e._tcache.release(aux.target, n_prompt)
-            if aux.draft is not None and aux.draft.tokens and e._dcache is not None:
-                e._settle_draft()  # (a finished request's draft thread may still run)
+            pair.tcache.release(aux.target, n_prompt)
+            if aux.draft is not None and aux.draft.tokens and pair.dcache is not None:
+                pair.settle_draft()  # (a finished request's draft thread may still run)
                 window = run.completions[index].dbase if index < len(run.completions) else None
-                e._dcache.release(aux.draft, len(window or ()))
+                pair.dcache.release(aux.draft, len(window or ()))
             self._free_aux.append(aux)
         self._free_aux.extend(run.reserved)  # a request that ended before its prompt was in
         run.aux, run.reserved = [], []
 
-    def _finish(self, run: _Running) -> None:
+    def _finish(self, run: Running) -> None:
         if run in self.running:
             self.running.remove(run)
         if run in self.prefilling:
             self.prefilling.remove(run)
         task = run.task
         task.done = True
+        self.slots[task.slot].ended(task)
         if task.on_done is not None:
             task.on_done(task)
 
-    def _fail(self, run: _Running, exc: BaseException) -> None:
+    def _fail(self, run: Running, exc: BaseException) -> None:
         """One task failed: its slot starts over (its cache may be half-written)."""
         if run.steps is not None:
             run.steps.close()
             run.steps = None
         self._close(run)
         with contextlib.suppress(DecodeError):
-            self.e.clear_slot(run.task.slot)
+            self.pair.clear_slot(run.task.slot)
         run.task.error = exc
         self._finish(run)
 
@@ -515,11 +469,12 @@ class Scheduler:
         while self.waiting:
             task = self.waiting.popleft()
             task.error, task.done = exc, True
+            self.slots[task.slot].ended(task)
             if task.on_done is not None:
                 task.on_done(task)
 
     def _fail_all(
-        self, exc: BaseException, live: list[Completion], prefills: list[_Running]
+        self, exc: BaseException, live: list[Completion], prefills: list[Running]
     ) -> None:
         """A batch failed: llama.cpp may keep part of it, so every task in it starts over."""
         runs = {id(r): r for r in self.running if any(c in live for c in r.completions)}

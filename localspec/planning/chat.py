@@ -18,33 +18,14 @@ machine's memory minus what the completion pair takes.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Literal
+from dataclasses import replace
+from typing import Any
 
 from localspec.hardware import GiB, HardwareFacts
+from localspec.planning.result import ChatPlan, Plan
 from localspec.planning.types import PlanError
 
-if TYPE_CHECKING:
-    from localspec.planning.result import Plan
-
-ChatMode = Literal["shared", "separate", "off"]
-PlanFn = Callable[[Any, HardwareFacts, Any], "Plan"]
-
-
-@dataclass(frozen=True)
-class ChatPlan:
-    """Which pair answers chat, and why; ``plan`` is the second pair's, when one loads."""
-
-    mode: ChatMode
-    reason: str
-    plan: Plan | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "mode": self.mode,
-            "reason": self.reason,
-            "plan": None if self.plan is None else self.plan.to_json(),
-        }
+PlanFn = Callable[[Any, HardwareFacts, Any], Plan]
 
 
 def remaining(facts: HardwareFacts, plan: Plan) -> HardwareFacts:

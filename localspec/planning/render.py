@@ -4,17 +4,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from localspec.hardware import GiB
 from localspec.planning.result import Plan
+from localspec.units import gib
 
 if TYPE_CHECKING:
     from localspec.planning.team import TeamServer
 
 MAX_REJECTIONS_SHOWN = 8
-
-
-def gib(n: float) -> str:
-    return f"{n / GiB:.2f}"
 
 
 def render_plan(plan: Plan) -> str:

@@ -5,12 +5,29 @@ turns a Plan into what the engine loads (the planner sits below the engine)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
-from localspec.planning.chat import ChatPlan
 from localspec.planning.inputs import Speculation
 from localspec.planning.memory import padded_ctx
 from localspec.planning.types import DeviceMemory
+
+ChatMode = Literal["shared", "separate", "off"]
+
+
+@dataclass(frozen=True)
+class ChatPlan:
+    """Which pair answers chat, and why; ``plan`` is the second pair's, when one loads."""
+
+    mode: ChatMode
+    reason: str
+    plan: Plan | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "reason": self.reason,
+            "plan": None if self.plan is None else self.plan.to_json(),
+        }
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,6 @@ from localspec.planning.layout import (
     largest_ctx,
 )
 from localspec.planning.memory import devices_for, draft_offload, padded_ctx
-from localspec.planning.render import gib
 from localspec.planning.result import Capacity, Plan, Rejection
 from localspec.planning.speed import (
     BANDWIDTH_EFFICIENCY,
@@ -32,6 +31,7 @@ from localspec.planning.speed import (
     target_seconds,
 )
 from localspec.planning.types import Candidate, DeviceMemory, Layout, PlanError, StepCosts
+from localspec.units import gib
 
 PERSONAL_CONTEXT = 16384
 DATACENTER_CONTEXT = 8192

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from localspec.chat import ChatTemplate, TemplateError, ToolCallFormat, tool_call_format
+from localspec.engine.api import ServedEngine
 from localspec.planning.gguf_header import read_gguf_header
 
 log = logging.getLogger("localspec.server")
@@ -34,7 +35,7 @@ class ChatModel:
 
 
 NO_CHAT = ChatModel(None)
-_known: weakref.WeakKeyDictionary[Any, ChatModel] = weakref.WeakKeyDictionary()
+_known: weakref.WeakKeyDictionary[ServedEngine, ChatModel] = weakref.WeakKeyDictionary()
 
 
 def _token_text(vocab: Any, token: int | None) -> str:
@@ -43,11 +44,9 @@ def _token_text(vocab: Any, token: int | None) -> str:
     return vocab.piece(token, special=True).decode("utf-8", "replace")
 
 
-def read_chat_model(engine: Any) -> ChatModel:
+def read_chat_model(engine: ServedEngine) -> ChatModel:
     """The engine's chat side, from its GGUF header and vocabulary (worker thread)."""
-    path = getattr(engine, "model_path", None)
-    if path is None:
-        return NO_CHAT
+    path = engine.model_path
     source = read_gguf_header(path).metadata.get(TEMPLATE_KEY)
     if not isinstance(source, str) or not source.strip():
         return NO_CHAT
@@ -65,7 +64,7 @@ def read_chat_model(engine: Any) -> ChatModel:
     return ChatModel(template, tool_call_format(source))
 
 
-def chat_model(engine: Any) -> ChatModel:
+def chat_model(engine: ServedEngine) -> ChatModel:
     """The engine's chat side (read at load; ``NO_CHAT`` for an engine nobody read)."""
     try:
         return _known.get(engine, NO_CHAT)
@@ -73,11 +72,11 @@ def chat_model(engine: Any) -> ChatModel:
         return NO_CHAT
 
 
-def reading_chat_model(load: Callable[[], Any]) -> Callable[[], Any]:
+def reading_chat_model(load: Callable[[], ServedEngine]) -> Callable[[], ServedEngine]:
     """``load`` that also reads the loaded engine's chat side (on the thread that loads it,
     before the daemon reports ready)."""
 
-    def load_and_read() -> Any:
+    def load_and_read() -> ServedEngine:
         engine = load()
         try:
             _known[engine] = read_chat_model(engine)

@@ -19,7 +19,7 @@ from typing import Any
 from localspec.chat import ChatMessage, ToolCall
 from localspec.engine.types import GenerationResult
 from localspec.server.results import (
-    Completion,
+    FinishedCompletion,
     Piece,
     completion_probabilities,
     timings,
@@ -46,7 +46,7 @@ def _logprobs(result: GenerationResult, piece: Piece) -> dict[str, Any]:
 
 
 def chat_completion(
-    done: Sequence[Completion],
+    done: Sequence[FinishedCompletion],
     messages: Sequence[ChatMessage],
     *,
     model: str,
@@ -123,7 +123,7 @@ def deltas(content: str, calls: Sequence[tuple[int, ToolCall]]) -> list[dict[str
     return out
 
 
-def usage_chunk(done: Sequence[Completion], *, cmpl_id: str, model: str) -> dict[str, Any]:
+def usage_chunk(done: Sequence[FinishedCompletion], *, cmpl_id: str, model: str) -> dict[str, Any]:
     """The last chunk with ``stream_options.include_usage``: no choices, the usage."""
     return {
         "choices": [],

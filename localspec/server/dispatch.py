@@ -21,7 +21,7 @@ from starlette.responses import Response, StreamingResponse
 
 from localspec.engine.types import TokenEvent
 from localspec.server.errors import ApiError, InvalidRequest, Unavailable
-from localspec.server.results import CompactJSONResponse, Completion, dumps, sse
+from localspec.server.results import CompactJSONResponse, FinishedCompletion, dumps, sse
 from localspec.server.worker import Job, JobResult, Worker
 
 log = logging.getLogger("localspec.server")
@@ -205,7 +205,7 @@ class Pending:
         raise self._timed_out()
 
 
-def answered(result: JobResult) -> list[Completion]:
+def answered(result: JobResult) -> list[FinishedCompletion]:
     """The job's completions; a 503 when it was dropped before any (superseded, shut down)."""
     if result.cancelled and not result.completions:
         raise Unavailable(f"Request dropped: {result.cancelled}")

@@ -261,21 +261,35 @@ class LeanRoute(APIRoute):
     dependency solving, exit stacks, validating the dicts) cost ≈0.2 ms of every request.
 
     Here the body is validated straight from the raw bytes (``requests.parse_body``: same
-    models, same 400s) and the endpoint gets ``body``, ``request`` and ``svc`` by name; every
-    endpoint returns a ready ``Response``, so there is no response model to apply either.
+    models, same 400s) and the endpoint gets ``body`` and ``request`` by name, and each of its
+    FastAPI dependencies (``Depends``: the app's Service, ``app.Svc``) from the dependency's own
+    function, called with the request: the routes declare what they need the FastAPI way, and
+    this handler solves those declarations without FastAPI's machinery. Every endpoint returns a
+    ready ``Response``, so there is no response model to apply either.
     """
 
-    PARAMS = frozenset({"body", "request", "svc"})
+    PARAMS = frozenset({"body", "request"})
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         endpoint: Endpoint = self.endpoint
         names = set(inspect.signature(endpoint).parameters)
-        if not names <= self.PARAMS:  # a new parameter would silently never be filled in
-            raise TypeError(f"{endpoint.__name__}: parameters {names - self.PARAMS} unsupported")
+        deps = {d.name: d for d in self.dependant.dependencies if d.name is not None}
+        unsupported = names - self.PARAMS - set(deps)
+        if unsupported:  # a new parameter would silently never be filled in
+            raise TypeError(f"{endpoint.__name__}: parameters {unsupported} unsupported")
+        solvers: dict[str, Callable[[Request], Awaitable[Any]]] = {}
+        for name, dep in deps.items():
+            # a dependency of the request alone, async: anything more takes FastAPI's solver
+            only_request = dep.request_param_name is not None and not (
+                dep.dependencies or dep.query_params or dep.header_params or dep.body_params
+            )
+            if not (only_request and inspect.iscoroutinefunction(dep.call)):
+                raise TypeError(f"{endpoint.__name__}: dependency {name} must be async(request)")
+            solvers[name] = dep.call  # type: ignore[assignment]
         model = self.body_field.field_info.annotation if self.body_field is not None else None
         if ("body" in names) != (model is not None):
             raise TypeError(f"{endpoint.__name__}: the body must be a pydantic model named body")
-        wants_request, wants_svc = "request" in names, "svc" in names
+        wants_request = "request" in names
 
         async def handler(request: Request) -> Response:
             kwargs: dict[str, Any] = {}
@@ -286,8 +300,8 @@ class LeanRoute(APIRoute):
                     return error_response(exc, request)
             if wants_request:
                 kwargs["request"] = request
-            if wants_svc:
-                kwargs["svc"] = request.app.state.service
+            for name, solve in solvers.items():
+                kwargs[name] = await solve(request)
             return await endpoint(**kwargs)
 
         self.handler = handler  # for Direct

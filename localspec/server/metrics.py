@@ -18,8 +18,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
+from localspec.engine.slot import Slot
 from localspec.engine.types import GenerationResult
-from localspec.server.results import SlotInfo
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 120)
 _OVERHEAD_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
@@ -36,7 +36,7 @@ class Probes:
     busy: Callable[[], bool]
     cancelled: Callable[[], int] = lambda: 0
     prompt_evaluated: Callable[[], int] = lambda: 0  # by the engine, cut-short requests too
-    slots: Callable[[], Sequence[SlotInfo]] = lambda: ()
+    slots: Callable[[], Sequence[Slot]] = lambda: ()
     model_files: Callable[[], dict[str, str]] = dict  # role ("target", "draft") -> GGUF path
     # (cores the engine's evaluations may use now, cores other processes keep busy); None
     # when the engine does not follow the load

@@ -12,13 +12,13 @@ import math
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import pydantic_core
 from starlette.responses import Response
 
-from localspec.engine.cache_plan import cache_pieces
+from localspec.engine.slot import Slot
 from localspec.engine.stops import incomplete_utf8_tail
 from localspec.engine.types import GenerationResult, TokenProbs
 
@@ -72,57 +72,22 @@ def pick_fields(paths: Sequence[str], obj: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-@dataclass
-class SlotInfo:
-    """What the server knows of a slot without touching the engine: the worker keeps it, /slots
-    shows it (``to_json``), the metrics count it."""
-
-    id: int
-    n_ctx: int
-    tokens: list[int]  # the slot's cached tokens after its last request
-    last_used: float = 0.0  # monotonic time of its last request; 0 = never
-    is_processing: bool = False
-    running: list[int] = field(default_factory=list)  # the running request's prompt
-    running_warm_up: bool = False  # the running request is a warm-up (n_predict 0)
-    n_requests: int = 0
-    last_prompt_n: int = 0
-    last_cache_n: int = 0
-    _pieces: frozenset[int] | None = field(default=None, repr=False)
-    _running_pieces: tuple[list[int], frozenset[int]] | None = field(default=None, repr=False)
-
-    def hold(self, tokens: list[int]) -> None:
-        """The slot's cache now holds ``tokens``."""
-        self.tokens, self._pieces = tokens, None
-
-    @property
-    def pieces(self) -> frozenset[int]:
-        """``cache_pieces(tokens)``, built when a choice of slot first needs it."""
-        if self._pieces is None:
-            self._pieces = cache_pieces(self.tokens)
-        return self._pieces
-
-    @property
-    def running_pieces(self) -> frozenset[int]:
-        """``cache_pieces(running)``, built once per running request that a choice reads."""
-        if self._running_pieces is None or self._running_pieces[0] is not self.running:
-            self._running_pieces = (self.running, cache_pieces(self.running))
-        return self._running_pieces[1]
-
-    def to_json(self, *, speculative: bool) -> dict[str, object]:
-        return {
-            "id": self.id,
-            "n_ctx": self.n_ctx,
-            "speculative": speculative,
-            "is_processing": self.is_processing,
-            "n_prompt_tokens": len(self.tokens),
-            "n_prompt_tokens_processed": self.last_prompt_n,
-            "n_prompt_tokens_cache": self.last_cache_n,
-            "n_requests": self.n_requests,
-        }
+def slot_json(slot: Slot, *, speculative: bool) -> dict[str, object]:
+    """A slot as llama-server's /slots shows it."""
+    return {
+        "id": slot.id,
+        "n_ctx": slot.n_ctx,
+        "speculative": speculative,
+        "is_processing": slot.is_processing,
+        "n_prompt_tokens": len(slot.tokens),
+        "n_prompt_tokens_processed": slot.last_prompt_n,
+        "n_prompt_tokens_cache": slot.last_cache_n,
+        "n_requests": slot.n_requests,
+    }
 
 
 @dataclass
-class Completion:
+class FinishedCompletion:
     """One finished completion and what the answer needs besides the engine's result."""
 
     result: GenerationResult
@@ -192,7 +157,7 @@ def completion_probabilities(
 
 
 def final_object(
-    done: Completion,
+    done: FinishedCompletion,
     *,
     model: str,
     settings_json: dict[str, Any],
@@ -264,7 +229,7 @@ def openai_id() -> str:
     return "cmpl-" + uuid.uuid4().hex
 
 
-def usage(done: Sequence[Completion]) -> dict[str, Any]:
+def usage(done: Sequence[FinishedCompletion]) -> dict[str, Any]:
     """Token counts: the prompt once (every completion shares it), every completion's tokens."""
     n_prompt = done[0].result.n_prompt if done else 0
     n_completion = sum(len(d.result.tokens) for d in done)
@@ -276,7 +241,9 @@ def usage(done: Sequence[Completion]) -> dict[str, Any]:
     }
 
 
-def openai_completion(done: Sequence[Completion], *, model: str, cmpl_id: str) -> dict[str, Any]:
+def openai_completion(
+    done: Sequence[FinishedCompletion], *, model: str, cmpl_id: str
+) -> dict[str, Any]:
     """OpenAI's text_completion object, one choice per completion."""
     return {
         "choices": [
@@ -311,7 +278,7 @@ def openai_chunk(
     }
 
 
-def openai_final_chunk(done: Completion, *, model: str, cmpl_id: str) -> dict[str, Any]:
+def openai_final_chunk(done: FinishedCompletion, *, model: str, cmpl_id: str) -> dict[str, Any]:
     """A completion's last streamed chunk: its end, usage and timings, as llama-server's
     (an OpenAI client reads the usage from it with or without ``include_usage``)."""
     chunk = openai_chunk(

@@ -14,9 +14,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from localspec import __version__
-from localspec.engine import memory
+from localspec.engine.api import ServedEngine
 from localspec.engine.types import EngineSettings, SamplingParams, TokenEvent
-from localspec.server import dispatch, results
+from localspec.server import dispatch, prompts, results
 from localspec.server.chatmodel import chat_model
 from localspec.server.errors import ApiError, Unavailable
 from localspec.server.metrics import Metrics, Probes
@@ -34,16 +34,18 @@ def _probes(worker: Worker) -> Probes:
         if engine is None:
             return {}
         files = {"target": str(engine.model_path)}
-        if getattr(engine, "draft_path", None) is not None:
+        if engine.draft_path is not None:
             files["draft"] = str(engine.draft_path)
         return files
 
     def cpu() -> tuple[int, float] | None:
-        governor = getattr(worker.engine, "governor", None)
+        engine = worker.engine
+        governor = None if engine is None else engine.governor
         return None if governor is None else (governor.free, governor.other_busy)
 
     def kv() -> tuple[int, int] | None:
-        return getattr(worker.engine, "kv_holes", None)  # (none before the model loads)
+        engine = worker.engine
+        return None if engine is None else engine.kv_holes  # (none before the model loads)
 
     return Probes(
         cpu=cpu,
@@ -100,7 +102,7 @@ class Service:
         cls,
         settings: ServerSettings,
         engine_settings: EngineSettings,
-        load: Callable[[], Any],
+        load: Callable[[], ServedEngine],
         *,
         on_ready: Callable[[], None] | None = None,
         on_failure: Callable[[BaseException], None] | None = None,
@@ -111,7 +113,7 @@ class Service:
         worker = Worker(
             load,
             queue_limit=settings.queue_limit,
-            follow_pins=settings.follow_pins,
+            slot_choice=settings.slot_choice,
             on_ready=on_ready,
             on_failure=on_failure,
             engine_thread=engine_thread,
@@ -123,8 +125,12 @@ class Service:
     # ------------------------------------------------------------------ state
 
     @property
-    def engine(self) -> Any:
-        return self.worker.engine
+    def engine(self) -> ServedEngine:
+        """The loaded engine (a route asks ``not_ready`` first)."""
+        engine = self.worker.engine
+        if engine is None:
+            raise Unavailable("Loading model")
+        return engine
 
     def not_ready(self) -> ApiError | None:
         state = self.worker.state
@@ -374,7 +380,9 @@ class Service:
                 "draft_model": None if engine.draft_path is None else str(engine.draft_path),
                 "cache_reuse": self.engine_settings.cache_reuse,
                 "cache_exact_ms": self.engine_settings.exact_ms,
-                "ring_attention": "blocks" if self.settings.blocks_in_effect else "causal",
+                "ring_attention": prompts.ring_attention_in_effect(
+                    self.settings.infill_layout, self.settings.ring_attention
+                ),
             },
             "modalities": {"vision": False, "audio": False},
             "endpoint_slots": True,
@@ -383,7 +391,7 @@ class Service:
             **self._chat_props(),
             "capabilities": self.capabilities(),
             "build_info": f"localspec {__version__}",
-            "llama_cpp": memory.props(engine),  # backends; planned vs allocated per device
+            "llama_cpp": engine.memory_report(),  # backends; planned vs allocated per device
             "is_sleeping": False,
         }
 
@@ -424,7 +432,7 @@ class Service:
                     "meta": {
                         "n_ctx": svc.engine.n_ctx,
                         "n_vocab": svc.engine.vocab.n_vocab,
-                        "n_ctx_train": getattr(svc.engine, "n_ctx_train", None),
+                        "n_ctx_train": svc.engine.n_ctx_train,
                     },
                 }
                 for svc in served
@@ -433,4 +441,4 @@ class Service:
 
     def slots(self) -> list[dict[str, Any]]:
         speculative = self.engine.draft_path is not None or self.engine_settings.spec.mode != "off"
-        return [s.to_json(speculative=speculative) for s in list(self.worker.slots)]
+        return [results.slot_json(s, speculative=speculative) for s in list(self.worker.slots)]

@@ -17,19 +17,21 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Generic, Literal, TypeVar
 
+from localspec.engine.api import ServedEngine
 from localspec.engine.cache_plan import choose_slot, pinned_slot
-from localspec.engine.scheduler import Task
+from localspec.engine.slot import Slot, Task
 from localspec.engine.types import GenerationResult, PromptLayout, TokenEvent
 from localspec.server.errors import ContextExceeded, InvalidRequest, Unavailable
 from localspec.server.logs import REQUESTS
 from localspec.server.prompts import truncate
 from localspec.server.requests import TaskParams
-from localspec.server.results import Completion, SlotInfo
+from localspec.server.results import FinishedCompletion
+from localspec.settings import SlotRule
 
 log = logging.getLogger("localspec.server")
 # a request cut short is logged by its route when the client leaves, before the engine has
@@ -37,6 +39,7 @@ log = logging.getLogger("localspec.server")
 _requests_log = logging.getLogger(REQUESTS)
 
 MIN_CALL_QUEUE = 16  # tokenize/detokenize calls that may wait (at least; else queue_limit)
+T = TypeVar("T")
 
 
 TokenSink = Callable[[int, TokenEvent], None]  # (completion index, event), on the worker thread
@@ -45,7 +48,7 @@ TokenSink = Callable[[int, TokenEvent], None]  # (completion index, event), on t
 @dataclass(eq=False)
 class Job:
     params: TaskParams
-    prepare: Callable[[Any], PromptLayout]  # builds the prompt, on the worker thread
+    prepare: Callable[[ServedEngine], PromptLayout]  # builds the prompt, on the worker thread
     detokenize: Callable[[list[int]], str] | None = None  # set when the answer shows the prompt
     on_token: TokenSink | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
@@ -61,6 +64,7 @@ class Job:
     layout: PromptLayout | None = None  # the prompt built (and cut to fit), kept while it waits
     cut: bool = False  # the prompt was longer than the context and cut
     t_start: float = 0.0
+    on_slot: bool = False  # it took its slot: a failure there leaves the slot's cache suspect
 
     @property
     def cache_only(self) -> bool:
@@ -69,7 +73,7 @@ class Job:
 
 @dataclass
 class JobResult:
-    completions: list[Completion]
+    completions: list[FinishedCompletion]
     n_prompt: int = 0
     truncated: bool = False  # the prompt was cut to fit the context
     cancelled: str | None = None  # why it stopped early: "client left", "superseded", ...
@@ -133,18 +137,18 @@ class EngineThread:
                     if not self._workers:
                         self._thread = None
                         return
-                    turns = [(w, w._next_turn()) for w in self._workers]
+                    turns = [(w, w.next_turn()) for w in self._workers]
                     due = [(w, t) for w, t in turns if t is not None]
                     if due:
                         break
                     self.cond.wait()
             if loading is not None:
-                if loading._load_main():
+                if loading.load_here():
                     with self.cond:
                         self._workers.append(loading)
                 continue
             for worker, turn in due:
-                if not worker._play(turn):
+                if not worker.play(turn):
                     with self.cond:
                         self._workers.remove(worker)
 
@@ -161,33 +165,31 @@ class _Turn:
 class Worker:
     def __init__(
         self,
-        load: Callable[[], Any],
+        load: Callable[[], ServedEngine],
         *,
         queue_limit: int = 16,
         on_ready: Callable[[], None] | None = None,
         on_failure: Callable[[BaseException], None] | None = None,
         engine_thread: EngineThread | None = None,
-        follow_pins: bool = True,
+        slot_choice: SlotRule = "pinned",
     ) -> None:
-        """``follow_pins``: a request's ``id_slot`` picks its slot (llama-server's rule); else
-        it only breaks ties, and the slot whose cache holds most of the prompt answers
-        (``cache_plan.choose_slot``)."""
+        """``slot_choice`` (``server.slot_choice``): pinned, a request's ``id_slot`` picks its
+        slot (llama-server's rule); cache, it only breaks ties, and the slot whose cache holds
+        most of the prompt answers (``cache_plan.choose_slot``)."""
         self._load = load
         self._queue_limit = queue_limit
-        self._follow_pins = follow_pins
+        self._follow_pins = slot_choice == "pinned"
         self._on_ready = on_ready
         self._on_failure = on_failure
         self._engine_thread = engine_thread or EngineThread()
         self._cond = self._engine_thread.cond
         self._queue: deque[Job] = deque()
         self._calls: deque[_Call] = deque()
-        self._running: dict[int, Job] = {}  # by slot
         self._started = False
         self._stopped = threading.Event()  # the engine is closed (or was never loaded)
         self.state: State = "loading"
         self.error: BaseException | None = None
-        self.engine: Any = None
-        self.slots: list[SlotInfo] = []
+        self.engine: ServedEngine | None = None
         self.n_done = 0
         self.n_cancelled = 0  # jobs that ended early: client left, superseded, timed out
         # prompt tokens the engine evaluated for every job, those the client left included
@@ -212,7 +214,7 @@ class Worker:
             for call in self._calls:
                 call.future.set_exception(Unavailable("Server is stopping"))
             self._calls.clear()
-            for job in self._running.values():
+            for job in self.running_jobs():
                 job.cancel.set()
             self._cond.notify_all()
         if self._started and not self._engine_thread.is_current():
@@ -220,8 +222,27 @@ class Worker:
 
     def cancel_running(self) -> None:
         with self._cond:
-            for job in self._running.values():
+            for job in self.running_jobs():
                 job.cancel.set()
+
+    def job_on(self, slot: int) -> Job | None:
+        """The job whose task runs (or is about to start) on ``slot``: the engine's slot
+        holds it."""
+        slots = self.slots
+        task = slots[slot].task if 0 <= slot < len(slots) else None
+        owner = task.owner if task is not None else None
+        return owner if isinstance(owner, Job) else None
+
+    def running_jobs(self) -> list[Job]:
+        """The jobs on the engine's slots, by slot."""
+        jobs = (self.job_on(slot) for slot in range(len(self.slots)))
+        return [job for job in jobs if job is not None]
+
+    @property
+    def slots(self) -> Sequence[Slot]:
+        """The engine's slots (none before it loads): what each holds and runs."""
+        engine = self.engine
+        return () if engine is None else engine.slots
 
     @property
     def queued(self) -> int:
@@ -229,7 +250,7 @@ class Worker:
 
     @property
     def busy(self) -> bool:
-        return bool(self._running)
+        return any(slot.is_processing for slot in self.slots)
 
     # ------------------------------------------------------------------ submit
 
@@ -241,7 +262,7 @@ class Worker:
                 raise Unavailable("Loading model" if loading else "Server is stopping")
             self._supersede(job)
             full = len(self._queue) >= self._queue_limit
-            if full and (self._running or self._queue):
+            if full and (self._queue or self.busy):
                 raise Unavailable(
                     f"Server busy: {len(self._queue)} requests are queued; retry shortly",
                     headers={"Retry-After": "1"},
@@ -250,12 +271,12 @@ class Worker:
             self._queue.append(job)
             self._cond.notify_all()
 
-    def call(self, fn: Callable[[Any], Any]) -> Future[Any]:
+    def call(self, fn: Callable[[ServedEngine], T]) -> Future[T]:
         """Run ``fn(engine)`` on the worker thread ahead of queued jobs (tokenize, detokenize).
 
         The vocabulary's helpers share buffers, so even cheap calls go through the owner thread.
         """
-        call = _Call(fn)
+        call: _Call[T] = _Call(fn)
         with self._cond:
             if self.state != "ready":
                 raise Unavailable(
@@ -312,7 +333,7 @@ class Worker:
         slot = pinned_slot(job.params.id_slot, n_slots)
         if slot is None:
             return
-        running = self._running.get(slot) if self._follow_pins else None
+        running = self.job_on(slot) if self._follow_pins else None
         if not job.cache_only and running is not None and running.cache_only:
             running.stopped_by = "superseded by a completion for the same slot"
             running.cancel.set()
@@ -329,7 +350,7 @@ class Worker:
 
     # ------------------------------------------------------------------ thread
 
-    def _load_main(self) -> bool:
+    def load_here(self) -> bool:
         """On the engine thread: load the model; True when the worker is ready to serve."""
         with self._cond:
             if self.state == "stopping":  # stopped before its turn to load
@@ -350,9 +371,6 @@ class Worker:
             return False
         with self._cond:
             self.engine = engine
-            self.slots = [
-                SlotInfo(id=i, n_ctx=engine.n_ctx, tokens=[]) for i in range(engine.n_slots)
-            ]
             stopping = self.state == "stopping"
             if not stopping:
                 self.state = "ready"
@@ -363,7 +381,7 @@ class Worker:
             self._on_ready()
         return True
 
-    def _next_turn(self) -> _Turn | None:
+    def next_turn(self) -> _Turn | None:
         """Under the lock, on the engine thread: the queued calls, the jobs whose slots are
         free, and whether the engine has a step to run; None when there is nothing to do."""
         if self.state == "stopping":
@@ -371,14 +389,16 @@ class Worker:
         calls = list(self._calls)
         self._calls.clear()
         starts = self._startable()
+        assert self.engine is not None  # (loaded: only a loaded worker takes turns)
         if calls or starts or self.engine.busy:
             return _Turn(calls, starts)
         return None
 
-    def _play(self, turn: _Turn) -> bool:
+    def play(self, turn: _Turn) -> bool:
         """On the engine thread: run the turn's calls, start its jobs, then one engine step.
         False once the worker has stopped (its engine closed)."""
         engine = self.engine
+        assert engine is not None
         if turn.stop:
             self._close(engine)
             return False
@@ -404,7 +424,7 @@ class Worker:
         job whose client left is dropped."""
         starts: list[Job] = []
         n_slots = max(1, len(self.slots))
-        free = [s.id for s in self.slots if s.id not in self._running]
+        free = [s.id for s in self.slots if not s.is_processing]
         for job in list(self._queue):
             if job.cancel.is_set():
                 self._queue.remove(job)
@@ -428,23 +448,21 @@ class Worker:
             starts.append(job)
         return starts
 
-    def _close(self, engine: Any) -> None:
-        for job in list(self._running.values()):
+    def _close(self, engine: ServedEngine) -> None:
+        running = self.running_jobs()
+        for job in running:
             job.cancel.set()
-        close = getattr(engine, "close", None)
         try:
-            if callable(close):
-                close()
+            engine.close()
         finally:
             with self._cond:
-                for job in list(self._running.values()):
+                for job in running:
                     _finish(job, JobResult([], cancelled="server shutting down"))
-                self._running.clear()
                 self.engine = None
                 self.state = "stopped"
             self._stopped.set()
 
-    def _start(self, engine: Any, job: Job) -> None:
+    def _start(self, engine: ServedEngine, job: Job) -> None:
         """Build the job's prompt and hand its completions to the engine."""
         job.t_start = time.perf_counter()
         out = job.out = JobResult([], t_queue_ms=(job.t_start - job.t_submit) * 1e3)
@@ -463,11 +481,7 @@ class Worker:
                 return
             slot_id = job.slot
             job.n_prompt = len(prompt)
-            slot = self.slots[slot_id]
-            with self._cond:
-                self._running[slot_id] = job
-            slot.is_processing, slot.running = True, prompt
-            slot.running_warm_up = job.cache_only
+            job.on_slot = True
             if not prompt:  # llama-server answers an empty prompt with an empty completion
                 empty = GenerationResult(tokens=[], text="", stop_type="none")
                 self._done(job, [empty], None)
@@ -489,12 +503,13 @@ class Worker:
                     prefill_cancel=_UntilOthersWait(job, self),
                     on_token=job.on_token,
                     on_done=lambda task: self._done(job, task.results, task.error),
+                    owner=job,
                 )
             )
         except BaseException as exc:  # one request's failure, not the daemon's
             self._failed(job, exc)
 
-    def _layout(self, engine: Any, job: Job) -> PromptLayout:
+    def _layout(self, engine: ServedEngine, job: Job) -> PromptLayout:
         """The job's prompt, cut to the context where its endpoint allows (llama-server's
         rule), else refused."""
         layout = job.prepare(engine)
@@ -519,7 +534,7 @@ class Worker:
         if not choice.wait:
             return False
         with self._cond:
-            running = self._running.get(choice.slot)
+            running = self.job_on(choice.slot)
             if running is None:  # (freed meanwhile: it runs now)
                 return False
             if running.cache_only and not job.cache_only:
@@ -534,20 +549,18 @@ class Worker:
             self._failed(job, error)
             return
         engine, out = self.engine, job.out
-        assert out is not None
-        slot = self.slots[job.slot]
+        assert engine is not None and out is not None
         out.t_engine_ms = (time.perf_counter() - job.t_start) * 1e3 - out.t_prep_ms
-        slot.hold(engine.slot_tokens(job.slot) if results and job.prompt else [])
+        # (the slot took its tokens when its task ended; an empty prompt ran no task)
+        n_cached = len(engine.slots[job.slot].tokens) if job.prompt else 0
         n_ctx = engine.n_ctx
         for index, result in enumerate(results):
-            if index == 0:
-                slot.last_prompt_n, slot.last_cache_n = result.n_evaluated, result.n_cached
             hit_end = (
                 result.stop_type == "limit" and len(job.prompt) + len(result.tokens) >= n_ctx - 1
             )
             out.completions.append(
-                Completion(
-                    result, index, job.slot, len(slot.tokens), truncated=out.truncated or hit_end
+                FinishedCompletion(
+                    result, index, job.slot, n_cached, truncated=out.truncated or hit_end
                 )
             )
         if any(r.cancelled for r in results):
@@ -569,39 +582,32 @@ class Worker:
         # (the client's mistakes are answered with a 400 and logged on the request's line)
         if not isinstance(exc, (Unavailable, ContextExceeded, InvalidRequest, ValueError)):
             log.error("request failed", exc_info=exc)
-        if job.slot >= 0 and self._running.get(job.slot) is job:
-            self._reset_slot(self.slots[job.slot])
+        if job.slot >= 0 and job.on_slot:
+            self._reset_slot(job.slot)
         self._release(job)
         if not job.future.done():
             job.future.set_exception(exc)
 
     def _release(self, job: Job) -> None:
         with self._cond:
-            if job.slot >= 0 and self._running.get(job.slot) is job:
-                del self._running[job.slot]
-                slot = self.slots[job.slot]
-                slot.is_processing, slot.running = False, []
-                slot.last_used = time.monotonic()
-                slot.n_requests += 1
             self.n_done += 1
             self._cond.notify_all()
 
-    def _reset_slot(self, slot: SlotInfo) -> None:
-        slot.hold([])
-        clear = getattr(self.engine, "clear_slot", None)
-        if callable(clear):
-            try:
-                clear(slot.id)
-            except Exception:
-                log.exception("could not clear slot %d after a failed request", slot.id)
+    def _reset_slot(self, slot: int) -> None:
+        if self.engine is None:
+            return
+        try:
+            self.engine.clear_slot(slot)
+        except Exception:
+            log.exception("could not clear slot %d after a failed request", slot)
 
 
-class _Call:
-    def __init__(self, fn: Callable[[Any], Any]) -> None:
+class _Call(Generic[T]):
+    def __init__(self, fn: Callable[[ServedEngine], T]) -> None:
         self.fn = fn
-        self.future: Future[Any] = Future()
+        self.future: Future[T] = Future()
 
-    def run(self, engine: Any) -> None:
+    def run(self, engine: ServedEngine) -> None:
         try:
             self.future.set_result(self.fn(engine))
         except BaseException as exc:

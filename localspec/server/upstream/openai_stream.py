@@ -18,7 +18,7 @@ from localspec.engine.stops import StopRules
 from localspec.engine.types import GenerationResult, StopType
 from localspec.server import results
 from localspec.server.requests import TaskParams
-from localspec.server.results import Completion
+from localspec.server.results import FinishedCompletion
 
 Clock = Callable[[], float]
 
@@ -183,7 +183,7 @@ class Collector:
         out = []
         for choice in self.choices.values():
             result, n_predicted = self._result(choice)
-            done = Completion(
+            done = FinishedCompletion(
                 result,
                 choice.index,
                 id_slot,
