@@ -88,6 +88,7 @@ async def infill(body: InfillRequest, request: Request, svc: Svc) -> Response:
         params = svc.params(body)
     except ApiError as exc:
         return error_response(exc, request)
+    svc.spec.begin(request, body)
     prepare = prompts.infill(
         input_prefix=body.input_prefix,
         input_suffix=body.input_suffix,
@@ -111,6 +112,7 @@ async def completion(body: CompletionRequest, request: Request, svc: Svc) -> Res
         params = svc.params(body)
     except ApiError as exc:
         return error_response(exc, request)
+    svc.spec.begin(request, body)
     prepare = prompts.completion(body.prompt, cache=svc.token_cache)
     return await svc.native(request, "completion", svc.job(params, prepare, truncate=True))
 
@@ -138,6 +140,7 @@ async def openai_completions(body: OpenAICompletionRequest, request: Request, sv
             prepare = prompts.completion(body.prompt, cache=svc.token_cache)
     except ApiError as exc:
         return error_response(exc, request)
+    svc.spec.begin(request, body)
     return await svc.openai(request, svc.job(params, prepare, truncate=truncate))
 
 
@@ -387,6 +390,7 @@ def create_app(
             engine_thread=engine_thread,
         )
         svc.chat_service.metrics = svc.metrics  # one registry: requests of both models
+        svc.chat_service.spec = svc.spec
     workers = ([svc.worker] if has_local else []) + (
         [svc.chat_service.worker] if svc.chat_service else []
     )

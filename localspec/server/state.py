@@ -23,6 +23,7 @@ from localspec.server.metrics import Metrics, Probes
 from localspec.server.options import ServerSettings
 from localspec.server.prompts import Prepare, TokenCache
 from localspec.server.requests import GenerationFields, TaskParams, sampling_json, task_params
+from localspec.server.speculation import SpecStats
 from localspec.server.worker import EngineThread, Job, JobResult, Worker
 
 log = logging.getLogger("localspec.server")
@@ -61,7 +62,7 @@ def _probes(worker: Worker) -> Probes:
 
 PARAMS_CACHE = 64  # distinct parameter sets remembered (clients send one or two)
 # fields task_params() ignores (and that may hold anything, unhashable included)
-_UNUSED_FIELDS = frozenset({"model", "lora", "t_max_prompt_ms"})
+_UNUSED_FIELDS = frozenset({"model", "lora", "t_max_prompt_ms", "language", "filename"})
 
 
 def _params_key(body: GenerationFields) -> tuple[Any, ...]:
@@ -96,6 +97,7 @@ class Service:
     token_cache: TokenCache
     _params_cache: dict[tuple[Any, ...], TaskParams] = field(default_factory=dict)
     chat_service: Service | None = None  # a second pair loaded for chat (its own worker)
+    spec: SpecStats = field(default_factory=lambda: SpecStats(None))  # by language, position
 
     @classmethod
     def create(
@@ -120,7 +122,10 @@ class Service:
         )
         metrics = Metrics(_probes(worker)) if settings.metrics else None
         name = settings.model_alias or Path(engine_settings.target.path).name
-        return cls(settings, engine_settings, worker, metrics, name, time.time(), TokenCache())
+        spec = SpecStats(metrics.registry if metrics is not None else None)
+        return cls(
+            settings, engine_settings, worker, metrics, name, time.time(), TokenCache(), spec=spec
+        )
 
     # ------------------------------------------------------------------ state
 
@@ -247,11 +252,12 @@ class Service:
                         len(r.tokens), r.stop_type, r.draft_n, r.draft_n_accepted,
                         result.t_engine_ms, result.t_queue_ms, result.t_prep_ms,
                     )  # fmt: skip
+            wall = time.perf_counter() - dispatch.request_t0(request)
+            self.spec.record(request, endpoint, runs, latency_s=wall)
             if self.metrics is None:
                 return
             m = self.metrics
             m.child(m.requests, endpoint, "cancelled" if result.cancelled else "ok").inc()
-            wall = time.perf_counter() - dispatch.request_t0(request)
             m.child(m.latency, endpoint).observe(wall)
             m.child(m.queue_time, endpoint).observe(result.t_queue_ms / 1e3)
             m.overhead.observe(max(0.0, wall - result.t_engine_ms / 1e3))
@@ -274,6 +280,9 @@ class Service:
         fields = params.response_fields
 
         def shape(obj: dict[str, Any]) -> dict[str, Any]:
+            language = self.spec.language(request)
+            if language is not None:
+                obj["language"] = language
             return results.pick_fields(fields, obj) if fields else obj
 
         def finals(result: JobResult, *, stream: bool) -> list[dict[str, Any]]:
