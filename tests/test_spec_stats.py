@@ -13,6 +13,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from localspec.commands import lifecycle
 from localspec.engine.acceptance import MAX_POSITION, Acceptance
 from localspec.engine.types import EngineSettings, ModelSettings, SpecSettings
 from localspec.language import LanguageBook, code_in_chat, from_filename, guess, label
@@ -184,3 +185,30 @@ def test_chat_language_is_the_fenced_codes(scripted: Live) -> None:
         wait_until(lambda: scripted.service.spec.requests.get("rust", 0) == 1)
         text = c.get("/metrics").text
     assert _metric(text, "localspec_language_requests_total") == {(("language", "rust"),): 1}
+
+
+def test_stats_data_and_status_table_show_acceptance_by_language(follow: Live) -> None:
+    with follow.client() as c:
+        _complete(c, prompt=[2000, 2001, 2002], language="go")
+        wait_until(lambda: follow.service.spec.requests.get("go", 0) >= 1)
+        page = c.get("/stats")
+        data = c.get("/stats/data").json()
+        later = c.get("/stats/data", params={"since": data["recent"][-1]["t"]}).json()
+        bad = c.get("/stats/data", params={"since": "yesterday"})
+    assert page.status_code == 200 and "<canvas" in page.text and "src=" not in page.text
+    go = data["languages"]["go"]
+    assert go["requests"] >= 1 and go["drafted"] > go["accepted"] > 0
+    by_pos = {p["position"]: p for p in go["positions"]}
+    assert by_pos["1"]["accepted"] == by_pos["1"]["reached"] > 0  # never cut at position 1
+    assert by_pos["3"]["reached"] > 0 and by_pos["3"]["accepted"] == 0
+    assert data["latency_ms"]["p95"] >= data["latency_ms"]["p50"] > 0
+    assert data["recent"][-1]["language"] == "go" and later["recent"] == []
+    assert data["machine"]["cores"] >= 1
+    assert bad.status_code == 400 and "error" in bad.json()
+
+    report = lifecycle.gather_status("127.0.0.1", follow.port, None)
+    text = lifecycle.render_status(report)
+    row = next(line for line in text.splitlines() if line.strip().startswith("go "))
+    cells = row.split()
+    # language, requests, drafted, accepted share, mean run, then @1 .. @8
+    assert cells[5] == "100%" and cells[7] == "0%" and cells[8] == "-", row

@@ -22,6 +22,7 @@ from starlette.responses import Response
 from localspec import __version__
 from localspec.engine.types import EngineSettings, ModelSettings
 from localspec.server import chat, prompts
+from localspec.server import stats_page as stats_view
 from localspec.server.chatmodel import reading_chat_model
 from localspec.server.dispatch import error_response
 from localspec.server.errors import ApiError, InvalidRequest, NotSupported
@@ -69,6 +70,26 @@ async def web_ui() -> Response:
     """A chat page where llama-server serves its web UI: llama-vscode's "Chat with AI" panel
     opens the chat endpoint's "/" in an iframe and sends it the question (webui.html)."""
     return Response(WEB_UI.read_bytes(), media_type="text/html; charset=utf-8")
+
+
+@router.get("/stats", include_in_schema=False)
+async def stats_page() -> Response:
+    """A live page of latency, acceptance by language and position, cache reuse and load,
+    served as the chat page is (one file; it polls /stats/data)."""
+    return Response(stats_view.PAGE.read_bytes(), media_type="text/html; charset=utf-8")
+
+
+@router.get("/stats/data")
+async def stats_data(request: Request, svc: Svc) -> Response:
+    """What /stats draws; ``?since=T``: only the requests that ended after T (epoch seconds)."""
+    try:
+        since = float(request.query_params.get("since") or 0.0)
+    except ValueError:
+        return error_response(InvalidRequest("since must be a number (epoch seconds)"), request)
+    engine = svc.worker.engine
+    governor = None if engine is None else engine.governor
+    threads = None if governor is None else (governor.free, governor.other_busy)
+    return CompactJSONResponse(stats_view.data(svc.spec, threads, since=since))
 
 
 @router.get("/health")
