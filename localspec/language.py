@@ -16,7 +16,7 @@ import hashlib
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cache
 from pathlib import PurePath
@@ -177,6 +177,10 @@ class LanguageBook:
             self._slots.move_to_end(slot)
             while len(self._slots) > SLOTS_REMEMBERED:
                 self._slots.popitem(last=False)
+
+    def later(self, fn: Callable[..., object], *args: object) -> None:
+        """Run ``fn`` on the guess thread (work that must not hold up the event loop)."""
+        self._pool.submit(fn, *args)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

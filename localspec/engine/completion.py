@@ -30,6 +30,7 @@ from localspec.engine.types import (
     GenerationRequest,
     GenerationResult,
     IndexedTokenCallback,
+    Rejection,
     TokenEvent,
     TokenProbs,
 )
@@ -43,6 +44,7 @@ LINE_TOKENS = 32  # tokens to the newline that ends a completion past t_max_pred
 # target then emits that token, about half a draft token late to catch up when it does not
 # (measured on the SmolLM2 pair: 0.1 beat 0.3 by 10-30% and 0.0)
 PIPELINE_P_CHAIN = 0.1
+REJECTION_CONTEXT = 256  # tokens before a rejected draft kept with it (spec.record_rejections)
 
 
 def draft_window_start(n_prompt: int, window: int) -> int:
@@ -278,6 +280,9 @@ class Completion:
         for j in range(len(draft) + 1):
             idx = base + j if draft else last_row
             tok = self.sampler.sample(idx)
+            if j < len(draft) and tok != draft[j] and self._close_enough(idx, draft[j]):
+                tok = draft[j]
+                res.draft_n_relaxed += 1
             new_tokens.append(tok)
             new_probs.append(self._probs(idx, tok))
             if j < len(draft) and tok == draft[j]:
@@ -285,6 +290,8 @@ class Completion:
                 continue
             break
         res.t_sample_ms += (time.perf_counter() - ts) * 1000.0
+        if draft and accepted < len(draft) and self.pair.settings.spec.record_rejections:
+            self._record_rejection(draft, new_tokens)
         if draft:
             st = res.drafted.setdefault(source, DraftStats())
             st.drafted += len(draft)
@@ -305,6 +312,39 @@ class Completion:
         self._deliver(events)
         self.stopped = self.done = stop
         return new_tokens[:n_emitted]
+
+    def _close_enough(self, idx: int, drafted: int) -> bool:
+        """Relaxed acceptance (``spec.accept`` "topk"): the drafted token is among the target's
+        ``accept_top_k`` likeliest at this row, with at least ``accept_p_min`` probability.
+        The sampler drew (and accepted into its state) its own token: the output is no longer
+        the target's, which the answer says. Never with a grammar, which the token must obey."""
+        spec = self.pair.settings.spec
+        if spec.accept != "topk" or self.sampler.grammar is not None:
+            return False
+        row = self.pair.tctx.logits(idx)
+        top = row[drafted]
+        if int(np.count_nonzero(row > top)) >= spec.accept_top_k:
+            return False
+        p = 1.0 / float(np.exp(row - top).sum())
+        return p >= spec.accept_p_min
+
+    def _record_rejection(self, draft: list[int], target: list[int]) -> None:
+        """Keep the cut draft for the server's rejection file (opt-in)."""
+        out = self.out[-REJECTION_CONTEXT:]
+        prompt, need = self.req.prompt, REJECTION_CONTEXT - len(out)
+        context = (list(prompt[max(0, len(prompt) - need) :]) if need > 0 else []) + out
+        text = self.pair.vocab.detokenize
+        self.result.rejections.append(
+            Rejection(
+                source=self.source,
+                context=context,
+                draft=list(draft),
+                target=list(target),
+                context_text=text(context),
+                draft_text=text(draft),
+                target_text=text(target),
+            )
+        )
 
     def _lead(
         self, base: int, step_ms: float, n_before: int, draft: list[int], mine: list[int]

@@ -133,7 +133,13 @@ def _by_position(result: GenerationResult) -> dict[str, Any]:
     (its ``n_accepted_per_pos``, here from position 1, the last entry for that position and
     beyond) and the drafts verified (its ``n_draft_verif_steps``)."""
     acc = Acceptance.of_steps(result.spec_steps)
-    return {"draft_n_verif_steps": acc.drafts, "draft_n_accepted_per_pos": acc.accepted_at}
+    out: dict[str, Any] = {
+        "draft_n_verif_steps": acc.drafts,
+        "draft_n_accepted_per_pos": acc.accepted_at,
+    }
+    if result.draft_n_relaxed:  # relaxed acceptance took tokens the target would not have
+        out["draft_n_relaxed"] = result.draft_n_relaxed
+    return out
 
 
 def _valid_text(data: bytes) -> str:

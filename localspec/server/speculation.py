@@ -24,6 +24,8 @@ from starlette.requests import Request
 from localspec.engine.acceptance import MAX_POSITION, POSITION_LABELS, Acceptance
 from localspec.engine.types import GenerationResult
 from localspec.language import OTHER, LanguageBook, code_in_chat, from_filename, label
+from localspec.rejections import RejectionFile
+from localspec.rejections import record as rejection_record
 from localspec.server import dispatch
 
 LANG_KEY = "localspec.language"
@@ -88,8 +90,14 @@ class SpecStats:
     """Acceptance by language and position, and the recent requests; thread-safe (the event
     loop records, and so does the guess thread for a request it finished late)."""
 
-    def __init__(self, registry: CollectorRegistry | None, book: LanguageBook | None = None):
+    def __init__(
+        self,
+        registry: CollectorRegistry | None,
+        book: LanguageBook | None = None,
+        rejections: RejectionFile | None = None,
+    ):
         self.book = book or LanguageBook()
+        self.rejections = rejections  # where rejected drafts go (opt-in), else None
         self._lock = threading.Lock()
         self.by_language: dict[str, Acceptance] = {}
         self.requests: dict[str, int] = {}
@@ -215,9 +223,15 @@ class SpecStats:
             "load": os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0,
         }
 
+        cut = [x for r in runs for x in r.rejections]
+        t_now = point["t"]
+
         def count(f: Future[str]) -> None:
             language = OTHER if f.exception() is not None else f.result()
             self._count(Point(language=language, **point), acc)
+            if self.rejections is not None and cut:
+                lines = [rejection_record(x, language, t_now) for x in cut]
+                self.book.later(self.rejections.append, lines)  # file writes off the loop
 
         future.add_done_callback(count)
 

@@ -15,7 +15,8 @@ from starlette.responses import Response
 
 from localspec import __version__
 from localspec.engine.api import ServedEngine
-from localspec.engine.types import EngineSettings, SamplingParams, TokenEvent
+from localspec.engine.types import EngineSettings, SamplingParams, SpecSettings, TokenEvent
+from localspec.rejections import RejectionFile
 from localspec.server import dispatch, results
 from localspec.server.chatmodel import chat_model
 from localspec.server.errors import ApiError, Unavailable
@@ -86,6 +87,15 @@ def _params_key(body: GenerationFields) -> tuple[Any, ...]:
     return out
 
 
+def accept_json(spec: SpecSettings, prefix: str = "") -> dict[str, Any]:
+    """The acceptance rule, said in every answer's settings and in /props: relaxed acceptance
+    (``topk``) makes output that is not the target's own."""
+    out: dict[str, Any] = {"accept": spec.accept, "bit_identical": spec.accept == "exact"}
+    if spec.accept != "exact":
+        out |= {"accept_top_k": spec.accept_top_k, "accept_p_min": spec.accept_p_min}
+    return {prefix + k: v for k, v in out.items()}
+
+
 @dataclass
 class Service:
     settings: ServerSettings
@@ -122,7 +132,11 @@ class Service:
         )
         metrics = Metrics(_probes(worker)) if settings.metrics else None
         name = settings.model_alias or Path(engine_settings.target.path).name
-        spec = SpecStats(metrics.registry if metrics is not None else None)
+        rejections = None
+        if settings.rejections_path:
+            path, cap = Path(settings.rejections_path), settings.rejections_max_bytes
+            rejections = RejectionFile(path, cap)
+        spec = SpecStats(metrics.registry if metrics is not None else None, rejections=rejections)
         return cls(
             settings, engine_settings, worker, metrics, name, time.time(), TokenCache(), spec=spec
         )
@@ -207,6 +221,7 @@ class Service:
         for key, default in (("n_max", spec.n_max), ("n_min", spec.n_min), ("p_min", spec.p_min)):
             if settings_json[f"speculative.{key}"] is None:
                 settings_json[f"speculative.{key}"] = default
+        settings_json.update(accept_json(spec, "speculative."))
         return params
 
     def job(self, params: TaskParams, prepare: Prepare, *, truncate: bool = False) -> Job:
@@ -390,6 +405,7 @@ class Service:
                 "cache_reuse": self.engine_settings.cache_reuse,
                 "cache_exact_ms": self.engine_settings.exact_ms,
                 "ring_attention": "blocks" if self.settings.blocks_in_effect else "causal",
+                **accept_json(spec),
             },
             "modalities": {"vision": False, "audio": False},
             "endpoint_slots": True,
