@@ -202,6 +202,15 @@ class SpeculativeSettings(_Section):
     )
     accept_top_k: int = Field(3, ge=1, le=1000, description="topk acceptance: rank limit")
     accept_p_min: float = Field(0.1, ge=0.0, le=1.0, description="topk acceptance: prob. floor")
+    by_language: bool = Field(
+        False, description="draft lengths from each language's own recent acceptance"
+    )
+    entropy_max: float = Field(
+        0.0,
+        ge=0.0,
+        le=20.0,
+        description="skip drafting while the target's entropy (nats) is above this; 0: never",
+    )
 
     @model_validator(mode="after")
     def _min_below_max(self) -> SpeculativeSettings:

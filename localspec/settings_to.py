@@ -94,6 +94,8 @@ def with_speculation_extras(engine: EngineSettings, settings: Settings) -> Engin
             accept=spec.accept,
             accept_top_k=spec.accept_top_k,
             accept_p_min=spec.accept_p_min,
+            by_language=spec.by_language,
+            entropy_max=spec.entropy_max,
         ),
     )
 

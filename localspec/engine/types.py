@@ -74,6 +74,12 @@ class SpecSettings:
     accept: Literal["exact", "topk"] = "exact"
     accept_top_k: int = 3
     accept_p_min: float = 0.1
+    # depth that follows the context: draft lengths from the acceptance of the request's own
+    # language (GenerationRequest.language), not of every request together
+    by_language: bool = False
+    # no drafting while the target's recent entropy (nats, an average over its last steps) is
+    # above this: the target is unsure, so the drafts would be rejected; 0: off
+    entropy_max: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -227,6 +233,9 @@ class GenerationRequest:
     spec_n_min: int | None = None
     spec_p_min: float | None = None
     n_probs: int = 0  # > 0: report each emitted token's top-n candidates (llama-server n_probs)
+    # the code's language label (localspec.language); with SpecSettings.by_language each
+    # language keeps its own acceptance record, which sets its draft lengths
+    language: str | None = None
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from localspec.server.metrics import Metrics, Probes
 from localspec.server.options import ServerSettings
 from localspec.server.prompts import Prepare, TokenCache
 from localspec.server.requests import GenerationFields, TaskParams, sampling_json, task_params
-from localspec.server.speculation import SpecStats
+from localspec.server.speculation import LANG_KEY, SpecStats
 from localspec.server.worker import EngineThread, Job, JobResult, Worker
 
 log = logging.getLogger("localspec.server")
@@ -285,6 +285,7 @@ class Service:
         """``job`` for ``request`` on this service's worker, within its timeout, logged and
         counted under ``endpoint`` once it ends (``dispatch.respond`` runs it)."""
         recorder = self._recorder(endpoint, request)
+        job.language = request.scope.get(LANG_KEY)
         return dispatch.Pending(
             request, self.worker, job, self.settings.request_timeout_s, recorder
         )
