@@ -98,7 +98,7 @@ def follow(qwen_follow: Path, qwen_follow_draft: Path) -> Iterator[Live]:
         # follow rule puts them
         spec=SpecSettings(mode="draft", n_max=N_MAX, p_min=0.0, pipeline=False),
     )
-    live = start(create_app(ServerSettings(port=0, n_parallel=2), engine))
+    live = start(create_app(ServerSettings(port=0), engine))
     yield live
     stop(live)
 
@@ -165,9 +165,7 @@ def test_drafts_are_counted_by_language_and_position(
 
 @pytest.fixture(scope="module")
 def scripted() -> Iterator[Live]:
-    live = start(
-        create_app(ServerSettings(port=0, n_parallel=1), engine_settings(scripted_chat_gguf()))
-    )
+    live = start(create_app(ServerSettings(port=0), engine_settings(scripted_chat_gguf())))
     yield live
     stop(live)
 

@@ -52,7 +52,7 @@ def live(qwen_follow: Path, qwen_follow_draft: Path) -> Iterator[Live]:
         n_slots=2,
         spec=SpecSettings(mode="draft", n_max=6, p_min=0.0, pipeline=False),
     )
-    server = start(create_app(ServerSettings(port=0, n_parallel=2), engine))
+    server = start(create_app(ServerSettings(port=0), engine))
     yield server
     stop(server)
 
