@@ -34,6 +34,7 @@ def test_bench_languages_table_and_json(
         assert {m for (lg, m) in rows if lg == lang} == set(languages.MODES)
         for mode in ("today", "by-context"):  # exact modes: the target's own output
             assert rows[(lang, mode)]["identical"] == rows[(lang, mode)]["requests"] > 0
+            assert rows[(lang, mode)]["divergence_logit_gaps"] == []
         assert rows[(lang, "target-only")]["drafted"] == 0
         assert rows[(lang, "by-context")]["drafted"] > 0
     assert "by-context" in table and "overall" in table
