@@ -312,10 +312,11 @@ def format_table(result: dict[str, Any]) -> str:
             f"{(r['vs_target'] or 0):>7.2f}x{(r['vs_today'] or 0):>8.2f}x{acc:>8}{mean:>9}"
             f"{r['identical']:>5}/{r['requests']:<4}{r['differing_token_share']:>8.1%}"
         )
+    gate = f" and no drafts above {result['entropy_max']} nats" if result["entropy_max"] else ""
     lines.append(
         f"({result['per_language']} files per language, {result['n_predict']} tokens each, "
         f"greedy, {result['threads']} threads; today: auto; by-context: auto with each "
-        f"language's own record and no drafts above {result['entropy_max']} nats; relaxed: "
+        f"language's own record{gate}; relaxed: "
         f"auto, top-{result['accept_top_k']} above p {result['accept_p_min']}; identical: "
         "outputs equal to target-only's (the JSON has the logit gap where an exact mode's "
         "parted); diff tok: share of tokens that differ)"
