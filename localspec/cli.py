@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from localspec import __version__
-from localspec.commands import bench, common, lifecycle, models, profile, service, up
+from localspec.commands import bench, common, lifecycle, models, profile, service, spec, up
 from localspec.settings import SettingsError
 
 EPILOG = f"""\
@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"localspec {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module in (up, lifecycle, models, profile, service, bench):
+    for module in (up, lifecycle, models, profile, service, spec, bench):
         module.register(sub)
     return parser
 

@@ -195,6 +195,28 @@ class SpeculativeSettings(_Section):
     n_max: int = Field(16, ge=0, le=128, description="most tokens drafted per step")
     n_min: int = Field(0, ge=0, le=128, description="skip drafts shorter than this")
     p_min: float = Field(0.75, ge=0.0, le=1.0, description="stop drafting below this prob.")
+    record_rejections: bool = Field(
+        False,
+        description="keep drafts the target rejected in a local file (data dir; never sent "
+        "anywhere) for `localspec spec export`",
+    )
+    rejections_max_mb: int = Field(64, ge=1, le=65536, description="cap of the rejections file")
+    accept: Literal["exact", "topk"] = Field(
+        "exact",
+        description="exact: the target's own output; topk: also accept a drafted token among "
+        "the target's accept_top_k likeliest above accept_p_min (faster, not bit-identical)",
+    )
+    accept_top_k: int = Field(3, ge=1, le=1000, description="topk acceptance: rank limit")
+    accept_p_min: float = Field(0.1, ge=0.0, le=1.0, description="topk acceptance: prob. floor")
+    by_language: bool = Field(
+        False, description="draft lengths from each language's own recent acceptance"
+    )
+    entropy_max: float = Field(
+        0.0,
+        ge=0.0,
+        le=20.0,
+        description="skip drafting while the target's entropy (nats) is above this; 0: never",
+    )
 
     @model_validator(mode="after")
     def _min_below_max(self) -> SpeculativeSettings:

@@ -80,6 +80,26 @@ def spec_settings(asked: Speculation, *, has_draft: bool) -> SpecSettings:
     return SpecSettings(mode=asked.mode, n_max=asked.n_max, n_min=asked.n_min, p_min=asked.p_min)
 
 
+def with_speculation_extras(engine: EngineSettings, settings: Settings) -> EngineSettings:
+    """The engine's settings with what the plan does not carry: recording rejected drafts
+    and the acceptance rule (``speculative.record_rejections``, ``speculative.accept*``)."""
+    import dataclasses
+
+    spec = settings.speculative
+    return dataclasses.replace(
+        engine,
+        spec=dataclasses.replace(
+            engine.spec,
+            record_rejections=spec.record_rejections,
+            accept=spec.accept,
+            accept_top_k=spec.accept_top_k,
+            accept_p_min=spec.accept_p_min,
+            by_language=spec.by_language,
+            entropy_max=spec.entropy_max,
+        ),
+    )
+
+
 def plan_engine_settings(
     plan: Plan,
     target_path: FilePath,
@@ -179,6 +199,7 @@ def server_settings(
     """The daemon's settings: ``api_key`` as ``settings.check_security`` resolved it,
     the names and the chat refusal as ``up`` decided them. (``server.slots`` goes to the plan,
     or to the engine's settings: the engine's slot count is the server's.)"""
+    from localspec import rejections
     from localspec.server.options import ServerSettings
 
     server, cache = settings.server, settings.cache
@@ -201,6 +222,10 @@ def server_settings(
         ring_attention=cache.ring_attention,
         chat_refusal=chat_refusal,
         chat_alias=chat_alias,
+        rejections_path=str(rejections.default_path())
+        if settings.speculative.record_rejections
+        else None,
+        rejections_max_bytes=settings.speculative.rejections_max_mb * 1024 * 1024,
     )
 
 

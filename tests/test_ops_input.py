@@ -413,7 +413,7 @@ def test_every_route_but_health_and_the_chat_page_refuses_a_missing_or_bad_key(l
         for method, path in routes:
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"X-Api-Key": "nope"}):
                 r = anon.request(method, path, headers=headers, json={})
-                if path in ("/health", "/v1/health", "/", "/index.html"):  # (a static page)
+                if path in ("/health", "/v1/health", "/", "/index.html", "/stats"):  # static pages
                     assert r.status_code == 200
                 else:
                     assert r.status_code == 401, (method, path, r.status_code)

@@ -9,10 +9,11 @@ from localspec.commands import common as c
 
 BENCH = c.Command(
     "bench",
-    "run a benchmark (speculative, replay, edit, throughput, steps, load, overhead, offload, ...)",
+    "run a benchmark (speculative, languages, replay, edit, throughput, offload, ...)",
     epilog="""\
 examples:
   localspec bench speculative --help     speculative vs plain decoding, draft vs n-gram
+  localspec bench languages --help       speculation by language: today vs by-context vs relaxed
   localspec bench replay --help          replay an editor session against the daemon
   localspec bench edit --help            instruction edits (chat) vs llama-server
   localspec bench throughput --help      clients at once, busy machines, vs llama-server
@@ -30,6 +31,7 @@ name is theirs.
 )
 BENCHES = (
     "speculative",
+    "languages",
     "replay",
     "edit",
     "throughput",

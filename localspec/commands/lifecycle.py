@@ -186,6 +186,9 @@ def gather_status(host: str, port: int, api_key: str | None) -> dict[str, Any]:
             "total": len(slots),
             "busy": sum(1 for s in slots if isinstance(s, dict) and s.get("is_processing")),
         }
+    stats = _get_json(f"{url}/stats/data?since=inf", api_key)
+    if isinstance(stats, dict) and isinstance(stats.get("languages"), dict):
+        report["acceptance"] = {"languages": stats["languages"], "total": stats.get("total")}
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         response = httpx.get(f"{url}/metrics", headers=headers, timeout=5.0)
@@ -302,6 +305,7 @@ def render_status(report: dict[str, Any]) -> str:
             f"  acceptance   {metrics['draft_tokens_accepted']} of {metrics['draft_tokens']} "
             "drafted tokens" + (f" ({rate:.0%})" if rate is not None else "")
         )
+    lines += acceptance_table(report.get("acceptance") or {})
     return "\n".join(lines)
 
 
@@ -335,6 +339,30 @@ def _llama_cpp_lines(info: Any) -> list[str]:
             f"    {name}: {mib(planned, 'total')} / {mib(real, 'total')} MiB{share}; "
             + ", ".join(f"{k} {mib(planned, k)}/{mib(real, k)}" for k in ("model", "kv", "compute"))
         )
+    return lines
+
+
+def acceptance_table(acceptance: dict[str, Any]) -> list[str]:
+    """Acceptance by language: requests, drafted tokens, the share accepted, the mean accepted
+    run, and per draft position the share of the tokens judged there that were accepted."""
+    languages = acceptance.get("languages") or {}
+    rows = [(name, a) for name, a in languages.items() if isinstance(a, dict)]
+    if not rows:
+        return []
+    n_pos = len(rows[0][1].get("positions") or [])
+    pos_labels = [str(p.get("position")) for p in rows[0][1].get("positions") or []]
+    head = f"    {'language':<11}{'requests':>9}{'drafted':>9}{'accepted':>9}{'mean run':>9}"
+    head += "".join(f"{'@' + lb:>6}" for lb in pos_labels)
+    lines = ["  by language  acceptance of draft tokens; @N: accepted / judged at position N", head]
+    for name, a in rows:
+        ratio, mean = a.get("ratio"), a.get("mean_accepted")
+        cells = f"    {name:<11}{a.get('requests', 0):>9}{a.get('drafted', 0):>9}"
+        cells += f"{'-' if ratio is None else f'{ratio:.0%}':>9}"
+        cells += f"{'-' if mean is None else f'{mean:.2f}':>9}"
+        for p in (a.get("positions") or [])[:n_pos]:
+            reached, acc = p.get("reached") or 0, p.get("accepted") or 0
+            cells += f"{f'{acc / reached:.0%}' if reached else '-':>6}"
+        lines.append(cells)
     return lines
 
 

@@ -447,7 +447,7 @@ def _serve(
         while True:
             code = serve(
                 server_settings,
-                served.engine if served else None,
+                settings_to.with_speculation_extras(served.engine, settings) if served else None,
                 chat_engine_settings=served.chat if served else None,
                 on_ready=on_ready,
                 on_bound=on_bound,

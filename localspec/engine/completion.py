@@ -30,6 +30,7 @@ from localspec.engine.types import (
     GenerationRequest,
     GenerationResult,
     IndexedTokenCallback,
+    Rejection,
     TokenEvent,
     TokenProbs,
 )
@@ -43,6 +44,8 @@ LINE_TOKENS = 32  # tokens to the newline that ends a completion past t_max_pred
 # target then emits that token, about half a draft token late to catch up when it does not,
 # so a low bar pays (bench/results/speculative/engine-md-00-*.json compares 0.1 with 0.3)
 PIPELINE_P_CHAIN = 0.1
+ENTROPY_DECAY = 0.5  # the entropy average's weight of the past: about the last two steps
+REJECTION_CONTEXT = 256  # tokens before a rejected draft kept with it (spec.record_rejections)
 
 
 def draft_window_start(n_prompt: int, window: int) -> int:
@@ -119,9 +122,12 @@ class Completion:
         self._defer = False
         self._n_before = 0
         self.t_decode0 = 0.0
+        self.entropy = 0.0  # the target's recent entropy (EMA, nats), when spec.entropy_max
 
     def _policy(self, *, pipelined: bool) -> SpecPolicy:
-        policy = self.pair.policy_for(pipelined, self.pair.settings.spec, self.p_min)
+        policy = self.pair.policy_for(
+            pipelined, self.pair.settings.spec, self.p_min, self.req.language
+        )
         policy.n_max = max(self.n_max, 1)
         return policy
 
@@ -203,6 +209,8 @@ class Completion:
             self.ngram = NgramIndex(req.prompt, n_min=self.pair.settings.spec.ngram_min)
         ts = time.perf_counter()
         last = self.sampler.sample(logits_index)
+        if self.pair.settings.spec.entropy_max > 0:
+            self._observe_entropy(logits_index)
         res.t_sample_ms += (time.perf_counter() - ts) * 1000.0
         events: list[TokenEvent] = []
         stop = self._emit(last, len(self.st.tokens), events, self._probs(logits_index, last))
@@ -278,13 +286,20 @@ class Completion:
         for j in range(len(draft) + 1):
             idx = base + j if draft else last_row
             tok = self.sampler.sample(idx)
+            if j < len(draft) and tok != draft[j] and self._close_enough(idx, draft[j]):
+                tok = draft[j]
+                res.draft_n_relaxed += 1
             new_tokens.append(tok)
             new_probs.append(self._probs(idx, tok))
             if j < len(draft) and tok == draft[j]:
                 accepted += 1
                 continue
             break
+        if self.pair.settings.spec.entropy_max > 0:
+            self._observe_entropy(base + len(new_tokens) - 1 if draft else last_row)
         res.t_sample_ms += (time.perf_counter() - ts) * 1000.0
+        if draft and accepted < len(draft) and self.pair.settings.spec.record_rejections:
+            self._record_rejection(draft, new_tokens)
         if draft:
             st = res.drafted.setdefault(source, DraftStats())
             st.drafted += len(draft)
@@ -305,6 +320,51 @@ class Completion:
         self._deliver(events)
         self.stopped = self.done = stop
         return new_tokens[:n_emitted]
+
+    def _observe_entropy(self, idx: int) -> None:
+        """The entropy of the target's distribution at the step's last row (the one its own
+        next token came from), averaged over recent steps."""
+        row = self.pair.tctx.logits(idx)
+        z = row - row.max()
+        e = np.exp(z)
+        total = float(e.sum())
+        h = float(np.log(total) - float((e * z).sum()) / total)
+        self.entropy = (
+            h if self.entropy == 0.0 else ENTROPY_DECAY * self.entropy + (1 - ENTROPY_DECAY) * h
+        )
+
+    def _close_enough(self, idx: int, drafted: int) -> bool:
+        """Relaxed acceptance (``spec.accept`` "topk"): the drafted token is among the target's
+        ``accept_top_k`` likeliest at this row, with at least ``accept_p_min`` probability.
+        The sampler drew (and accepted into its state) its own token: the output is no longer
+        the target's, which the answer says. Never with a grammar, which the token must obey."""
+        spec = self.pair.settings.spec
+        if spec.accept != "topk" or self.sampler.grammar is not None:
+            return False
+        row = self.pair.tctx.logits(idx)
+        top = row[drafted]
+        if int(np.count_nonzero(row > top)) >= spec.accept_top_k:
+            return False
+        p = 1.0 / float(np.exp(row - top).sum())
+        return p >= spec.accept_p_min
+
+    def _record_rejection(self, draft: list[int], target: list[int]) -> None:
+        """Keep the cut draft for the server's rejection file (opt-in)."""
+        out = self.out[-REJECTION_CONTEXT:]
+        prompt, need = self.req.prompt, REJECTION_CONTEXT - len(out)
+        context = (list(prompt[max(0, len(prompt) - need) :]) if need > 0 else []) + out
+        text = self.pair.vocab.detokenize
+        self.result.rejections.append(
+            Rejection(
+                source=self.source,
+                context=context,
+                draft=list(draft),
+                target=list(target),
+                context_text=text(context),
+                draft_text=text(draft),
+                target_text=text(target),
+            )
+        )
 
     def _lead(
         self, base: int, step_ms: float, n_before: int, draft: list[int], mine: list[int]
@@ -409,6 +469,9 @@ class Completion:
         self.policy.verify = self.pair.step_costs(self.pipe is not None)
         if self.mode == "off" or room < 1 or self.ngram is None:
             return "", "", []
+        entropy_max = self.pair.settings.spec.entropy_max
+        if entropy_max > 0 and self.entropy > entropy_max:
+            return "", "", []  # the target is unsure here: its drafts would be rejected
         auto = self.auto
         n_max = min(self.n_max, room)
         n_min = max(self.n_min, 1)

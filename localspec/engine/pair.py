@@ -167,12 +167,16 @@ class ModelPair:
         need = max(t.n_threads, t.n_threads_batch) + max(d.n_threads, d.n_threads_batch)
         return need <= (self.governor.threads() if self.governor else physical_cores())
 
-    def policy_for(self, pipelined: bool, spec: SpecSettings, p_min: float) -> SpecPolicy:
+    def policy_for(
+        self, pipelined: bool, spec: SpecSettings, p_min: float, language: str | None = None
+    ) -> SpecPolicy:
         """The acceptance model of this way of running: a pipelined draft changes what a draft
         costs, and the mode and p_min change what a draft's outcome means (a fixed p_min of
         0.75 turns many would-be-accepted drafts into misses). Its step costs are those of
-        the threads the target runs on now."""
-        key = (pipelined, spec.mode, spec.adaptive, p_min)
+        the threads the target runs on now. With ``spec.by_language`` each language has its
+        own (acceptance differs by tens of points between languages: Python's boilerplate
+        pays long drafts where shell's does not)."""
+        key = (pipelined, spec.mode, spec.adaptive, p_min, language if spec.by_language else None)
         pol = self._policies.get(key)
         if pol is None:
             pol = SpecPolicy(hidden=("draft",) if pipelined else ())

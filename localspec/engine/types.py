@@ -65,6 +65,21 @@ class SpecSettings:
     # draft tokens the target waits for when the draft thread is still producing them (0: a
     # plain step instead; for a draft about as fast as the target, waiting is what pays)
     pipeline_wait: int = 0
+    # rejected drafts kept in each result (context tail, draft, the target's tokens) for the
+    # server's local file (speculative.record_rejections)
+    record_rejections: bool = False
+    # "exact": a drafted token is accepted only where it is the target's own draw. "topk": also
+    # where it is among the target's accept_top_k likeliest with at least accept_p_min
+    # probability (faster, not bit-identical to the target; never with a grammar)
+    accept: Literal["exact", "topk"] = "exact"
+    accept_top_k: int = 3
+    accept_p_min: float = 0.1
+    # depth that follows the context: draft lengths from the acceptance of the request's own
+    # language (GenerationRequest.language), not of every request together
+    by_language: bool = False
+    # no drafting while the target's recent entropy (nats, an average over its last steps) is
+    # above this: the target is unsure, so the drafts would be rejected; 0: off
+    entropy_max: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -222,6 +237,9 @@ class GenerationRequest:
     spec_n_min: int | None = None
     spec_p_min: float | None = None
     n_probs: int = 0  # > 0: report each emitted token's top-n candidates (llama-server n_probs)
+    # the code's language label (localspec.language); with SpecSettings.by_language each
+    # language keeps its own acceptance record, which sets its draft lengths
+    language: str | None = None
 
 
 @dataclass(frozen=True)
@@ -247,6 +265,20 @@ class TokenEvent:
 class DraftStats:
     drafted: int = 0
     accepted: int = 0
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A draft the target cut short: what came before it, what was drafted, and the target's
+    own tokens at the draft's rows (the accepted ones, then its token where it disagreed)."""
+
+    source: str  # "draft" (the draft model) or an n-gram source
+    context: list[int]  # the tokens before the draft (their tail)
+    draft: list[int]
+    target: list[int]
+    context_text: str
+    draft_text: str
+    target_text: str
 
 
 @dataclass
@@ -287,6 +319,9 @@ class GenerationResult:
     n_followed: int = 0
     # one entry per speculative step: (source, drafted, accepted); for stats and tests
     spec_steps: list[tuple[str, int, int]] = field(default_factory=list)
+    # drafts the target cut short, when SpecSettings.record_rejections is on
+    rejections: list[Rejection] = field(default_factory=list)
+    draft_n_relaxed: int = 0  # accepted drafted tokens the target would not have drawn (topk)
 
     @property
     def draft_n(self) -> int:

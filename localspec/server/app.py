@@ -23,6 +23,7 @@ from localspec import __version__
 from localspec.engine.api import ServedEngine
 from localspec.engine.types import EngineSettings, ModelSettings
 from localspec.server import chat, prompts
+from localspec.server import stats_page as stats_view
 from localspec.server.chatmodel import reading_chat_model
 from localspec.server.dispatch import error_response
 from localspec.server.errors import ApiError, InvalidRequest, NotSupported
@@ -72,6 +73,26 @@ async def web_ui() -> Response:
     return Response(WEB_UI.read_bytes(), media_type="text/html; charset=utf-8")
 
 
+@router.get("/stats", include_in_schema=False)
+async def stats_page() -> Response:
+    """A live page of latency, acceptance by language and position, cache reuse and load,
+    served as the chat page is (one file; it polls /stats/data)."""
+    return Response(stats_view.PAGE.read_bytes(), media_type="text/html; charset=utf-8")
+
+
+@router.get("/stats/data")
+async def stats_data(request: Request, svc: Svc) -> Response:
+    """What /stats draws; ``?since=T``: only the requests that ended after T (epoch seconds)."""
+    try:
+        since = float(request.query_params.get("since") or 0.0)
+    except ValueError:
+        return error_response(InvalidRequest("since must be a number (epoch seconds)"), request)
+    engine = svc.worker.engine
+    governor = None if engine is None else engine.governor
+    threads = None if governor is None else (governor.free, governor.other_busy)
+    return CompactJSONResponse(stats_view.data(svc.spec, threads, since=since))
+
+
 @router.get("/health")
 # (a route of its own: one route for GET and HEAD gives both operations one id)
 @router.api_route("/health", methods=["HEAD"], operation_id="health_head")
@@ -89,6 +110,7 @@ async def infill(body: InfillRequest, request: Request, svc: Svc) -> Response:
         params = svc.params(body)
     except ApiError as exc:
         return error_response(exc, request)
+    svc.spec.begin(request, body)
     prepare = prompts.infill(
         input_prefix=body.input_prefix,
         input_suffix=body.input_suffix,
@@ -113,6 +135,7 @@ async def completion(body: CompletionRequest, request: Request, svc: Svc) -> Res
         params = svc.params(body)
     except ApiError as exc:
         return error_response(exc, request)
+    svc.spec.begin(request, body)
     prepare = prompts.completion(body.prompt, cache=svc.token_cache)
     return await svc.native(request, "completion", svc.job(params, prepare, truncate=True))
 
@@ -140,6 +163,7 @@ async def openai_completions(body: OpenAICompletionRequest, request: Request, sv
             prepare = prompts.completion(body.prompt, cache=svc.token_cache)
     except ApiError as exc:
         return error_response(exc, request)
+    svc.spec.begin(request, body)
     return await svc.openai(request, svc.job(params, prepare, truncate=truncate))
 
 
@@ -382,6 +406,7 @@ def create_app(
             engine_thread=engine_thread,
         )
         svc.chat_service.metrics = svc.metrics  # one registry: requests of both models
+        svc.chat_service.spec = svc.spec
     workers = ([svc.worker] if has_local else []) + (
         [svc.chat_service.worker] if svc.chat_service else []
     )

@@ -167,6 +167,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, svc: S
         params = side.params(_with_logprobs(_constrained(body)))
     except Exception as exc:
         return dispatch.error_response(exc, request)
+    side.spec.begin(request, body)
     # the prompt as llama-server tokenizes a chat prompt: special tokens parsed, BOS added
     # when the vocabulary adds one; too long for the context: a 400 (exceed_context_size)
     job = Job(params, prompts.completion(prompt, cache=side.token_cache))

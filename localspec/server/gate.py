@@ -53,7 +53,7 @@ SERVER_HEADER = (b"server", f"localspec/{__version__}".encode())
 CLIENT_GONE = 499  # nginx's code for "the client closed the connection"
 # answered without the API key: the health check, and the chat page (an iframe sends no
 # header; the page asks for the key and sends it with its own requests, as llama-server's UI)
-PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/", "/index.html"})
+PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/", "/index.html", "/stats"})
 # answered while the daemon cannot serve (loading, or a team server down with no local model):
 # monitoring reads the counters of exactly that time (llama-server answers it 503 while loading)
 ANSWERED_UNREADY = frozenset({"/metrics"})

@@ -47,6 +47,9 @@ class ServerSettings:
     # served by the chat model, or by the completion model when its GGUF has a chat template
     chat_refusal: str | None = None
     chat_alias: str | None = None  # the chat model's name in answers (a second pair); None: file
+    # where rejected drafts are recorded (speculative.record_rejections); None: not recorded
+    rejections_path: str | None = None
+    rejections_max_bytes: int = 64 * 1024 * 1024
 
     def check(self) -> None:
         """Refuse to expose an open completion endpoint. ``localspec up`` has applied the same

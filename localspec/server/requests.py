@@ -185,6 +185,12 @@ class GenerationFields(_Body):
     )
     model: Any = Field(None, description="Accepted and ignored: one model pair is served.")
     lora: Any = Field(None, description="Accepted and ignored.")
+    language: Text | None = Field(
+        None, description="The code's language (e.g. python; VS Code ids too), for statistics."
+    )
+    filename: Text | None = Field(
+        None, description="The edited file's name: its language, when no language is given."
+    )
 
 
 class InfillRequest(GenerationFields):

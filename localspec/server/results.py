@@ -18,6 +18,7 @@ from typing import Any
 import pydantic_core
 from starlette.responses import Response
 
+from localspec.engine.acceptance import Acceptance
 from localspec.engine.slot import Slot
 from localspec.engine.stops import incomplete_utf8_tail
 from localspec.engine.types import GenerationResult, TokenProbs
@@ -123,7 +124,22 @@ def timings(result: GenerationResult, n_predicted: int | None = None) -> dict[st
         "predicted_per_second": _rate(result.predicted_ms, predicted_n),
         "draft_n": result.draft_n,
         "draft_n_accepted": result.draft_n_accepted,
+        **_by_position(result),
     }
+
+
+def _by_position(result: GenerationResult) -> dict[str, Any]:
+    """Acceptance by position in llama-server's terms: accepted tokens per draft position
+    (its ``n_accepted_per_pos``, here from position 1, the last entry for that position and
+    beyond) and the drafts verified (its ``n_draft_verif_steps``)."""
+    acc = Acceptance.of_steps(result.spec_steps)
+    out: dict[str, Any] = {
+        "draft_n_verif_steps": acc.drafts,
+        "draft_n_accepted_per_pos": acc.accepted_at,
+    }
+    if result.draft_n_relaxed:  # relaxed acceptance took tokens the target would not have
+        out["draft_n_relaxed"] = result.draft_n_relaxed
+    return out
 
 
 def _valid_text(data: bytes) -> str:

@@ -15,7 +15,8 @@ from starlette.responses import Response
 
 from localspec import __version__
 from localspec.engine.api import ServedEngine
-from localspec.engine.types import EngineSettings, SamplingParams, TokenEvent
+from localspec.engine.types import EngineSettings, SamplingParams, SpecSettings, TokenEvent
+from localspec.rejections import RejectionFile
 from localspec.server import dispatch, prompts, results
 from localspec.server.chatmodel import chat_model
 from localspec.server.errors import ApiError, Unavailable
@@ -23,6 +24,7 @@ from localspec.server.metrics import Metrics, Probes
 from localspec.server.options import ServerSettings
 from localspec.server.prompts import Prepare, TokenCache
 from localspec.server.requests import GenerationFields, TaskParams, sampling_json, task_params
+from localspec.server.speculation import LANG_KEY, SpecStats
 from localspec.server.worker import EngineThread, Job, JobResult, Worker
 
 log = logging.getLogger("localspec.server")
@@ -61,7 +63,7 @@ def _probes(worker: Worker) -> Probes:
 
 PARAMS_CACHE = 64  # distinct parameter sets remembered (clients send one or two)
 # fields task_params() ignores (and that may hold anything, unhashable included)
-_UNUSED_FIELDS = frozenset({"model", "lora", "t_max_prompt_ms"})
+_UNUSED_FIELDS = frozenset({"model", "lora", "t_max_prompt_ms", "language", "filename"})
 
 
 def _params_key(body: GenerationFields) -> tuple[Any, ...]:
@@ -85,6 +87,15 @@ def _params_key(body: GenerationFields) -> tuple[Any, ...]:
     return out
 
 
+def accept_json(spec: SpecSettings, prefix: str = "") -> dict[str, Any]:
+    """The acceptance rule, said in every answer's settings and in /props: relaxed acceptance
+    (``topk``) makes output that is not the target's own."""
+    out: dict[str, Any] = {"accept": spec.accept, "bit_identical": spec.accept == "exact"}
+    if spec.accept != "exact":
+        out |= {"accept_top_k": spec.accept_top_k, "accept_p_min": spec.accept_p_min}
+    return {prefix + k: v for k, v in out.items()}
+
+
 @dataclass
 class Service:
     settings: ServerSettings
@@ -96,6 +107,7 @@ class Service:
     token_cache: TokenCache
     _params_cache: dict[tuple[Any, ...], TaskParams] = field(default_factory=dict)
     chat_service: Service | None = None  # a second pair loaded for chat (its own worker)
+    spec: SpecStats = field(default_factory=lambda: SpecStats(None))  # by language, position
 
     @classmethod
     def create(
@@ -120,7 +132,14 @@ class Service:
         )
         metrics = Metrics(_probes(worker)) if settings.metrics else None
         name = settings.model_alias or Path(engine_settings.target.path).name
-        return cls(settings, engine_settings, worker, metrics, name, time.time(), TokenCache())
+        rejections = None
+        if settings.rejections_path:
+            path, cap = Path(settings.rejections_path), settings.rejections_max_bytes
+            rejections = RejectionFile(path, cap)
+        spec = SpecStats(metrics.registry if metrics is not None else None, rejections=rejections)
+        return cls(
+            settings, engine_settings, worker, metrics, name, time.time(), TokenCache(), spec=spec
+        )
 
     # ------------------------------------------------------------------ state
 
@@ -202,6 +221,7 @@ class Service:
         for key, default in (("n_max", spec.n_max), ("n_min", spec.n_min), ("p_min", spec.p_min)):
             if settings_json[f"speculative.{key}"] is None:
                 settings_json[f"speculative.{key}"] = default
+        settings_json.update(accept_json(spec, "speculative."))
         return params
 
     def job(self, params: TaskParams, prepare: Prepare, *, truncate: bool = False) -> Job:
@@ -247,11 +267,12 @@ class Service:
                         len(r.tokens), r.stop_type, r.draft_n, r.draft_n_accepted,
                         result.t_engine_ms, result.t_queue_ms, result.t_prep_ms,
                     )  # fmt: skip
+            wall = time.perf_counter() - dispatch.request_t0(request)
+            self.spec.record(request, endpoint, runs, latency_s=wall)
             if self.metrics is None:
                 return
             m = self.metrics
             m.child(m.requests, endpoint, "cancelled" if result.cancelled else "ok").inc()
-            wall = time.perf_counter() - dispatch.request_t0(request)
             m.child(m.latency, endpoint).observe(wall)
             m.child(m.queue_time, endpoint).observe(result.t_queue_ms / 1e3)
             m.overhead.observe(max(0.0, wall - result.t_engine_ms / 1e3))
@@ -264,6 +285,7 @@ class Service:
         """``job`` for ``request`` on this service's worker, within its timeout, logged and
         counted under ``endpoint`` once it ends (``dispatch.respond`` runs it)."""
         recorder = self._recorder(endpoint, request)
+        job.language = request.scope.get(LANG_KEY)
         return dispatch.Pending(
             request, self.worker, job, self.settings.request_timeout_s, recorder
         )
@@ -274,6 +296,9 @@ class Service:
         fields = params.response_fields
 
         def shape(obj: dict[str, Any]) -> dict[str, Any]:
+            language = self.spec.language(request)
+            if language is not None:
+                obj["language"] = language
             return results.pick_fields(fields, obj) if fields else obj
 
         def finals(result: JobResult, *, stream: bool) -> list[dict[str, Any]]:
@@ -383,6 +408,7 @@ class Service:
                 "ring_attention": prompts.ring_attention_in_effect(
                     self.settings.infill_layout, self.settings.ring_attention
                 ),
+                **accept_json(spec),
             },
             "modalities": {"vision": False, "audio": False},
             "endpoint_slots": True,

@@ -65,6 +65,9 @@ class Job:
     cut: bool = False  # the prompt was longer than the context and cut
     t_start: float = 0.0
     on_slot: bool = False  # it took its slot: a failure there leaves the slot's cache suspect
+    # the code's language, resolved beside the queue (server/speculation.py); the engine
+    # gets it when it is known by the time the job starts
+    language: Future[str] | None = None
 
     @property
     def cache_only(self) -> bool:
@@ -490,11 +493,14 @@ class Worker:
             # a warm-up fills the cache once; more copies would do nothing
             n = 1 if params.request.n_predict == 0 else params.n_cmpl
             room = n_ctx - len(prompt)
+            language = _known(job.language)
             reqs = []
             for index in range(n):
                 req = params.request_for(index, seeds, slot_id, layout)
                 if req.n_predict > room:  # the context ends first: say so up front
                     req = replace(req, n_predict=room)
+                if language is not None:
+                    req = replace(req, language=language)
                 reqs.append(req)
             engine.submit(
                 Task(
@@ -612,6 +618,13 @@ class _Call(Generic[T]):
             self.future.set_result(self.fn(engine))
         except BaseException as exc:
             self.future.set_exception(exc)
+
+
+def _known(future: Future[str] | None) -> str | None:
+    """The future's result if it is done (never waits)."""
+    if future is None or not future.done() or future.exception() is not None:
+        return None
+    return future.result()
 
 
 def _finish(job: Job, result: JobResult) -> None:

@@ -1,0 +1,111 @@
+"""Depth that follows the context: each language's own acceptance record, and no drafting
+while the target is unsure (its entropy high), on the real engine with the follow pair."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from localspec.engine import Engine, EngineSettings, GenerationRequest, ModelSettings
+from localspec.engine.types import SamplingParams, SpecSettings
+from localspec.server import ServerSettings, create_app
+from tests.fixtures.models import follow_chain
+from tests.test_server_http import start, stop
+
+GREEDY = SamplingParams(top_k=1, temperature=0.0)
+PROMPT = [1000, 1001, 1002]
+
+
+def _settings(target: Path, draft: Path, **spec: object) -> EngineSettings:
+    def model(p: Path) -> ModelSettings:
+        return ModelSettings(path=str(p), n_ctx=1024, n_batch=256, n_ubatch=256, n_threads=2)
+
+    return EngineSettings(
+        target=model(target),
+        draft=model(draft),
+        n_slots=1,
+        spec=SpecSettings(mode="auto", n_max=6, pipeline=False, **spec),  # type: ignore[arg-type]
+    )
+
+
+@pytest.fixture(scope="module")
+def engine(qwen_follow: Path, qwen_follow_draft: Path) -> Engine:
+    with Engine.load(_settings(qwen_follow, qwen_follow_draft)) as eng:
+        yield eng
+
+
+def _run(eng: Engine, language: str | None = None, n: int = 24) -> list[int]:
+    req = GenerationRequest(
+        slot=0, prompt=PROMPT, n_predict=n, sampling=GREEDY, language=language, spec_p_min=0.0
+    )
+    res = eng.generate(req)
+    assert res.tokens == follow_chain(PROMPT[-1], n)  # exact whatever the policy does
+    return [d for _, d, _ in res.spec_steps]
+
+
+def test_each_language_keeps_its_own_acceptance_record(engine: Engine) -> None:
+    base = engine.settings
+    try:
+        engine.settings = replace(base, spec=replace(base.spec, by_language=True))
+        spec = engine.settings.spec
+        _run(engine, "python")
+        py = engine.pair.policy_for(False, spec, 0.0, "python").source("draft").runs
+        sh = engine.pair.policy_for(False, spec, 0.0, "shell").source("draft").runs
+        assert len(py) > 0 and len(sh) == 0  # python's drafts taught shell's nothing
+        _run(engine, "shell")
+        assert len(engine.pair.policy_for(False, spec, 0.0, "shell").source("draft").runs) > 0
+        # without by_language every request shares one record
+        engine.settings = base
+        shared = engine.pair.policy_for(False, base.spec, 0.0, "python")
+        assert shared is engine.pair.policy_for(False, base.spec, 0.0, "shell")
+    finally:
+        engine.settings = base
+
+
+def test_no_drafting_while_the_target_is_unsure(engine: Engine, smollm_q4: Path) -> None:
+    # the follow target is sure of every token (entropy ~0): the gate never closes
+    base = engine.settings
+    try:
+        engine.settings = replace(base, spec=replace(base.spec, mode="draft", entropy_max=1.0))
+        assert sum(_run(engine)) > 0
+    finally:
+        engine.settings = base
+    # a trained model (SmolLM2, drafting for itself: every draft would be accepted) spreads
+    # its probability over tokens, tenths of a nat to several: a gate at 0.001 nat keeps it
+    # from drafting at all, one at 100 never closes
+    drafted = {}
+    with Engine.load(_settings(smollm_q4, smollm_q4)) as eng:
+        prompt = eng.vocab.tokenize("Once upon a time")
+        for gate in (1e-3, 100.0):
+            spec = replace(eng.settings.spec, mode="draft", entropy_max=gate)
+            eng.settings = replace(eng.settings, spec=spec)
+            res = eng.generate(
+                GenerationRequest(
+                    slot=0, prompt=prompt, n_predict=16, sampling=GREEDY, spec_p_min=0.0
+                )
+            )
+            drafted[gate] = res.spec_steps
+    assert drafted[1e-3] == [] and sum(d for _, d, _ in drafted[100.0]) > 0, drafted
+
+
+def test_the_server_hands_the_language_to_the_engine(
+    qwen_follow: Path, qwen_follow_draft: Path
+) -> None:
+    settings = _settings(qwen_follow, qwen_follow_draft, by_language=True)
+    live = start(create_app(ServerSettings(port=0), settings))
+    try:
+        with live.client() as c:
+            r = c.post(
+                "/completion",
+                json={"prompt": PROMPT, "n_predict": 16, "temperature": 0,
+                      "language": "rust", "speculative.p_min": 0.0},
+            )  # fmt: skip
+            assert r.status_code == 200, r.text
+        engine = live.service.worker.engine
+        pair = engine.pair  # type: ignore[attr-defined]
+        rust = pair.policy_for(False, settings.spec, 0.0, "rust").source("draft").runs
+        assert len(rust) > 0
+    finally:
+        stop(live)
