@@ -212,6 +212,13 @@ class CacheSettings(_Section):
         description="where /infill puts the typed cursor line: after FIM_MID (each keystroke "
         "extends the cached prompt) or llama-server's place, ending the prefix",
     )
+    infill_window: int = Field(
+        1024,
+        ge=16,
+        description="tokens of the cursor's file an /infill prompt keeps: 3/4 prefix, 1/4 "
+        "suffix (llama-server takes its batch size; 1024 is the editors' recommended presets' "
+        "-b 1024), the same whatever batch the engine runs",
+    )
     ring_attention: Literal["causal", "blocks"] = Field(
         "blocks",
         description="how /infill's extra-context chunks attend: blocks (each sees the "

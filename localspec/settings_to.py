@@ -188,6 +188,7 @@ def server_settings(
         spm_infill=server.spm_infill,
         typed_in_middle=cache.infill_layout == "typed-in-middle",
         ring_blocks=cache.ring_attention == "blocks",
+        infill_window=cache.infill_window,
         chat_refusal=chat_refusal,
         chat_alias=chat_alias,
     )

@@ -138,6 +138,7 @@ SERVE_FLAGS = (
         None,
         ("typed-in-middle", "llama-server"),
     ),
+    SettingFlag("--infill-window", "cache.infill_window", int, "/infill prefix+suffix tokens", "N"),
     SettingFlag(
         "--ring-attention",
         "cache.ring_attention",

@@ -248,11 +248,21 @@ def run_plan(args: argparse.Namespace) -> int:
     except ValueError as exc:  # CatalogError, HardwareError, PlanError are ValueErrors
         c.error(str(exc))
         return c.EXIT_USAGE
+    window = settings.cache.infill_window
     if args.json:
-        c.print_json(chosen.to_json())
+        c.print_json({**chosen.to_json(), "infill_window": window})
     else:
         print(plan.render_plan(chosen))
+        print(infill_window_line(window))
     return c.EXIT_OK
+
+
+def infill_window_line(window: int) -> str:
+    """What ``plan`` says of /infill's window: it does not follow the plan's batch size."""
+    return (
+        f"infill window: {window} tokens ({3 * (window // 4)} prefix, {window // 4} suffix; "
+        "cache.infill_window), whatever the batch size"
+    )
 
 
 def run_catalog_refresh(args: argparse.Namespace) -> int:

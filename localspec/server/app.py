@@ -95,6 +95,7 @@ async def infill(body: InfillRequest, request: Request, svc: Svc) -> Response:
         prompt=body.prompt or "",
         spm=svc.settings.spm_infill,
         room=svc.settings.infill_room,
+        window=svc.settings.infill_window,
         typed_in_middle=svc.settings.typed_in_middle,
         ring_only=svc.settings.typed_in_middle and body.is_ring_warmup,
         ring_blocks=svc.settings.blocks_in_effect,
@@ -132,6 +133,7 @@ async def openai_completions(body: OpenAICompletionRequest, request: Request, sv
                 prompt="",
                 spm=svc.settings.spm_infill,
                 room=svc.settings.infill_room,
+                window=svc.settings.infill_window,
                 cache=svc.token_cache,
             )
         else:
@@ -368,6 +370,7 @@ def create_app(
                 n_cmpl_max=server_settings.n_cmpl_max,
                 spm_infill=server_settings.spm_infill,
                 infill_room=server_settings.infill_room,
+                infill_window=server_settings.infill_window,
             ),
             registry=svc.metrics.registry if svc.metrics is not None else None,
         )

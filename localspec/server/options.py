@@ -34,6 +34,8 @@ class ServerSettings:
     # /infill's extra-context chunks evaluated each on its own (engine blocks, docs/engine.md);
     # with typed_in_middle only (llama-server's layout stays token for token and causal)
     ring_blocks: bool = _CACHE.ring_attention == "blocks"
+    # /infill's prefix (3/4) and suffix (1/4) window, whatever the engine's n_batch
+    infill_window: int = _CACHE.infill_window
     n_cmpl_max: int = _SERVER.n_cmpl_max  # most completions one request may ask for
     infill_room: int = 256  # /infill prompts leave this many tokens (at most n_ctx/4) to generate
     max_body_bytes: int = _SERVER.max_body_bytes  # larger request bodies answer 413

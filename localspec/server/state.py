@@ -368,6 +368,8 @@ class Service:
             },
             "n_ctx": engine.n_ctx,
             "n_batch": engine.n_batch,
+            # /infill's prefix + suffix tokens (llama-server's n_batch; cache.infill_window)
+            "infill_window": self.settings.infill_window,
             "total_slots": engine.n_slots,
             "model_alias": self.model_name,
             "model_path": str(engine.model_path),
