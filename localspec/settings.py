@@ -174,6 +174,11 @@ class ServerSection(_Section):
         description="/infill puts the suffix block before the prefix (llama-server's "
         "--spm-infill, for models trained suffix-prefix-middle)",
     )
+    slot_save_path: Path | None = Field(
+        None,
+        description="directory of POST /slots/{id}?action=save|restore files (llama-server's "
+        "--slot-save-path); unset: slot actions are refused",
+    )
 
 
 class LimitsSettings(_Section):

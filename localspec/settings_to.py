@@ -189,6 +189,7 @@ def server_settings(
         typed_in_middle=cache.infill_layout == "typed-in-middle",
         ring_blocks=cache.ring_attention == "blocks",
         infill_window=cache.infill_window,
+        slot_save_path=server.slot_save_path,
         chat_refusal=chat_refusal,
         chat_alias=chat_alias,
     )

@@ -147,6 +147,9 @@ SERVE_FLAGS = (
         None,
         ("causal", "blocks"),
     ),
+    SettingFlag(
+        "--slot-save-path", "server.slot_save_path", str, "directory of saved slots", "DIR"
+    ),
     SettingFlag("--spm-infill", "server.spm_infill", bool, "/infill: suffix block before prefix"),
     SettingFlag("--offline", "hub.offline", bool, "never use the network"),
     SettingFlag(

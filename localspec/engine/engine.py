@@ -12,7 +12,10 @@ the first disagreement emits the target's token, and rejected KV is removed from
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cached_property
+from typing import Any
 
+from localspec.engine import slotstate
 from localspec.engine.completion import Completion, draft_window_start
 from localspec.engine.errors import EngineError
 from localspec.engine.pair import ModelPair
@@ -114,6 +117,22 @@ class Engine:
         """Forget what the slot holds (a failed request may have left it half-written)."""
         self.pair.clear_slot(slot)
         self.slots[slot].hold([])
+
+    def save_slot(self, slot: int) -> slotstate.SlotSnapshot:
+        """The slot's context in both models (no request may run on it: engine/slotstate.py)."""
+        return slotstate.take(self.pair, slot)
+
+    def restore_slot(self, slot: int, snap: slotstate.SlotSnapshot) -> None:
+        """Make the slot hold ``snap``; on a StateError it holds nothing."""
+        try:
+            slotstate.put(self.pair, slot, snap)
+        finally:
+            self.slots[slot].hold(self.slots[slot].cached())
+
+    @cached_property
+    def identity(self) -> dict[str, Any]:
+        """What a saved context is tied to: the model files and the KV's cell types."""
+        return slotstate.pair_identity(self.pair)
 
     def close(self) -> None:
         self.pair.close()

@@ -21,7 +21,7 @@ from starlette.responses import Response
 
 from localspec import __version__
 from localspec.engine.types import EngineSettings, ModelSettings
-from localspec.server import chat, prompts
+from localspec.server import chat, prompts, slot_actions
 from localspec.server.chatmodel import reading_chat_model
 from localspec.server.dispatch import error_response
 from localspec.server.errors import ApiError, InvalidRequest, NotSupported
@@ -422,6 +422,7 @@ def create_app(
     )
     app.state.service = svc
     app.include_router(router)
+    app.include_router(slot_actions.router)  # POST /slots/{id}: a path parameter, FastAPI's way
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
     app.add_exception_handler(Exception, _on_error)

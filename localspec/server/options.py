@@ -8,6 +8,7 @@ programmatic use), so a default lives in one place.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from localspec.settings import CacheSettings, ServerSection, is_loopback
 
@@ -36,6 +37,8 @@ class ServerSettings:
     ring_blocks: bool = _CACHE.ring_attention == "blocks"
     # /infill's prefix (3/4) and suffix (1/4) window, whatever the engine's n_batch
     infill_window: int = _CACHE.infill_window
+    # where POST /slots/{id}?action=save|restore keeps its files; None: refused (as llama-server)
+    slot_save_path: Path | None = _SERVER.slot_save_path
     n_cmpl_max: int = _SERVER.n_cmpl_max  # most completions one request may ask for
     infill_room: int = 256  # /infill prompts leave this many tokens (at most n_ctx/4) to generate
     max_body_bytes: int = _SERVER.max_body_bytes  # larger request bodies answer 413
