@@ -224,6 +224,13 @@ class CacheSettings(_Section):
         "suffix (llama-server takes its batch size; 1024 is the editors' recommended presets' "
         "-b 1024), the same whatever batch the engine runs",
     )
+    ram_gb: float | None = Field(
+        None,
+        ge=0,
+        description="host memory for slot contexts a new prompt overwrites, restored when a "
+        "prompt comes back to them (llama-server's --cache-ram); unset: the plan's size, half "
+        "the memory left free after the models, at most 8 GiB; 0: off",
+    )
     ring_attention: Literal["causal", "blocks"] = Field(
         "blocks",
         description="how /infill's extra-context chunks attend: blocks (each sees the "

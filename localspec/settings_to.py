@@ -14,6 +14,7 @@ from __future__ import annotations
 from os import PathLike
 from typing import TYPE_CHECKING, Any
 
+from localspec.planning.host_cache import host_cache_budget, plan_free_bytes
 from localspec.planning.inputs import PlanSettings, Speculation, is_allowed
 from localspec.planning.result import Plan
 from localspec.planning.types import PlanError
@@ -81,10 +82,15 @@ def spec_settings(asked: Speculation, *, has_draft: bool) -> SpecSettings:
 
 
 def plan_engine_settings(
-    plan: Plan, target_path: FilePath, draft_path: FilePath | None = None
+    plan: Plan,
+    target_path: FilePath,
+    draft_path: FilePath | None = None,
+    *,
+    host_cache_gb: float | None = None,
 ) -> EngineSettings:
     """What the engine loads for ``plan``. n_ctx is per slot (the engine multiplies by
-    n_slots); the draft lives whole on one GPU: a split with all of it on ``draft_gpu``."""
+    n_slots); the draft lives whole on one GPU: a split with all of it on ``draft_gpu``.
+    ``host_cache_gb`` is ``cache.ram_gb`` (None: sized from the memory the plan leaves free)."""
     from localspec.engine.types import EngineSettings, ModelSettings
 
     def model(path: FilePath, ngl: int, split: tuple[float, ...] | None, gpu: int) -> ModelSettings:
@@ -118,6 +124,7 @@ def plan_engine_settings(
         spec=spec_settings(plan.speculative, has_draft=draft is not None),
         cache_reuse=plan.cache_reuse,
         exact_ms=plan.cache_exact_ms,
+        host_cache_bytes=host_cache_budget(plan_free_bytes(plan.memory), host_cache_gb),
     )
 
 
@@ -140,11 +147,18 @@ def file_model_settings(
 
 
 def file_engine_settings(
-    settings: Settings, target: ModelSettings, draft: ModelSettings | None
+    settings: Settings,
+    target: ModelSettings,
+    draft: ModelSettings | None,
+    *,
+    host_cache: bool = True,
 ) -> EngineSettings:
-    """What the engine loads for GGUF files given on the command line (no plan)."""
+    """What the engine loads for GGUF files given on the command line (no plan); without
+    ``cache.ram_gb`` the host cache is sized when the models are loaded, from the memory
+    free then (``host_cache`` False: none, for a second, chat pair)."""
     from localspec.engine.types import EngineSettings
 
+    ram_gb = settings.cache.ram_gb
     return EngineSettings(
         target=target,
         draft=draft,
@@ -152,6 +166,9 @@ def file_engine_settings(
         spec=spec_settings(speculation(settings), has_draft=draft is not None),
         cache_reuse=settings.cache.reuse_chunk,
         exact_ms=settings.cache.exact_ms,
+        host_cache_bytes=(
+            (None if ram_gb is None else host_cache_budget(0, ram_gb)) if host_cache else 0
+        ),
     )
 
 

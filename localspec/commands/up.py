@@ -253,7 +253,7 @@ def _local_models(args: argparse.Namespace, settings: st.Settings) -> Served:
     off = settings.models.chat == "off"
     chat = None
     if chat_target is not None and not off:
-        chat = settings_to.file_engine_settings(settings, chat_target, chat_draft)
+        chat = settings_to.file_engine_settings(settings, chat_target, chat_draft, host_cache=False)
     return Served(
         settings_to.file_engine_settings(settings, target, draft),
         args.target.name,
@@ -286,11 +286,13 @@ def _planned_models(settings: st.Settings) -> Served:
         target_path, draft_path = fetch.pull_plan(chosen, settings=settings, catalog=catalog)
         if chat_plan is not None:
             chat_paths = fetch.pull_plan(chat_plan, settings=settings, catalog=catalog)
-            chat_engine = settings_to.plan_engine_settings(chat_plan, *chat_paths)
+            chat_engine = settings_to.plan_engine_settings(chat_plan, *chat_paths, host_cache_gb=0)
     except fetch.FetchError as exc:
         raise UpError(str(exc)) from None
     return Served(
-        settings_to.plan_engine_settings(chosen, target_path, draft_path),
+        settings_to.plan_engine_settings(
+            chosen, target_path, draft_path, host_cache_gb=settings.cache.ram_gb
+        ),
         chosen.pair_id,
         chosen,
         (target_path, draft_path),
@@ -312,7 +314,10 @@ def _fallback(served: Served) -> Served | None:
     if smaller is None:
         return None
     c.warn(f"{smaller.notes[-1]}; retrying")
-    engine = settings_to.plan_engine_settings(smaller, *served.paths)
+    engine = dataclasses.replace(
+        settings_to.plan_engine_settings(smaller, *served.paths),
+        host_cache_bytes=served.engine.host_cache_bytes,
+    )
     return dataclasses.replace(served, engine=engine, plan=smaller)
 
 

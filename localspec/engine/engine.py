@@ -15,9 +15,10 @@ from collections.abc import Sequence
 from functools import cached_property
 from typing import Any
 
-from localspec.engine import slotstate
+from localspec.engine import hostcache, slotstate
 from localspec.engine.completion import Completion, draft_window_start
 from localspec.engine.errors import EngineError
+from localspec.engine.llama import _available_memory
 from localspec.engine.pair import ModelPair
 from localspec.engine.scheduler import Scheduler
 from localspec.engine.slot import Slot, Task
@@ -31,6 +32,7 @@ from localspec.engine.types import (
     SpecSettings,
     TokenCallback,
 )
+from localspec.planning.host_cache import host_cache_budget
 
 __all__ = ["Engine", "draft_window_start"]
 
@@ -51,6 +53,11 @@ class Engine:
         self.model_path = pair.target.path
         self.draft_path = pair.draft.path if pair.draft is not None else None
         self.scheduler = Scheduler(pair)
+        # contexts a new prompt overwrites, kept in host memory (engine/hostcache.py)
+        budget = settings.host_cache_bytes
+        if budget is None:
+            budget = host_cache_budget(_available_memory())
+        self.host_cache = hostcache.HostCache(budget) if budget > 0 else None
         self.slots: Sequence[Slot] = tuple(self.scheduler.slots)
 
     @classmethod
@@ -128,6 +135,14 @@ class Engine:
             slotstate.put(self.pair, slot, snap)
         finally:
             self.slots[slot].hold(self.slots[slot].cached())
+
+    def recall(self, slot: int, prompt: list[int]) -> hostcache.Recall | None:
+        """Before ``prompt`` starts on the idle ``slot``: keep the context it would overwrite
+        in the host cache, and put back a cached one that serves it better (None: no cache)."""
+        if self.host_cache is None:
+            return None
+        self.pair.check_slot(slot)
+        return hostcache.recall(self.pair, self.host_cache, self.slots[slot], prompt)
 
     @cached_property
     def identity(self) -> dict[str, Any]:

@@ -104,6 +104,9 @@ class EngineSettings:
     # per slot) and the KV cells each holds beyond the shared prompt
     n_aux: int | None = None
     aux_room: int = AUX_ROOM
+    # host memory for slot contexts a new prompt would overwrite (engine/hostcache.py); None:
+    # sized at load from the memory free then (planning/host_cache.py), 0: off
+    host_cache_bytes: int | None = None
 
 
 # llama-server's default chain (common_params_sampling.samplers); at the default values every

@@ -24,6 +24,7 @@ from typing import Generic, Literal, TypeVar
 
 from localspec.engine.api import ServedEngine
 from localspec.engine.cache_plan import choose_slot, pinned_slot
+from localspec.engine.hostcache import Recall
 from localspec.engine.slot import Slot, Task
 from localspec.engine.types import GenerationResult, PromptLayout, TokenEvent
 from localspec.server.errors import ContextExceeded, InvalidRequest, Unavailable
@@ -80,6 +81,7 @@ class JobResult:
     t_engine_ms: float = 0.0
     t_post_ms: float = 0.0  # after the engine: slot bookkeeping, the prompt's text
     t_done: float = 0.0  # perf_counter when the worker handed the result over
+    recall: Recall | None = None  # a context the host cache stashed/restored before it ran
 
 
 State = Literal["loading", "ready", "failed", "stopping", "stopped"]
@@ -472,6 +474,9 @@ class Worker:
                 empty = GenerationResult(tokens=[], text="", stop_type="none")
                 self._done(job, [empty], None)
                 return
+            recall = getattr(engine, "recall", None)  # the host cache (engine/hostcache.py)
+            if recall is not None:
+                out.recall = recall(slot_id, prompt)
             seeds = params.seeds()
             # a warm-up fills the cache once; more copies would do nothing
             n = 1 if params.request.n_predict == 0 else params.n_cmpl
