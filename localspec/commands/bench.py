@@ -19,10 +19,11 @@ examples:
   localspec bench steps --help           step time by busy slots, kept for `localspec plan`
   localspec bench load --help            editor-like clients hammering a running daemon
   localspec bench overhead --help        the server's own time per request, in-process
+  localspec bench restore --help         a slot context's copy to/from RAM vs its evaluation
 Benchmarks print a table and write JSON; every argument after the name is theirs.
 """,
 )
-BENCHES = ("speculative", "replay", "edit", "throughput", "steps", "load", "overhead")
+BENCHES = ("speculative", "replay", "edit", "throughput", "steps", "load", "overhead", "restore")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
