@@ -231,6 +231,13 @@ class CacheSettings(_Section):
         "prompt comes back to them (llama-server's --cache-ram); unset: the plan's size, half "
         "the memory left free after the models, at most 8 GiB; 0: off",
     )
+    restart_gb: float = Field(
+        2.0,
+        ge=0,
+        description="the slots' contexts written (at most this much) under the cache directory "
+        "at a clean shutdown and read back at start, so the first keystrokes after a restart "
+        "find their context; 0: off",
+    )
     ring_attention: Literal["causal", "blocks"] = Field(
         "blocks",
         description="how /infill's extra-context chunks attend: blocks (each sees the "

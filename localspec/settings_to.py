@@ -14,6 +14,7 @@ from __future__ import annotations
 from os import PathLike
 from typing import TYPE_CHECKING, Any
 
+from localspec import paths
 from localspec.planning.host_cache import host_cache_budget, plan_free_bytes
 from localspec.planning.inputs import PlanSettings, Speculation, is_allowed
 from localspec.planning.result import Plan
@@ -207,6 +208,8 @@ def server_settings(
         ring_blocks=cache.ring_attention == "blocks",
         infill_window=cache.infill_window,
         slot_save_path=server.slot_save_path,
+        context_dir=paths.cache_dir() / "contexts" if cache.restart_gb > 0 else None,
+        context_bytes=int(cache.restart_gb * (1 << 30)),
         chat_refusal=chat_refusal,
         chat_alias=chat_alias,
     )

@@ -16,7 +16,7 @@ from starlette.responses import Response
 from localspec import __version__
 from localspec.engine.api import ServedEngine
 from localspec.engine.types import EngineSettings, SamplingParams, TokenEvent
-from localspec.server import dispatch, results
+from localspec.server import dispatch, keep, results
 from localspec.server.chatmodel import chat_model
 from localspec.server.errors import ApiError, Unavailable
 from localspec.server.metrics import Metrics, Probes
@@ -110,6 +110,12 @@ class Service:
     ) -> Service:
         """``engine_thread``: the thread that runs this model's llama.cpp calls (a chat pair
         shares the completion pair's)."""
+        before_close = None
+        root = settings.context_dir
+        if root is not None:  # the slots' contexts kept across a restart (server/keep.py)
+            load = keep.keeping(load, root)
+            max_bytes = settings.context_bytes
+            before_close = lambda engine: keep.save_contexts(engine, root, max_bytes)  # noqa: E731
         worker = Worker(
             load,
             queue_limit=settings.queue_limit,
@@ -117,6 +123,7 @@ class Service:
             on_ready=on_ready,
             on_failure=on_failure,
             engine_thread=engine_thread,
+            before_close=before_close,
         )
         metrics = Metrics(_probes(worker)) if settings.metrics else None
         name = settings.model_alias or Path(engine_settings.target.path).name

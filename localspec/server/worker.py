@@ -171,10 +171,13 @@ class Worker:
         on_failure: Callable[[BaseException], None] | None = None,
         engine_thread: EngineThread | None = None,
         follow_pins: bool = True,
+        before_close: Callable[[ServedEngine], object] | None = None,
     ) -> None:
         """``follow_pins``: a request's ``id_slot`` picks its slot (llama-server's rule); else
         it only breaks ties, and the slot whose cache holds most of the prompt answers
-        (``cache_plan.choose_slot``)."""
+        (``cache_plan.choose_slot``). ``before_close``: run on the engine before it is freed
+        (the slots' contexts kept for the next start, server/keep.py)."""
+        self._before_close = before_close
         self._load = load
         self._queue_limit = queue_limit
         self._follow_pins = follow_pins
@@ -439,6 +442,11 @@ class Worker:
         for job in list(self._running.values()):
             job.cancel.set()
         try:
+            if self._before_close is not None:
+                try:
+                    self._before_close(engine)
+                except Exception:  # costs the next start speed, never the shutdown
+                    log.exception("before closing the engine")
             engine.close()
         finally:
             with self._cond:
