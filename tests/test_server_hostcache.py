@@ -4,6 +4,7 @@ it again, with the answer a cold evaluation gives; and the cache's LRU bound."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -13,10 +14,12 @@ import httpx
 import numpy as np
 import pytest
 
+from localspec.commands.lifecycle import metric_totals, render_status, summarise
 from localspec.engine.hostcache import HostCache
 from localspec.engine.slotstate import SeqSnapshot, SlotSnapshot
 from localspec.engine.types import SpecSettings
 from localspec.server.app import create_app
+from localspec.server.logs import REQUESTS
 from localspec.server.options import ServerSettings
 from tests.test_server_http import Live, engine_settings, start, stop
 
@@ -59,7 +62,10 @@ def turns(live: Live) -> tuple[dict[str, Any], dict[str, Any]]:
     return first, back
 
 
-def test_an_editor_coming_back_restores_its_context(cached: Live) -> None:
+def test_an_editor_coming_back_restores_its_context(
+    cached: Live, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=REQUESTS)
     first, back = turns(cached)
     n_a = first["timings"]["prompt_n"]
     assert n_a > 300
@@ -72,6 +78,18 @@ def test_an_editor_coming_back_restores_its_context(cached: Live) -> None:
     top = [e["top_logprobs"] for e in cold["completion_probabilities"]]
     assert min(t[0]["logprob"] - t[1]["logprob"] for t in top) > 0.05, top  # no near tie
     assert back["content"] == cold["content"]
+    # the request log, /metrics and `localspec status` say what the cache did
+    lines = [r.getMessage() for r in caplog.records if r.name == REQUESTS]
+    assert any(f"restored={cache.restored_tokens} " in m for m in lines)  # the one restore
+    assert any("stashed=" in m for m in lines)
+    with cached.client() as c:
+        text = c.get("/metrics").text
+    totals = metric_totals(text)
+    assert totals["localspec_host_cache_restores_total"] == cache.hits >= 1
+    assert totals["localspec_host_cache_restored_tokens_total"] >= n_a
+    assert totals["localspec_host_cache_bytes"] == cache.n_bytes > 0
+    status = render_status({"url": cached.url, "health": "ok", "metrics": summarise(totals)})
+    assert f"{cache.hits} restores ({cache.restored_tokens} tokens" in status
 
 
 def test_without_the_cache_the_context_is_evaluated_again(

@@ -50,6 +50,7 @@ def _probes(worker: Worker) -> Probes:
     return Probes(
         cpu=cpu,
         kv=kv,
+        host_cache=lambda: getattr(worker.engine, "host_cache", None),
         queued=lambda: worker.queued,
         busy=lambda: worker.busy,
         cancelled=lambda: worker.n_cancelled,
@@ -244,6 +245,14 @@ class Service:
                 prompt_ms=first.prompt_ms if first else 0.0,
                 gen_ms=max((r.predicted_ms for r in runs), default=0.0),
             )
+            recall = result.recall  # the host cache's work before it ran (engine/hostcache.py)
+            if recall is not None and (recall.restored or recall.stashed):
+                dispatch.note(
+                    request,
+                    restored=recall.restored,
+                    restore_ms=recall.restore_ms,
+                    stashed=recall.stashed,
+                )
             if log.isEnabledFor(logging.DEBUG):
                 for done in result.completions:
                     r = done.result
