@@ -39,6 +39,12 @@ from pydantic import (
 from localspec import paths
 from localspec.planning.types import MAX_SLOTS
 
+# settings whose values the server takes as they are (server/options.py, server/prompts.py)
+SlotRule = Literal["cache", "pinned"]
+InfillLayout = Literal["typed-in-middle", "llama-server"]
+RingAttention = Literal["causal", "blocks"]
+Fallback = Literal["local", "none"]
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
@@ -150,7 +156,7 @@ class ServerSection(_Section):
         None, ge=1, le=MAX_SLOTS, description="parallel slots; unset: the plan"
     )
     queue_limit: int = Field(16, ge=0, description="requests waiting beyond the slots; 0: none")
-    slot_choice: Literal["cache", "pinned"] = Field(
+    slot_choice: SlotRule = Field(
         "cache",
         description="with several slots: a request's id_slot only breaks ties and the slot "
         "whose cache holds most of its prompt answers (two editors both send id_slot 0); "
@@ -212,7 +218,7 @@ class CacheSettings(_Section):
         description="keep the KV exact (as a cold evaluation) instead of a KV shift when that "
         "costs at most this many ms more per request; 0: always shift, as llama-server",
     )
-    infill_layout: Literal["typed-in-middle", "llama-server"] = Field(
+    infill_layout: InfillLayout = Field(
         "typed-in-middle",
         description="where /infill puts the typed cursor line: after FIM_MID (each keystroke "
         "extends the cached prompt) or llama-server's place, ending the prefix",
@@ -238,7 +244,7 @@ class CacheSettings(_Section):
         "at a clean shutdown and read back at start, so the first keystrokes after a restart "
         "find their context; 0: off",
     )
-    ring_attention: Literal["causal", "blocks"] = Field(
+    ring_attention: RingAttention = Field(
         "blocks",
         description="how /infill's extra-context chunks attend: blocks (each sees the "
         "repository header and itself, the cursor's code sees all: a ring rotation moves KV "
@@ -297,7 +303,7 @@ class BackendSettings(_Section):
     read_timeout_s: float = Field(
         60.0, gt=0, description="the upstream going silent mid-answer for this long is a failure"
     )
-    fallback: Literal["local", "none"] = Field(
+    fallback: Fallback = Field(
         "local",
         description="who answers while the upstream is down or slow: this machine's model "
         "(planned, downloaded and loaded as for kind local) or nobody (a 503)",

@@ -87,11 +87,14 @@ def plan_engine_settings(
     target_path: FilePath,
     draft_path: FilePath | None = None,
     *,
+    n_slots: int | None = None,
     host_cache_gb: float | None = None,
 ) -> EngineSettings:
     """What the engine loads for ``plan``. n_ctx is per slot (the engine multiplies by
     n_slots); the draft lives whole on one GPU: a split with all of it on ``draft_gpu``.
-    ``host_cache_gb`` is ``cache.ram_gb`` (None: sized from the memory the plan leaves free)."""
+    ``n_slots``: the plan's, unless given (a chat pair serves as many slots as the completion
+    pair it stands beside). ``host_cache_gb`` is ``cache.ram_gb`` (None: sized from the memory
+    the plan leaves free)."""
     from localspec.engine.types import EngineSettings, ModelSettings
 
     def model(path: FilePath, ngl: int, split: tuple[float, ...] | None, gpu: int) -> ModelSettings:
@@ -121,7 +124,7 @@ def plan_engine_settings(
     return EngineSettings(
         target=model(target_path, plan.target_ngl, plan.tensor_split, 0),
         draft=draft,
-        n_slots=plan.n_slots,
+        n_slots=plan.n_slots if n_slots is None else n_slots,
         spec=spec_settings(plan.speculative, has_draft=draft is not None),
         cache_reuse=plan.cache_reuse,
         exact_ms=plan.cache_exact_ms,
@@ -177,14 +180,13 @@ def server_settings(
     settings: Settings,
     *,
     api_key: str | None,
-    n_parallel: int | None = None,
     model_alias: str | None = None,
     chat_alias: str | None = None,
     chat_refusal: str | None = None,
 ) -> ServerSettings:
     """The daemon's settings: ``api_key`` as ``settings.check_security`` resolved it,
-    ``n_parallel`` the slots the engine was given (None: server.slots, else 1), the names and
-    the chat refusal as ``up`` decided them."""
+    the names and the chat refusal as ``up`` decided them. (``server.slots`` goes to the plan,
+    or to the engine's settings: the engine's slot count is the server's.)"""
     from localspec.server.options import ServerSettings
 
     server, cache = settings.server, settings.cache
@@ -192,9 +194,8 @@ def server_settings(
         host=server.host,
         port=server.port,
         api_key=api_key,
-        n_parallel=n_parallel or server.slots or 1,
         queue_limit=server.queue_limit,
-        follow_pins=server.slot_choice == "pinned",
+        slot_choice=server.slot_choice,
         request_timeout_s=server.request_timeout_s,
         metrics=server.metrics,
         cors_origins=tuple(server.cors_origins),
@@ -204,8 +205,8 @@ def server_settings(
         body_timeout_s=server.body_timeout_s,
         max_connections=server.max_connections,
         spm_infill=server.spm_infill,
-        typed_in_middle=cache.infill_layout == "typed-in-middle",
-        ring_blocks=cache.ring_attention == "blocks",
+        infill_layout=cache.infill_layout,
+        ring_attention=cache.ring_attention,
         infill_window=cache.infill_window,
         slot_save_path=server.slot_save_path,
         context_dir=paths.cache_dir() / "contexts" if cache.restart_gb > 0 else None,
@@ -242,7 +243,7 @@ def upstream_settings(
         slot=backend.slot,
         connect_timeout_s=backend.connect_timeout_s,
         read_timeout_s=backend.read_timeout_s,
-        fallback=backend.fallback == "local",
+        fallback=backend.fallback,
         fallback_ms=backend.fallback_ms,
         health_interval_s=backend.health_interval_s,
     )

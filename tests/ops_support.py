@@ -95,9 +95,9 @@ model = ModelSettings(path=args["model"], n_ctx=args.get("n_ctx", 1024),
                       n_batch=args.get("n_batch", 512), n_ubatch=args.get("n_batch", 512),
                       n_threads=1, n_threads_batch=1)
 rc = serve(
-    ServerSettings(port=args.get("port", 0), n_parallel=args.get("n_parallel", 2),
-                   queue_limit=args.get("queue_limit", 16)),
-    EngineSettings(target=model, spec=SpecSettings(mode=args.get("mode", "ngram"))),
+    ServerSettings(port=args.get("port", 0), queue_limit=args.get("queue_limit", 16)),
+    EngineSettings(target=model, n_slots=args.get("n_slots", 2),
+                   spec=SpecSettings(mode=args.get("mode", "ngram"))),
     on_ready=lambda: print("READY", flush=True),
     on_bound=lambda addrs: print("BOUND " + json.dumps(addrs), flush=True),
 )

@@ -673,15 +673,16 @@ def test_pull_a_hub_file_reference_with_a_token_file(env: dict[str, str], tmp_pa
 
 
 @pytest.mark.parametrize(
-    ("argv", "typed_in_middle", "ring_blocks"),
-    [([], True, True), (["--infill-layout", "llama-server"], False, True),
-     (["--infill-layout", "typed-in-middle"], True, True),
-     (["--ring-attention", "causal"], True, False)],
+    ("argv", "infill_layout", "ring_attention"),
+    [([], "typed-in-middle", "blocks"),
+     (["--infill-layout", "llama-server"], "llama-server", "blocks"),
+     (["--infill-layout", "typed-in-middle"], "typed-in-middle", "blocks"),
+     (["--ring-attention", "causal"], "typed-in-middle", "causal")],
 )  # fmt: skip
 def test_infill_layout_and_ring_attention_flags_reach_the_server(
     argv: list[str],
-    typed_in_middle: bool,
-    ring_blocks: bool,
+    infill_layout: str,
+    ring_attention: str,
     monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
 ) -> None:
@@ -692,7 +693,7 @@ def test_infill_layout_and_ring_attention_flags_reach_the_server(
     settings = common.load_settings(args, quiet=True).settings
     served = up.Served(types.SimpleNamespace(n_slots=1), "m.gguf")
     server = up._server_settings(settings, None, served)
-    assert (server.typed_in_middle, server.ring_blocks) == (typed_in_middle, ring_blocks)
+    assert (server.infill_layout, server.ring_attention) == (infill_layout, ring_attention)
 
 
 def test_server_limits_and_spm_reach_the_server(

@@ -18,7 +18,9 @@ from localspec.engine import (
     PromptTooLongError,
     SamplingParams,
     SpecSettings,
+    Task,
 )
+from localspec.engine.slot import SlotState
 from tests.test_house import assert_serves
 
 QWEN_FIM = (151659, 151661, 151660, 151662, 151663, 151664)
@@ -116,6 +118,48 @@ def test_vocab_exposes_fim_eog_and_tokenizes_without_special(qwen_pair: Engine) 
 
 def test_the_engine_serves_as_the_server_holds_it(qwen_pair: Engine) -> None:
     assert_serves(qwen_pair)
+
+
+def test_a_slot_reports_its_request_from_queued_to_done(qwen_pair: Engine) -> None:
+    """The slot object is what /slots, /metrics and slot choice read: its state through the
+    request, then what its cache holds and what it served."""
+    slot = qwen_pair.slots[1]
+    assert slot.state is SlotState.IDLE and not slot.is_processing
+    n_before = slot.n_requests
+    states: list[SlotState] = []
+
+    class Watch:  # checked between prompt pieces and before each token goes out
+        def is_set(self) -> bool:
+            states.append(slot.state)
+            return False
+
+    def run(prompt: list[int], n_predict: int) -> Task:
+        req = GenerationRequest(slot=1, prompt=prompt, n_predict=n_predict, cache_prompt=False)
+        task = Task([req], prefill_cancel=Watch(), on_token=lambda _i, _e: Watch().is_set())
+        qwen_pair.submit(task)
+        assert slot.state is SlotState.WAITING and slot.running == prompt
+        while not task.done:
+            qwen_pair.step()
+        assert task.error is None
+        return task
+
+    warm = qwen_pair.vocab.tokenize("import os\nimport sys\n")
+    run(warm, 0)
+    assert states and set(states) == {SlotState.WARMING}
+    assert slot.tokens == warm and slot.state is SlotState.IDLE
+    states.clear()
+    prompt = qwen_pair.vocab.tokenize("def add(a, b):\n    return")
+    task = run(prompt, 4)
+    assert SlotState.PROMPT in states and states[-1] is SlotState.GENERATING
+    assert slot.state is SlotState.IDLE and not slot.running
+    assert slot.tokens == qwen_pair.slot_tokens(1) and slot.tokens[: len(prompt)] == prompt
+    assert slot.n_requests == n_before + 2 and slot.last_used > 0
+    assert (slot.last_prompt_n, slot.last_cache_n) == (
+        task.results[0].n_evaluated,
+        task.results[0].n_cached,
+    )
+    qwen_pair.clear_slot(1)
+    assert slot.tokens == [] == qwen_pair.slot_tokens(1)
 
 
 def test_bad_requests_are_value_errors(qwen_pair: Engine) -> None:

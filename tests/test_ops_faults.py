@@ -39,7 +39,7 @@ CODE = "".join(f"def handler_{i}(event, context):\n    return event['k{i}']\n\n"
 def live(qwen_target: Path) -> Iterator[Live]:
     # small batches: the prompt takes many decode calls, so an abort can land mid-prefill
     server = start(
-        ServerSettings(port=0, n_parallel=1),
+        ServerSettings(port=0),
         engine_settings(qwen_target, n_ctx=N_CTX, n_batch=32, n_slots=1),
     )
     yield server
@@ -223,7 +223,7 @@ def test_port_in_use_is_a_clear_error(caplog: pytest.LogCaptureFixture) -> None:
 
 
 def test_sigterm_while_streaming_is_a_graceful_exit(qwen_target: Path) -> None:
-    with running_daemon(model=str(qwen_target), n_ctx=N_CTX, n_parallel=1) as daemon:
+    with running_daemon(model=str(qwen_target), n_ctx=N_CTX, n_slots=1) as daemon:
         events: list[str] = []
 
         def stream() -> None:

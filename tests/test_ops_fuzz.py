@@ -19,7 +19,7 @@ from tests.ops_support import Live, engine_settings, start, stop
 N_CTX = 128  # bounds the longest generation a drawn n_predict can ask for
 EXAMPLES = 12  # per route and mode
 
-SETTINGS = ServerSettings(port=0, n_parallel=2, n_cmpl_max=2, request_timeout_s=30)
+SETTINGS = ServerSettings(port=0, n_cmpl_max=2, request_timeout_s=30)
 # the schema does not depend on the model: build it from an app that never loads one
 SCHEMA = schemathesis.openapi.from_dict(
     create_app(SETTINGS, EngineSettings(target=ModelSettings(path="unused.gguf"))).openapi()

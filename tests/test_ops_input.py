@@ -42,7 +42,7 @@ BODY_TIMEOUT = 2.0
 @pytest.fixture(scope="module")
 def live(qwen_target: Path) -> Iterator[Live]:
     settings = ServerSettings(
-        port=0, api_key=KEY, n_parallel=2, max_body_bytes=MAX_BODY, body_timeout_s=BODY_TIMEOUT
+        port=0, api_key=KEY, max_body_bytes=MAX_BODY, body_timeout_s=BODY_TIMEOUT
     )
     server = start(settings, engine_settings(qwen_target, n_ctx=N_CTX, n_batch=256))
     yield server

@@ -41,7 +41,7 @@ def assert_no_close_calls(url: str) -> None:
 
 def load(model: Path, clients: int, seconds: float, tmp_path: Path) -> None:
     with running_daemon(
-        model=str(model), n_ctx=N_CTX, n_batch=512, n_parallel=4, queue_limit=8
+        model=str(model), n_ctx=N_CTX, n_batch=512, n_slots=4, queue_limit=8
     ) as daemon:
         assert_no_close_calls(daemon.url)
         shown: list[str] = []

@@ -53,7 +53,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def smol(smollm_q4: Path) -> Iterator[Live]:
-    live = start(create_app(ServerSettings(port=0, n_parallel=2), engine_settings(smollm_q4)))
+    live = start(create_app(ServerSettings(port=0), engine_settings(smollm_q4)))
     yield live
     stop(live)
 
@@ -61,7 +61,7 @@ def smol(smollm_q4: Path) -> Iterator[Live]:
 @pytest.fixture(scope="module")
 def scripted() -> Iterator[Live]:
     settings = engine_settings(scripted_chat_gguf(), n_slots=1)
-    live = start(create_app(ServerSettings(port=0, n_parallel=1), settings))
+    live = start(create_app(ServerSettings(port=0), settings))
     yield live
     stop(live)
 
@@ -485,7 +485,7 @@ def test_a_second_pair_answers_chat_beside_the_completion_model(qwen_target: Pat
     with its own worker, both stepped on the one engine thread (a thread of its own kept a
     second OpenMP team, which halved completion decoding once chat had answered); /v1/models
     lists both, /props?model= and /tokenize's model pick one."""
-    settings = ServerSettings(port=0, n_parallel=1, chat_alias="chat-pair", model_alias="fim")
+    settings = ServerSettings(port=0, chat_alias="chat-pair", model_alias="fim")
     fim_steps: set[int] = set()
     chat_steps: set[int] = set()
     fim_settings = engine_settings(qwen_target, n_slots=1)
@@ -542,7 +542,7 @@ def test_health_waits_for_both_pairs(qwen_target: Path) -> None:
         return Engine.load(engine_settings(scripted_chat_gguf(), n_slots=1))
 
     app = create_app(
-        ServerSettings(port=0, n_parallel=1),
+        ServerSettings(port=0),
         engine_settings(qwen_target, n_slots=1),
         chat_engine_settings=engine_settings(scripted_chat_gguf(), n_slots=1),
         chat_load=slow_chat_load,
@@ -572,7 +572,7 @@ def test_a_chat_pair_that_fails_to_load_leaves_completion_serving(qwen_target: P
         raise MemoryError("cannot allocate the KV cache")
 
     app = create_app(
-        ServerSettings(port=0, n_parallel=1),
+        ServerSettings(port=0),
         engine_settings(qwen_target, n_slots=1),
         chat_engine_settings=engine_settings(scripted_chat_gguf(), n_slots=1),
         chat_load=broken,

@@ -246,7 +246,8 @@ def test_layout_invariants(
 def _typed(prompt: str, **kw: object) -> list[int]:
     args: dict = dict(
         tokenize=chars, fim=NO_REPO, input_prefix="def f():\n", input_suffix="\nreturn 1\n",
-        input_extra=[Extra("x = 1\n", "a.py")], window=64, n_ctx=4096, typed_in_middle=True,
+        input_extra=[Extra("x = 1\n", "a.py")], window=64, n_ctx=4096,
+        infill_layout="typed-in-middle",
     )  # fmt: skip
     args.update(kw)
     return infill_prompt(prompt_tokens=chars(prompt), **args).tokens  # type: ignore[arg-type]
@@ -287,21 +288,21 @@ def test_ring_blocks_are_the_header_and_the_newest_whole_chunks_that_fit() -> No
     extra = [Extra("def a():\n", "a.py"), Extra("x = 1\n", "b.py")]
     kwargs = dict(
         tokenize=chars, fim=QWEN_LIKE, input_prefix="p\n", input_suffix="s\n",
-        input_extra=extra, prompt_tokens=chars("y"), window=64, typed_in_middle=True,
+        input_extra=extra, prompt_tokens=chars("y"), window=64, infill_layout="typed-in-middle",
     )  # fmt: skip
-    whole = infill_prompt(**kwargs, n_ctx=4096, ring_blocks=True)  # type: ignore[arg-type]
+    whole = infill_prompt(**kwargs, n_ctx=4096, ring_attention="blocks")  # type: ignore[arg-type]
     header, a, b = len("myproject\n") + 1, 1 + len("a.py\ndef a():\n"), 1 + len("b.py\nx = 1\n")
-    assert whole.blocks == (header, a, b) and whole.sink  # the chunks see the header
+    assert whole.blocks == (header, a, b) and whole.block_sink  # the chunks see the header
     # the blocks end where the current file's separator begins
     assert whole.tokens[header + a + b] == SEP
     assert whole.tokens[header + a + b + 1 :][:9] == chars("filename\n")
     assert infill_prompt(**kwargs, n_ctx=4096).blocks == ()  # type: ignore[arg-type]
-    no_header = infill_prompt(**{**kwargs, "fim": NO_REPO}, n_ctx=4096, ring_blocks=True)  # type: ignore[arg-type]
-    assert len(no_header.blocks) == 2 and not no_header.sink
+    no_header = infill_prompt(**{**kwargs, "fim": NO_REPO}, n_ctx=4096, ring_attention="blocks")  # type: ignore[arg-type]
+    assert len(no_header.blocks) == 2 and not no_header.block_sink
     # the extra context's budget is n_ctx - 64 + 2: 29 tokens hold the header (11) and the
     # current file's separator (10) but no chunk whole; 33 also hold chunk b (12), not a
-    assert infill_prompt(**kwargs, n_ctx=91, ring_blocks=True).blocks == (header,)  # type: ignore[arg-type]
-    cut = infill_prompt(**kwargs, n_ctx=95, ring_blocks=True)  # type: ignore[arg-type]
+    assert infill_prompt(**kwargs, n_ctx=91, ring_attention="blocks").blocks == (header,)  # type: ignore[arg-type]
+    cut = infill_prompt(**kwargs, n_ctx=95, ring_attention="blocks")  # type: ignore[arg-type]
     assert cut.blocks == (header, b)
     assert cut.tokens[: header + b] == [
         *whole.tokens[:header],
@@ -309,7 +310,7 @@ def test_ring_blocks_are_the_header_and_the_newest_whole_chunks_that_fit() -> No
     ]
     # a chunk too big to fit ends the ring there, though an older one would fit
     big = [Extra("def a():\n", "a.py"), Extra("z" * 40, "big.py"), Extra("x = 1\n", "b.py")]
-    ends = infill_prompt(**{**kwargs, "input_extra": big}, n_ctx=112, ring_blocks=True)  # type: ignore[arg-type]
+    ends = infill_prompt(**{**kwargs, "input_extra": big}, n_ctx=112, ring_attention="blocks")  # type: ignore[arg-type]
     assert ends.blocks == (header, b)  # 50 tokens: a (15) would fit beside b, big (48) not
     # causal: the extra context keeps its end, cut mid-chunk (llama-server's rule)
     causal = infill_prompt(**kwargs, n_ctx=95)  # type: ignore[arg-type]
@@ -317,5 +318,5 @@ def test_ring_blocks_are_the_header_and_the_newest_whole_chunks_that_fit() -> No
         causal.blocks == ()
         and causal.tokens[:33] == whole.tokens[header + a + b + 10 - 33 : header + a + b + 10]
     )
-    ring = infill_prompt(**kwargs, n_ctx=4096, ring_blocks=True, ring_only=True)  # type: ignore[arg-type]
+    ring = infill_prompt(**kwargs, n_ctx=4096, ring_attention="blocks", ring_only=True)  # type: ignore[arg-type]
     assert ring.tokens == whole.tokens[: len(ring.tokens)] and ring.blocks == whole.blocks

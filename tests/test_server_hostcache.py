@@ -35,7 +35,7 @@ def serve(target: Path, draft: Path, host_cache_bytes: int) -> Live:
         spec=SpecSettings(mode="draft"),
         host_cache_bytes=host_cache_bytes,
     )
-    return start(create_app(ServerSettings(port=0, n_parallel=1), pair))
+    return start(create_app(ServerSettings(port=0), pair))
 
 
 @pytest.fixture(scope="module")

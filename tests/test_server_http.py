@@ -88,7 +88,7 @@ def engine_settings(path: Path, draft: Path | None = None, n_slots: int = 2) -> 
 
 @pytest.fixture(scope="module")
 def qwen(qwen_target: Path, qwen_target_f16: Path) -> Iterator[Live]:
-    settings = ServerSettings(port=0, api_key=KEY, queue_limit=1, n_parallel=2)
+    settings = ServerSettings(port=0, api_key=KEY, queue_limit=1)
     live = start(create_app(settings, engine_settings(qwen_target, qwen_target_f16)))
     yield live
     stop(live)
@@ -430,7 +430,7 @@ def server_layout(qwen: Live) -> Iterator[None]:
     """llama-server's own /infill layout: the typed cursor line ends the prefix."""
     svc = qwen.service
     original = svc.settings
-    svc.settings = replace(original, typed_in_middle=False)
+    svc.settings = replace(original, infill_layout="llama-server")
     try:
         yield
     finally:
@@ -970,7 +970,7 @@ def test_ring_blocks_move_a_rotated_ring_exactly(
     (approximate, counted); as blocks it is moved exactly and the answer is the cold one's."""
     svc = qwen.service
     original = svc.settings
-    svc.settings = replace(original, ring_blocks=blocks)
+    svc.settings = replace(original, ring_attention="blocks" if blocks else "causal")
     engine = svc.worker.engine
     engine_settings = engine.settings
     # on this tiny model re-evaluating the ring costs less than the exact budget: shift instead

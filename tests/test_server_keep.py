@@ -21,7 +21,7 @@ ASK = {"n_predict": 8, "top_k": 1, "samplers": ["top_k"], "id_slot": 0}
 
 
 def serve(target: Path, draft: Path, root: Path) -> Live:
-    settings = ServerSettings(port=0, n_parallel=1, context_dir=root)
+    settings = ServerSettings(port=0, context_dir=root)
     pair = replace(engine_settings(target, draft, n_slots=1), host_cache_bytes=0)
     return start(create_app(settings, pair))
 

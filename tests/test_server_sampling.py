@@ -56,7 +56,7 @@ ASK = "Question: is the sky blue? Answer in JSON.\n"
 def pair(qwen_target: Path, qwen_target_f16: Path) -> Iterator[Live]:
     es = engine_settings(qwen_target, qwen_target_f16, n_slots=1)
     es = replace(es, spec=SpecSettings(mode="draft", n_max=8, p_min=0.0))
-    live = start(create_app(ServerSettings(port=0, n_parallel=1), es))
+    live = start(create_app(ServerSettings(port=0), es))
     yield live
     stop(live)
 

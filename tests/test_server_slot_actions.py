@@ -29,7 +29,7 @@ def saving(
     qwen_target: Path, qwen_draft: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Live]:
     directory = tmp_path_factory.mktemp("slots")
-    settings = ServerSettings(port=0, n_parallel=2, slot_save_path=directory)
+    settings = ServerSettings(port=0, slot_save_path=directory)
     # the draft model drafts every request: its cache holds the slot's window too
     pair = replace(engine_settings(qwen_target, qwen_draft), spec=SpecSettings(mode="draft"))
     live = start(create_app(settings, pair))

@@ -56,15 +56,13 @@ def test_server_settings_carry_every_server_key() -> None:
     )  # fmt: skip
     got = settings_to.server_settings(settings, api_key="k", model_alias="m", chat_alias="c")
     assert got == ServerSettings(
-        host="127.0.0.2", port=9000, api_key="k", n_parallel=3, queue_limit=3,
+        host="127.0.0.2", port=9000, api_key="k", queue_limit=3,
         request_timeout_s=5, metrics=False, cors_origins=("http://a",), model_alias="m",
-        spm_infill=True, typed_in_middle=False, ring_blocks=False, n_cmpl_max=2,
+        spm_infill=True, infill_layout="llama-server", ring_attention="causal", n_cmpl_max=2,
         max_body_bytes=4096, body_timeout_s=7, max_connections=9, chat_alias="c",
-        follow_pins=True, slot_save_path=Path("/s"), infill_window=512,
+        slot_choice="pinned", slot_save_path=Path("/s"), infill_window=512,
         context_dir=paths.cache_dir() / "contexts", context_bytes=1 << 29,
     )  # fmt: skip
-    # the engine's slot count, once known, is what the server serves
-    assert settings_to.server_settings(settings, api_key=None, n_parallel=5).n_parallel == 5
 
 
 @pytest.mark.parametrize(

@@ -58,7 +58,7 @@ def running_up(env: dict[str, str], tmp_path: Path, *args: str) -> Iterator[Up]:
 def test_an_it_profile_points_up_at_the_team_server(
     env: dict[str, str], qwen_target: Path, tmp_path: Path
 ) -> None:
-    with daemon(tmp_path, model=str(qwen_target), api_key=SECRET, n_parallel=4) as team:
+    with daemon(tmp_path, model=str(qwen_target), api_key=SECRET, n_slots=4) as team:
         key = tmp_path / "upstream.key"
         key.write_text(SECRET + "\n")
         key.chmod(0o600)
@@ -164,7 +164,7 @@ def test_up_serves_through_the_team_server_when_no_local_model_can_stand_in(
     """B2: backend.fallback = local (the default), but no local model can be had (nothing
     downloaded and the hub is off limits, or the profile allows none): ``up`` still serves
     through the team server, and says there is no local fallback and why."""
-    with daemon(tmp_path, model=str(qwen_target), n_parallel=4) as team:
+    with daemon(tmp_path, model=str(qwen_target), n_slots=4) as team:
         _system(env).joinpath("50-team.toml").write_text(
             f'{local_rule}[backend]\nkind = "llama-server"\nurl = "{team.url}"\n'
         )

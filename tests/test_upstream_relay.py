@@ -55,7 +55,7 @@ LONG = {"prompt": "def f():\n", "n_predict": 100000, "top_k": 1, "samplers": ["t
 def team(qwen_target: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """The shared server: localspec with 4 slots."""
     with daemon(
-        tmp_path_factory.mktemp("team"), model=str(qwen_target), n_parallel=4, n_ctx=8192
+        tmp_path_factory.mktemp("team"), model=str(qwen_target), n_slots=4, n_ctx=8192
     ) as d:
         yield d
 

@@ -190,7 +190,7 @@ def test_the_text_layout_is_local_servings_layout() -> None:
         prompt_tokens=[ord(c) for c in "    y = "],
         window=4096,
         n_ctx=40000,
-        typed_in_middle=True,
+        infill_layout="typed-in-middle",
     )
     assert text == "".join(names[t] if t < 0 else chr(t) for t in layout.tokens)
 

@@ -43,7 +43,8 @@ engine = None
 if args.get("model"):
     model = ModelSettings(path=args["model"], n_ctx=args.get("n_ctx", 2048), n_batch=512,
                           n_ubatch=512, n_threads=1, n_threads_batch=1)
-    engine = EngineSettings(target=model, spec=SpecSettings(mode="off"))
+    engine = EngineSettings(target=model, n_slots=args.get("n_slots", 1),
+                            spec=SpecSettings(mode="off"))
 upstream = None
 if args.get("upstream"):
     up = dict(args["upstream"])
@@ -51,7 +52,7 @@ if args.get("upstream"):
     upstream = UpstreamSettings(**up, fim=fim)
 rc = serve(
     ServerSettings(port=args.get("port", 0), host="127.0.0.1", api_key=args.get("api_key"),
-                   n_parallel=args.get("n_parallel", 1), model_alias=args.get("alias")),
+                   model_alias=args.get("alias")),
     engine,
     upstream=upstream,
     on_ready=lambda: print("READY", flush=True),

@@ -286,7 +286,9 @@ def _planned_models(settings: st.Settings) -> Served:
         target_path, draft_path = fetch.pull_plan(chosen, settings=settings, catalog=catalog)
         if chat_plan is not None:
             chat_paths = fetch.pull_plan(chat_plan, settings=settings, catalog=catalog)
-            chat_engine = settings_to.plan_engine_settings(chat_plan, *chat_paths, host_cache_gb=0)
+            chat_engine = settings_to.plan_engine_settings(
+                chat_plan, *chat_paths, n_slots=chosen.n_slots, host_cache_gb=0
+            )
     except fetch.FetchError as exc:
         raise UpError(str(exc)) from None
     return Served(
@@ -359,7 +361,7 @@ def _upstream_alone(upstream: UpstreamSettings, why: str) -> UpstreamSettings:
     why, rather than ``up`` failing while the team server could answer."""
     first = why.splitlines()[0] if why else "not available"
     c.warn(f"no local model to stand in for the upstream ({first}); serving through the upstream")
-    return dataclasses.replace(upstream, fallback=False, no_local=first)
+    return dataclasses.replace(upstream, fallback="none", no_local=first)
 
 
 def _server_settings(
@@ -371,7 +373,6 @@ def _server_settings(
     return settings_to.server_settings(
         settings,
         api_key=api_key,
-        n_parallel=served.engine.n_slots,
         model_alias=served.alias,
         chat_alias=served.chat_alias,
         chat_refusal=served.chat_refusal,
@@ -401,7 +402,7 @@ def _serve(
         upstream = _upstream_settings(settings, upstream_key)
         if upstream is None:  # the local model serves
             served = _local_models(args, settings) if args.target else _planned_models(settings)
-        elif upstream.fallback:  # it stands in
+        elif upstream.fallback == "local":  # it stands in
             try:
                 served = _local_models(args, settings) if args.target else _planned_models(settings)
             except UpError as exc:

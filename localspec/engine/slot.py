@@ -115,21 +115,24 @@ class Slot:
 
     @property
     def task(self) -> Task | None:
-        """The task running on it, else the next one queued for it."""
-        if self.run is not None:
-            return self.run.task
-        return self.queued[0] if self.queued else None
+        """The task running on it, else the next one queued for it. (/slots and /metrics
+        read this on other threads than the engine's: each field is read once.)"""
+        run = self.run
+        if run is not None:
+            return run.task
+        try:
+            return self.queued[0]
+        except IndexError:
+            return None
 
     @property
     def state(self) -> SlotState:
-        task = self.task
-        if task is None:
-            return SlotState.IDLE
-        if self.run is None:
-            return SlotState.WAITING
-        if task.first.n_predict == 0:
+        run = self.run
+        if run is None:
+            return SlotState.IDLE if self.task is None else SlotState.WAITING
+        if run.task.first.n_predict == 0:
             return SlotState.WARMING
-        return SlotState.PROMPT if self.run.pre is None else SlotState.GENERATING
+        return SlotState.PROMPT if run.pre is None else SlotState.GENERATING
 
     @property
     def is_processing(self) -> bool:

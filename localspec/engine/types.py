@@ -200,7 +200,7 @@ class PromptLayout:
 
     tokens: list[int]
     blocks: tuple[int, ...] = ()
-    sink: bool = False
+    block_sink: bool = False
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
 
 from localspec import __version__
+from localspec.engine.api import ServedEngine
 from localspec.engine.types import EngineSettings, ModelSettings
 from localspec.server import chat, prompts, slot_actions
 from localspec.server.chatmodel import reading_chat_model
@@ -96,9 +97,10 @@ async def infill(body: InfillRequest, request: Request, svc: Svc) -> Response:
         spm=svc.settings.spm_infill,
         room=svc.settings.infill_room,
         window=svc.settings.infill_window,
-        typed_in_middle=svc.settings.typed_in_middle,
-        ring_only=svc.settings.typed_in_middle and body.is_ring_warmup,
-        ring_blocks=svc.settings.blocks_in_effect,
+        infill_layout=svc.settings.infill_layout,
+        # (llama-server's layout has no ring warm-up of its own: the whole prompt is filled)
+        ring_only=svc.settings.infill_layout == "typed-in-middle" and body.is_ring_warmup,
+        ring_attention=svc.settings.ring_attention,
         cache=svc.token_cache,
     )
     return await svc.native(request, "infill", svc.job(params, prepare))
@@ -186,7 +188,7 @@ async def metrics(svc: Svc) -> Response:
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request, svc: Svc) -> Response:
-    def run(engine: Any) -> dict[str, Any]:
+    def run(engine: ServedEngine) -> dict[str, Any]:
         vocab = engine.vocab
         pieces = [body.content] if isinstance(body.content, str) else body.content
         # ids given by the client reach llama.cpp's token_to_piece, which aborts the whole
@@ -224,7 +226,7 @@ def _piece(raw: bytes) -> str | list[int]:
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request, svc: Svc) -> Response:
-    def run(engine: Any) -> dict[str, Any]:
+    def run(engine: ServedEngine) -> dict[str, Any]:
         prompts.check_ids(body.tokens, engine.vocab.n_vocab)
         return {"content": engine.vocab.detokenize(body.tokens, special=True)}
 
@@ -266,8 +268,8 @@ async def _on_error(request: Request, exc: Exception) -> Response:
 # ---------------------------------------------------------------------- factory
 
 
-def default_loader(engine_settings: EngineSettings) -> Callable[[], Any]:
-    def load() -> Any:
+def default_loader(engine_settings: EngineSettings) -> Callable[[], ServedEngine]:
+    def load() -> ServedEngine:
         from localspec.engine import Engine  # imported here: llama.cpp loads only when serving
 
         return Engine.load(engine_settings)
@@ -323,26 +325,21 @@ def create_app(
     server_settings: ServerSettings,
     engine_settings: EngineSettings | None,
     *,
-    load: Callable[[], Any] | None = None,
+    load: Callable[[], ServedEngine] | None = None,
     on_ready: Callable[[], None] | None = None,
     on_failure: Callable[[BaseException], None] | None = None,
     upstream: UpstreamSettings | None = None,
     chat_engine_settings: EngineSettings | None = None,
-    chat_load: Callable[[], Any] | None = None,
+    chat_load: Callable[[], ServedEngine] | None = None,
 ) -> FastAPI:
     """The ASGI app; the engine loads in a background thread at startup (/health: 503 till then).
 
-    ``server_settings.n_parallel`` is the slot count (llama-server's ``-np``): it replaces
-    ``engine_settings.n_slots``. With ``upstream`` the editor's requests go to a team server
-    (server/upstream/), the local model (``engine_settings``; None: no local model) answering
-    while it is down or slow. ``chat_engine_settings``: a second pair, with a worker of its
-    own, that answers chat (``server_settings.chat_alias`` names it).
+    ``engine_settings.n_slots`` is the slot count (llama-server's ``-np``). With ``upstream``
+    the editor's requests go to a team server (server/upstream/), the local model
+    (``engine_settings``; None: no local model) answering while it is down or slow.
+    ``chat_engine_settings``: a second pair, with a worker of its own, that answers chat
+    (``server_settings.chat_alias`` names it).
     """
-
-    def slots(settings: EngineSettings) -> EngineSettings:
-        if settings.n_slots == server_settings.n_parallel:
-            return settings
-        return dataclasses.replace(settings, n_slots=server_settings.n_parallel)
 
     has_local = engine_settings is not None
     if engine_settings is None:
@@ -350,7 +347,6 @@ def create_app(
             raise ValueError("nothing to serve: give engine_settings, an upstream, or both")
         # never loaded: the worker does not start without a local model
         engine_settings = EngineSettings(target=ModelSettings(path=""))
-    engine_settings = slots(engine_settings)
     on_ready = _once(on_ready)
     ready = _when_all_ready(on_ready, 1 if chat_engine_settings is None else 2)
     engine_thread = EngineThread()  # both pairs' llama.cpp calls, one after the other
@@ -375,7 +371,6 @@ def create_app(
             registry=svc.metrics.registry if svc.metrics is not None else None,
         )
     if chat_engine_settings is not None:
-        chat_engine_settings = slots(chat_engine_settings)
         chat_settings = dataclasses.replace(
             server_settings,
             chat_refusal=None,

@@ -10,7 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from localspec.settings import CacheSettings, ServerSection, is_loopback
+from localspec.settings import (
+    CacheSettings,
+    InfillLayout,
+    RingAttention,
+    ServerSection,
+    SlotRule,
+    is_loopback,
+)
 
 _SERVER = ServerSection()  # the settings model's defaults
 _CACHE = CacheSettings()
@@ -21,20 +28,17 @@ class ServerSettings:
     host: str = _SERVER.host  # "localhost" binds both 127.0.0.1 and ::1
     port: int = _SERVER.port  # 0: any free port (tests)
     api_key: str | None = None  # required for any non-loopback host
-    n_parallel: int = 1  # slots, i.e. EngineSettings.n_slots: separate KV caches
     queue_limit: int = _SERVER.queue_limit  # waiting requests past this answer 503 + Retry-After
-    follow_pins: bool = _SERVER.slot_choice == "pinned"  # id_slot picks the slot (else a hint)
+    slot_choice: SlotRule = _SERVER.slot_choice  # pinned: id_slot picks the slot (else a hint)
     request_timeout_s: float = _SERVER.request_timeout_s  # queued + running, then cancelled
     metrics: bool = _SERVER.metrics  # expose /metrics (Prometheus text)
     cors_origins: tuple[str, ...] = tuple(_SERVER.cors_origins)
     model_alias: str | None = None  # the "model" name in answers; default: the GGUF file name
     spm_infill: bool = _SERVER.spm_infill  # llama-server's --spm-infill: suffix before prefix
-    # the cursor line goes behind FIM_MID (each keystroke appends to the cached prompt);
-    # False: llama-server's layout, the line ends the prefix (see server/prompts.py)
-    typed_in_middle: bool = _CACHE.infill_layout == "typed-in-middle"
-    # /infill's extra-context chunks evaluated each on its own (engine blocks, docs/engine.md);
-    # with typed_in_middle only (llama-server's layout stays token for token and causal)
-    ring_blocks: bool = _CACHE.ring_attention == "blocks"
+    # where /infill puts the cursor line, and how its extra-context chunks attend (see
+    # server/prompts.py: infill_prompt, ring_attention_in_effect)
+    infill_layout: InfillLayout = _CACHE.infill_layout
+    ring_attention: RingAttention = _CACHE.ring_attention
     # /infill's prefix (3/4) and suffix (1/4) window, whatever the engine's n_batch
     infill_window: int = _CACHE.infill_window
     # where POST /slots/{id}?action=save|restore keeps its files; None: refused (as llama-server)
@@ -52,11 +56,6 @@ class ServerSettings:
     # served by the chat model, or by the completion model when its GGUF has a chat template
     chat_refusal: str | None = None
     chat_alias: str | None = None  # the chat model's name in answers (a second pair); None: file
-
-    @property
-    def blocks_in_effect(self) -> bool:
-        """Whether /infill's ring chunks are evaluated as blocks (only in localspec's layout)."""
-        return self.ring_blocks and self.typed_in_middle
 
     def check(self) -> None:
         """Refuse to expose an open completion endpoint. ``localspec up`` has applied the same

@@ -16,14 +16,14 @@ Layout (Qwen2.5-Coder's repo-level pattern)::
     [FIM_REP]myproject\\n [FIM_SEP]file0\\n chunk0 ... [FIM_SEP]filename\\n   <- extra, end kept
     [BOS] [FIM_PRE] prefix(end kept) prompt [FIM_SUF] suffix(start kept) [FIM_MID]
 
-``typed_in_middle`` moves the cursor-line ``prompt`` behind ``[FIM_MID]``: the text typed on
-the line becomes the start of the middle the model writes, so every keystroke only appends to
-the tokens of the previous one (exact prefix reuse) instead of changing the middle of the
-layout and invalidating the ~255-token suffix block behind it. The model sees the same text
-either way: FIM training cuts the middle at random points, so a middle that starts at the
-line's beginning is as much in distribution as a prefix that ends mid-line. Its suffix budget
-does not shrink as the line grows (llama-server's does, by the prompt's length), so the suffix
-block stays the same tokens while the user types.
+``infill_layout`` "typed-in-middle" moves the cursor-line ``prompt`` behind ``[FIM_MID]``: the
+text typed on the line becomes the start of the middle the model writes, so every keystroke
+only appends to the tokens of the previous one (exact prefix reuse) instead of changing the
+middle of the layout and invalidating the ~255-token suffix block behind it. The model sees the
+same text either way: FIM training cuts the middle at random points, so a middle that starts at
+the line's beginning is as much in distribution as a prefix that ends mid-line. Its suffix
+budget does not shrink as the line grows (llama-server's does, by the prompt's length), so the
+suffix block stays the same tokens while the user types.
 
 Budgets: the prefix gets 3/4 of the ``window``, the suffix the rest minus the prompt and two
 special tokens, the extra context what is left of ``n_ctx`` after the window and twice the
@@ -54,8 +54,9 @@ from localspec.engine.api import ServedEngine
 from localspec.engine.types import PromptLayout
 from localspec.engine.vocab import FimTokens
 from localspec.server.errors import InvalidRequest, NotSupported
-from localspec.server.options import ServerSettings
+from localspec.settings import CacheSettings, InfillLayout, RingAttention
 
+INFILL_WINDOW = CacheSettings().infill_window  # the setting's default
 Prepare = Callable[[ServedEngine], PromptLayout]  # engine -> the prompt, as the engine evaluates it
 
 # --- the FIM layout -------------------------------------------------------------------------------
@@ -187,6 +188,14 @@ def budgets(
     )
 
 
+def ring_attention_in_effect(
+    infill_layout: InfillLayout, ring_attention: RingAttention
+) -> RingAttention:
+    """How /infill's extra-context chunks attend: ``ring_attention`` in localspec's layout;
+    llama-server's layout stays token for token its own, causal."""
+    return ring_attention if infill_layout == "typed-in-middle" else "causal"
+
+
 def infill_prompt(
     *,
     tokenize: Tokenize,
@@ -201,9 +210,9 @@ def infill_prompt(
     bos: int | None = None,
     spm: bool = False,
     room: int = 0,
-    typed_in_middle: bool = False,
+    infill_layout: InfillLayout = "llama-server",
     ring_only: bool = False,
-    ring_blocks: bool = False,
+    ring_attention: RingAttention = "causal",
 ) -> PromptLayout:
     """The token sequence llama-server evaluates for an /infill request, with its ring blocks.
 
@@ -211,9 +220,12 @@ def infill_prompt(
     ``n_predict`` is the server's default (-1), not the request's, as in llama-server; a
     ``room`` > 0 replaces its reserve (``2 * n_predict``). ``ring_only`` gives just the
     extra-context head (an editor's ring warm-up: a prefix of the next keystroke's prompt).
-    ``ring_blocks`` marks the extra context's blocks (repository header, chunks) in the result,
-    for an engine that evaluates each on its own (docs/engine.md, "Ring blocks").
+    ``ring_attention`` "blocks" marks the extra context's blocks (repository header, chunks) in
+    the result, for an engine that evaluates each on its own (docs/engine.md, "Ring blocks"),
+    where ``ring_attention_in_effect`` says it applies.
     """
+    typed_in_middle = infill_layout == "typed-in-middle"
+    ring_blocks = ring_attention_in_effect(infill_layout, ring_attention) == "blocks"
     prefix = tokenize_mixed(tokenize, input_prefix)
     suffix = tokenize_mixed(tokenize, input_suffix)
     extra, extra_lengths = extra_blocks(tokenize, fim, input_extra)
@@ -382,17 +394,17 @@ def infill(
     prompt: str,
     spm: bool,
     room: int = 0,
-    window: int = ServerSettings.infill_window,
-    typed_in_middle: bool = False,
+    window: int = INFILL_WINDOW,
+    infill_layout: InfillLayout = "llama-server",
     ring_only: bool = False,
-    ring_blocks: bool = False,
+    ring_attention: RingAttention = "causal",
     cache: TokenCache | None = None,
 ) -> Prepare:
     cache = cache or TokenCache()
 
     user_ids = _user_ids(input_prefix, input_suffix)
 
-    def prepare(engine: Any) -> PromptLayout:
+    def prepare(engine: ServedEngine) -> PromptLayout:
         vocab = engine.vocab
         fim = fim_tokens(vocab)
         check_ids(user_ids, vocab.n_vocab)
@@ -412,9 +424,9 @@ def infill(
             bos=_bos(vocab),
             spm=spm,
             room=min(room, engine.n_ctx // 4),
-            typed_in_middle=typed_in_middle,
+            infill_layout=infill_layout,
             ring_only=ring_only,
-            ring_blocks=ring_blocks,
+            ring_attention=ring_attention,
         )
 
     return prepare
@@ -443,7 +455,7 @@ def completion(prompt: str | Sequence[int | str], cache: TokenCache | None = Non
     """llama-server's /completion: special tokens parsed, BOS added before leading text."""
     cache = cache or TokenCache()
 
-    def prepare(engine: Any) -> PromptLayout:
+    def prepare(engine: ServedEngine) -> PromptLayout:
         vocab = engine.vocab
 
         def special(text: str) -> list[int]:

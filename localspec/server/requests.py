@@ -578,7 +578,7 @@ class TaskParams:
             prompt=prompt.tokens,
             sampling=sampling,
             blocks=prompt.blocks,
-            block_sink=prompt.sink,
+            block_sink=prompt.block_sink,
         )
 
 

@@ -16,7 +16,7 @@ from starlette.responses import Response
 from localspec import __version__
 from localspec.engine.api import ServedEngine
 from localspec.engine.types import EngineSettings, SamplingParams, TokenEvent
-from localspec.server import dispatch, keep, results
+from localspec.server import dispatch, keep, prompts, results
 from localspec.server.chatmodel import chat_model
 from localspec.server.errors import ApiError, Unavailable
 from localspec.server.metrics import Metrics, Probes
@@ -120,7 +120,7 @@ class Service:
         worker = Worker(
             load,
             queue_limit=settings.queue_limit,
-            follow_pins=settings.follow_pins,
+            slot_choice=settings.slot_choice,
             on_ready=on_ready,
             on_failure=on_failure,
             engine_thread=engine_thread,
@@ -398,7 +398,9 @@ class Service:
                 "draft_model": None if engine.draft_path is None else str(engine.draft_path),
                 "cache_reuse": self.engine_settings.cache_reuse,
                 "cache_exact_ms": self.engine_settings.exact_ms,
-                "ring_attention": "blocks" if self.settings.blocks_in_effect else "causal",
+                "ring_attention": prompts.ring_attention_in_effect(
+                    self.settings.infill_layout, self.settings.ring_attention
+                ),
             },
             "modalities": {"vision": False, "audio": False},
             "endpoint_slots": True,

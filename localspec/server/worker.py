@@ -32,6 +32,7 @@ from localspec.server.logs import REQUESTS
 from localspec.server.prompts import truncate
 from localspec.server.requests import TaskParams
 from localspec.server.results import FinishedCompletion
+from localspec.settings import SlotRule
 
 log = logging.getLogger("localspec.server")
 # a request cut short is logged by its route when the client leaves, before the engine has
@@ -170,17 +171,17 @@ class Worker:
         on_ready: Callable[[], None] | None = None,
         on_failure: Callable[[BaseException], None] | None = None,
         engine_thread: EngineThread | None = None,
-        follow_pins: bool = True,
+        slot_choice: SlotRule = "pinned",
         before_close: Callable[[ServedEngine], object] | None = None,
     ) -> None:
-        """``follow_pins``: a request's ``id_slot`` picks its slot (llama-server's rule); else
-        it only breaks ties, and the slot whose cache holds most of the prompt answers
-        (``cache_plan.choose_slot``). ``before_close``: run on the engine before it is freed
-        (the slots' contexts kept for the next start, server/keep.py)."""
+        """``slot_choice`` (``server.slot_choice``): pinned, a request's ``id_slot`` picks its
+        slot (llama-server's rule); cache, it only breaks ties, and the slot whose cache holds
+        most of the prompt answers (``cache_plan.choose_slot``). ``before_close``: run on the
+        engine before it is freed (the slots' contexts kept for the next start, server/keep.py)."""
         self._before_close = before_close
         self._load = load
         self._queue_limit = queue_limit
-        self._follow_pins = follow_pins
+        self._follow_pins = slot_choice == "pinned"
         self._on_ready = on_ready
         self._on_failure = on_failure
         self._engine_thread = engine_thread or EngineThread()

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from localspec.catalog import FimText
-from localspec.settings import BackendSettings
+from localspec.settings import BackendSettings, Fallback
 
 UpstreamKind = Literal["llama-server", "openai"]
 
@@ -26,7 +26,7 @@ class UpstreamSettings:
     slot: int | None = None  # llama-server: pinned slot; None: stable hash; -1: upstream picks
     connect_timeout_s: float = _BACKEND.connect_timeout_s
     read_timeout_s: float = _BACKEND.read_timeout_s
-    fallback: bool = _BACKEND.fallback == "local"  # a local model answers while it cannot
+    fallback: Fallback = _BACKEND.fallback  # local: a local model answers while it cannot
     fallback_ms: float = _BACKEND.fallback_ms  # 0: wait for read_timeout_s
     no_local: str = ""  # why no local model stands in although backend.fallback = local
     health_interval_s: float = _BACKEND.health_interval_s

@@ -67,7 +67,7 @@ def infill_text(
         n_ctx=int(n_ctx * CHARS_PER_TOKEN),
         spm=spm,
         room=int(min(room, n_ctx // 4) * CHARS_PER_TOKEN),
-        typed_in_middle=True,
+        infill_layout="typed-in-middle",
         ring_only=ring_only,
     )
     text = "".join(map(chr, layout.tokens))
