@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from localspec.engine.cache import SeqState
+from localspec.engine.cache_plan import cache_fit, cache_pieces
 from localspec.engine.pair import ModelPair
 from localspec.engine.slot import Slot
 from localspec.engine.slotstate import SlotSnapshot, StateError, put, take
@@ -31,12 +32,16 @@ MIN_GAIN = 64  # a restore must save at least this many evaluated tokens
 # on this machine, well below this); the estimate then follows the measured copies
 COPY_MS_PER_MIB = 1.0
 EMA = 0.3
+PLANNED = 2  # cached contexts whose reuse is planned exactly, the best by their pieces found
 
 
 @dataclass
 class Entry:
     tokens: list[int]
     snap: SlotSnapshot
+    # its pieces' hashes (cache_plan.cache_pieces): a set lookup per piece of a prompt bounds
+    # what it could serve, so only the likeliest entries get a reuse plan
+    pieces: frozenset[int] = field(default_factory=frozenset)
 
     @property
     def n_bytes(self) -> int:
@@ -85,7 +90,7 @@ class HostCache:
         while self.entries and self.n_bytes + snap.n_bytes > self.max_bytes:
             self._drop(next(iter(self.entries)))
             self.evicted += 1
-        self.entries[self._next] = Entry(tokens, snap)
+        self.entries[self._next] = Entry(tokens, snap, cache_pieces(tokens))
         self._next += 1
         self.n_bytes += snap.n_bytes
         self.stashed += 1
@@ -120,10 +125,17 @@ def recall(pair: ModelPair, cache: HostCache, slot: Slot, prompt: list[int]) -> 
     keep = tc.plan(st, prompt, policy).n_reused if held else 0
     best: Entry | None = None
     best_key, best_keep = -1, keep
-    for key, e in cache.entries.items():
-        n = tc.plan(SeqState(-1, tokens=e.tokens), prompt, policy).n_reused
-        if n > best_keep:
-            best, best_key, best_keep = e, key, n
+    if len(prompt) - keep >= MIN_GAIN and cache.entries:  # (a keystroke: nothing to gain)
+        fits = sorted(
+            ((cache_fit(prompt, e.pieces), key) for key, e in cache.entries.items()), reverse=True
+        )
+        for fit, key in fits[:PLANNED]:
+            if fit < keep + MIN_GAIN:
+                break
+            e = cache.entries[key]
+            n = tc.plan(SeqState(-1, tokens=e.tokens), prompt, policy).n_reused
+            if n > best_keep:
+                best, best_key, best_keep = e, key, n
     gain = best_keep - keep
     price = tc.ms_per_token  # the measured prefill price; -1 before any prefill ran
     worth = (
