@@ -197,3 +197,31 @@ def test_a_failed_write_is_a_500_and_keeps_the_old_file(
     assert any("saving slot 0" in rec.getMessage() for rec in caplog.records)
     assert held(saving, 0) == before and blocked.read_bytes() == b"x"
     assert act(c, 0, "save", "after.bin").status_code == 200
+
+
+def test_an_action_on_a_busy_slot_waits_for_its_request(saving: Live, c: httpx.Client) -> None:
+    """llama-server defers a slot action while the slot is processing: the save answers once
+    the generation ended, with the slot's whole context."""
+    import threading
+    import time
+
+    done: list[dict[str, Any]] = []
+    body = {"prompt": PROMPT, "n_predict": 200, "ignore_eos": True, "id_slot": 1, "top_k": 1}
+
+    def generate() -> None:
+        with saving.client() as other:
+            done.append(other.post("/completion", json=body).json())
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    slots = saving.service.worker.slots
+    busy = [s.id for s in slots if s.is_processing]
+    while not busy and thread.is_alive():  # until the generation holds its slot
+        time.sleep(0.001)
+        busy = [s.id for s in slots if s.is_processing]
+    r = act(c, busy[0], "save", "busy.bin")
+    thread.join(120)
+    assert r.status_code == 200, r.text
+    # saved after the generation: its prompt and (all but the last of) its 200 tokens
+    assert done and done[0]["id_slot"] == busy[0]
+    assert r.json()["n_saved"] == len(held(saving, busy[0])) >= done[0]["tokens_evaluated"] + 199

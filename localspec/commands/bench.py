@@ -20,10 +20,21 @@ examples:
   localspec bench load --help            editor-like clients hammering a running daemon
   localspec bench overhead --help        the server's own time per request, in-process
   localspec bench restore --help         a slot context's copy to/from RAM vs its evaluation
+  localspec bench switch --help          two editors on one slot, and a restart
 Benchmarks print a table and write JSON; every argument after the name is theirs.
 """,
 )
-BENCHES = ("speculative", "replay", "edit", "throughput", "steps", "load", "overhead", "restore")
+BENCHES = (
+    "speculative",
+    "replay",
+    "edit",
+    "throughput",
+    "steps",
+    "load",
+    "overhead",
+    "restore",
+    "switch",
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -44,7 +44,8 @@ def save_contexts(engine: Any, root: Path, max_bytes: int) -> int:
         for old in directory.glob("slot*.bin"):
             old.unlink()
         for slot in sorted(engine.slots, key=lambda s: s.last_used, reverse=True):
-            if len(slot.cached()) < MIN_TOKENS:
+            # a request cut short by the shutdown may have left its prompt's KV half moved
+            if slot.is_processing or len(slot.cached()) < MIN_TOKENS:
                 continue
             snap = engine.save_slot(slot.id)
             if total + snap.n_bytes > max_bytes:
