@@ -83,16 +83,18 @@ def editors() -> list[Editor]:
 @dataclass
 class Run:
     latencies: dict[str, list[float]] = field(default_factory=lambda: {})
+    evaluated: dict[str, list[int]] = field(default_factory=lambda: {})  # prompt tokens
 
-    def add(self, kind: str, ms: float) -> None:
+    def add(self, kind: str, ms: float, n_evaluated: int) -> None:
         self.latencies.setdefault(kind, []).append(ms)
+        self.evaluated.setdefault(kind, []).append(n_evaluated)
 
 
 def key(client: httpx.Client, editor: Editor, run: Run, kind: str) -> None:
     t0 = time.perf_counter()
     r = client.post("/infill", json=editor.request())
     r.raise_for_status()
-    run.add(kind, (time.perf_counter() - t0) * 1e3)
+    run.add(kind, (time.perf_counter() - t0) * 1e3, r.json()["timings"]["prompt_n"])
 
 
 def replay(spec: Any, args: argparse.Namespace, log_dir: Path) -> Run:
@@ -110,6 +112,7 @@ def replay(spec: Any, args: argparse.Namespace, log_dir: Path) -> Run:
                     for k in range(args.keys):
                         key(client, ed, run, "switch" if k == 0 else "warm")
         server.stop()  # SIGTERM: a clean shutdown, as `localspec down`
+        server = ManagedServer(spec, log_dir / "restart")  # a log of its own
         server.start()
         server.wait_ready()
         with httpx.Client(base_url=spec.url, timeout=600) as client:
@@ -146,7 +149,12 @@ def main(argv: list[str] | None = None) -> int:
             spec.env["LOCALSPEC_CACHE_DIR"] = str(Path(tmp) / name)  # never the user's cache
             run = replay(spec, args, Path(tmp) / "logs")
             results[name] = {
-                kind: {"n": len(v), "p50_ms": statistics.median(v), "p95_ms": pct(v, 0.95)}
+                kind: {
+                    "n": len(v),
+                    "p50_ms": statistics.median(v),
+                    "p95_ms": pct(v, 0.95),
+                    "evaluated_tokens": sum(run.evaluated[kind]),
+                }
                 for kind, v in run.latencies.items()
             }
             results[name]["all"] = {
@@ -154,11 +162,14 @@ def main(argv: list[str] | None = None) -> int:
                     [x for k, v in run.latencies.items() if k != "restart" for x in v], 0.95
                 )
             }
-    print(f"{'server':<18} {'kind':<8} {'n':>3} {'p50 ms':>9} {'p95 ms':>9}")
+    print(f"{'server':<18} {'kind':<8} {'n':>3} {'p50 ms':>9} {'p95 ms':>9} {'evaluated':>10}")
     for name, kinds in results.items():
         for kind in ("warm", "switch", "restart"):
             r = kinds[kind]
-            print(f"{name:<18} {kind:<8} {r['n']:>3} {r['p50_ms']:>9.0f} {r['p95_ms']:>9.0f}")
+            print(
+                f"{name:<18} {kind:<8} {r['n']:>3} {r['p50_ms']:>9.0f} {r['p95_ms']:>9.0f} "
+                f"{r['evaluated_tokens']:>10}"
+            )
         print(f"{name:<18} {'p95 all':<8} {'':>3} {'':>9} {kinds['all']['p95_ms']:>9.0f}")
     if args.json:
         meta = {"target": str(args.target), "draft": str(args.draft), "threads": threads,
