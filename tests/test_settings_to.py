@@ -106,6 +106,13 @@ def test_files_on_the_command_line_become_engine_settings(tmp_path: Path) -> Non
     assert (alone.n_slots, alone.cache_reuse, alone.exact_ms) == (2, 64, 0)
     paired = settings_to.file_engine_settings(settings, target, target)
     assert paired.spec.mode == "hybrid"
+    # the host cache: sized when the models load (None) unless cache.ram_gb says; none for a
+    # chat pair
+    assert alone.host_cache_bytes is None
+    asked = _settings(cache={"ram_gb": 0.5})
+    assert settings_to.file_engine_settings(asked, target, None).host_cache_bytes == 1 << 29
+    chat = settings_to.file_engine_settings(settings, target, None, host_cache=False)
+    assert chat.host_cache_bytes == 0
     default = settings_to.file_model_settings(
         st.Settings(), "x.gguf", gpu_layers=0, flash_attn=True
     )

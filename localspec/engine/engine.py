@@ -29,6 +29,7 @@ from localspec.engine.types import (
     GenerationRequest,
     GenerationResult,
     IndexedTokenCallback,
+    PromptLayout,
     SpecSettings,
     TokenCallback,
 )
@@ -136,13 +137,13 @@ class Engine:
         finally:
             self.slots[slot].hold(self.slots[slot].cached())
 
-    def recall(self, slot: int, prompt: list[int]) -> hostcache.Recall | None:
-        """Before ``prompt`` starts on the idle ``slot``: keep the context it would overwrite
+    def recall(self, slot: int, layout: PromptLayout) -> hostcache.Recall | None:
+        """Before ``layout`` starts on the idle ``slot``: keep the context it would overwrite
         in the host cache, and put back a cached one that serves it better (None: no cache)."""
         if self.host_cache is None:
             return None
         self.pair.check_slot(slot)
-        return hostcache.recall(self.pair, self.host_cache, self.slots[slot], prompt)
+        return hostcache.recall(self.pair, self.host_cache, self.slots[slot], layout)
 
     @cached_property
     def identity(self) -> dict[str, Any]:

@@ -18,11 +18,12 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from localspec.engine.cache import SeqState
+from localspec.engine.cache import SeqState, block_spans
 from localspec.engine.cache_plan import cache_fit, cache_pieces
 from localspec.engine.pair import ModelPair
 from localspec.engine.slot import Slot
 from localspec.engine.slotstate import SlotSnapshot, StateError, put, take
+from localspec.engine.types import PromptLayout
 
 # a context is worth keeping once a new prompt would drop this many of its tokens: a few
 # changed tokens at the end (a keystroke) are cheaper to evaluate again than to copy
@@ -42,6 +43,14 @@ class Entry:
     # its pieces' hashes (cache_plan.cache_pieces): a set lookup per piece of a prompt bounds
     # what it could serve, so only the likeliest entries get a reuse plan
     pieces: frozenset[int] = field(default_factory=frozenset)
+
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        return [(int(a), int(b)) for a, b in self.snap.target.meta.get("spans", [])]
+
+    @property
+    def sink(self) -> bool:
+        return bool(self.snap.target.meta.get("sink", False))
 
     @property
     def n_bytes(self) -> int:
@@ -113,16 +122,29 @@ class HostCache:
             self.ms_per_mib += EMA * (per - self.ms_per_mib)
 
 
-def recall(pair: ModelPair, cache: HostCache, slot: Slot, prompt: list[int]) -> Recall:
-    """Before ``prompt`` runs on the idle ``slot``: stash the slot's context when the prompt
+def usable(n_reused: int, spans: list[tuple[int, int]], sink: bool, layout: PromptLayout) -> int:
+    """Of ``n_reused`` tokens a reuse plan keeps of a cache built with ``spans`` (ring blocks;
+    [] causal), those the prompt's evaluation keeps: blocks built another way than the
+    prompt's are evaluated again past the first (cache.SlotCaches._blocks_first)."""
+    want = block_spans(layout.blocks)
+    if not want:
+        return min(n_reused, spans[0][1]) if spans else n_reused
+    if not spans or sink != layout.block_sink:
+        return min(n_reused, want[0][1])
+    return n_reused
+
+
+def recall(pair: ModelPair, cache: HostCache, slot: Slot, layout: PromptLayout) -> Recall:
+    """Before ``layout`` runs on the idle ``slot``: stash the slot's context when the prompt
     would drop much of it, and restore the cached context that serves the prompt best when
     that saves more evaluation than its copy costs."""
     done = Recall()
     tc = pair.tcache
     policy = pair.prefill_policy(True)
     st = tc.slots[slot.id]
+    prompt = layout.tokens
     held = list(st.tokens)
-    keep = tc.plan(st, prompt, policy).n_reused if held else 0
+    keep = usable(tc.plan(st, prompt, policy).n_reused, st.spans, st.sink, layout) if held else 0
     best: Entry | None = None
     best_key, best_keep = -1, keep
     if len(prompt) - keep >= MIN_GAIN and cache.entries:  # (a keystroke: nothing to gain)
@@ -134,6 +156,7 @@ def recall(pair: ModelPair, cache: HostCache, slot: Slot, prompt: list[int]) -> 
                 break
             e = cache.entries[key]
             n = tc.plan(SeqState(-1, tokens=e.tokens), prompt, policy).n_reused
+            n = usable(n, e.spans, e.sink, layout)
             if n > best_keep:
                 best, best_key, best_keep = e, key, n
     gain = best_keep - keep

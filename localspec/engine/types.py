@@ -105,8 +105,9 @@ class EngineSettings:
     n_aux: int | None = None
     aux_room: int = AUX_ROOM
     # host memory for slot contexts a new prompt would overwrite (engine/hostcache.py); None:
-    # sized at load from the memory free then (planning/host_cache.py), 0: off
-    host_cache_bytes: int | None = None
+    # sized at load from the memory free then (planning/host_cache.py); 0: off, an engine
+    # built in code (a test, a benchmark) unless it asks; `localspec up` sizes it
+    host_cache_bytes: int | None = 0
 
 
 # llama-server's default chain (common_params_sampling.samplers); at the default values every

@@ -485,7 +485,7 @@ class Worker:
                 return
             recall = getattr(engine, "recall", None)  # the host cache (engine/hostcache.py)
             if recall is not None:
-                out.recall = recall(slot_id, prompt)
+                out.recall = recall(slot_id, layout)
             seeds = params.seeds()
             # a warm-up fills the cache once; more copies would do nothing
             n = 1 if params.request.n_predict == 0 else params.n_cmpl
