@@ -68,9 +68,10 @@ def test_refused_without_a_save_directory(qwen_target: Path) -> None:
         with live.client() as c:
             for action in ("save", "restore", "erase"):
                 r = act(c, 0, action, "x.bin")
-                assert r.status_code == 501
+                assert r.status_code == 400
                 err = r.json()["error"]
-                assert err["type"] == "not_supported_error" and "--slot-save-path" in err["message"]
+                assert err["type"] == "invalid_request_error"
+                assert "--slot-save-path" in err["message"]
             assert c.get("/health").status_code == 200
     finally:
         stop(live)

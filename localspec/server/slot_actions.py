@@ -1,9 +1,9 @@
 """``POST /slots/{id}?action=save|restore|erase``: llama-server's slot actions.
 
 Their answers, error texts and rules are llama-server's (tools/server: ``post_slots``,
-``SERVER_TASK_TYPE_SLOT_*``): refused while no save directory is set
-(``server.slot_save_path``, its ``--slot-save-path``), a file name checked by
-``fs_validate_filename``'s rule, an action on a busy slot waiting until the slot is free.
+``SERVER_TASK_TYPE_SLOT_*``): refused (400, where llama-server answers 501) while no save
+directory is set (``server.slot_save_path``, its ``--slot-save-path``), a file name checked
+by ``fs_validate_filename``'s rule, an action on a busy slot waiting until the slot is free.
 The state is both models' KV of the slot (engine/slotstate.py) in a file tied to the model
 files (engine/slotstate_io.py): a file from other models, or a corrupt or truncated one, is
 refused with a log line and the slot keeps what it held. The KV is copied on the engine's
@@ -53,7 +53,9 @@ async def slot_action(id_slot: str, request: Request, action: str = "") -> Respo
 async def _act(svc: Any, request: Request, id_slot: str, action: str) -> dict[str, Any]:
     directory = svc.settings.slot_save_path
     if directory is None:
-        raise NotSupported(
+        # llama-server's text; a 400, not its 501: no request the client can send makes the
+        # daemon answer a 5xx, and the fix is in the client's setup (a save directory)
+        raise InvalidRequest(
             "This server does not support slots action. Start it with `--slot-save-path` "
             "(server.slot_save_path)"
         )
