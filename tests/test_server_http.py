@@ -251,7 +251,7 @@ class Editors:
             waiting = threading.Thread(target=self.send, args=(name, body))
             waiting.start()
             wait_until(lambda: worker.queued == 1)
-            assert len(worker._running) == 1
+            assert len(worker.running_jobs()) == 1
             worker.cancel_running()
             running.join()
             hold.release.set()
@@ -375,8 +375,8 @@ def test_one_editors_keystroke_leaves_the_other_editors_warm_up_running(qwen: Li
         hold.wait_reached()
         key = threading.Thread(target=editors.send, args=("key", keystroke))
         key.start()
-        wait_until(lambda: len(worker._running) == 2)  # b's keystroke runs on b's slot
-        assert not any(job.cancel.is_set() for job in worker._running.values())
+        wait_until(lambda: len(worker.running_jobs()) == 2)  # b's keystroke runs on b's slot
+        assert not any(job.cancel.is_set() for job in worker.running_jobs())
         hold.release.set()
         warming.join()
         key.join()
@@ -670,7 +670,7 @@ def test_full_queue_answers_503_with_retry_after(qwen: Live) -> None:
         runners = [threading.Thread(target=send) for _ in range(3)]
         for n, runner in enumerate(runners[:2], start=1):
             runner.start()
-            wait_until(lambda n=n: len(worker._running) == n)  # both slots decode at once
+            wait_until(lambda n=n: len(worker.running_jobs()) == n)  # both slots decode at once
         runners[2].start()
         wait_until(lambda: worker.queued == 1)
         with qwen.client(headers=AUTH) as c:
@@ -704,7 +704,7 @@ def test_a_newer_request_for_a_slot_replaces_its_queued_warmup(qwen: Live) -> No
         hold.wait_reached()
         also = threading.Thread(target=send, args=("also running", long_body))
         also.start()
-        wait_until(lambda: len(worker._running) == 2)
+        wait_until(lambda: len(worker.running_jobs()) == 2)
         old = threading.Thread(target=send, args=("old", {**base, "n_predict": 0}))
         old.start()
         wait_until(lambda: worker.queued == 1)

@@ -13,7 +13,7 @@ import pytest
 
 from localspec import paths, settings_to
 from localspec import settings as st
-from localspec.engine.types import ModelSettings, SpecSettings
+from localspec.engine.types import EngineSettings, ModelSettings, SpecSettings
 from localspec.plan import PlanSettings, Speculation
 from localspec.server import ServerSettings, UpstreamSettings
 
@@ -36,6 +36,12 @@ def test_defaults_of_each_part_are_the_settings_models() -> None:
     assert settings_to.server_settings(off, api_key=None).context_dir is None
     assert settings_to.plan_inputs(defaults) == PlanSettings()
     assert settings_to.speculation(defaults) == Speculation()
+    target, draft = ModelSettings(path="t.gguf"), ModelSettings(path="d.gguf")
+    # but the host cache: `up` has it sized when the models load (an engine built in code has
+    # none unless it asks)
+    assert settings_to.file_engine_settings(defaults, target, draft) == EngineSettings(
+        target=target, draft=draft, host_cache_bytes=None
+    )
     assert settings_to.spec_settings(Speculation(), has_draft=True) == SpecSettings()
     remote = _settings(backend={"kind": "llama-server", "url": "https://team:8443"})
     assert settings_to.upstream_settings(remote, api_key=None) == UpstreamSettings(

@@ -40,6 +40,7 @@ class Task:
     prefill_cancel: Cancel | None = None  # stops the prompt's evaluation (default: cancel)
     on_token: IndexedTokenCallback | None = None
     on_done: Callable[[Task], None] | None = None
+    owner: object = None  # who submitted it (the server's job), read back through Slot.task
     results: list[GenerationResult] = field(default_factory=list)
     error: BaseException | None = None
     done: bool = False

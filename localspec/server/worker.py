@@ -65,6 +65,7 @@ class Job:
     layout: PromptLayout | None = None  # the prompt built (and cut to fit), kept while it waits
     cut: bool = False  # the prompt was longer than the context and cut
     t_start: float = 0.0
+    on_slot: bool = False  # it took its slot: a failure there leaves the slot's cache suspect
 
     @property
     def cache_only(self) -> bool:
@@ -188,7 +189,6 @@ class Worker:
         self._cond = self._engine_thread.cond
         self._queue: deque[Job] = deque()
         self._calls: deque[_Call] = deque()
-        self._running: dict[int, Job] = {}  # by slot
         self._started = False
         self._stopped = threading.Event()  # the engine is closed (or was never loaded)
         self.state: State = "loading"
@@ -218,7 +218,7 @@ class Worker:
             for call in self._calls:
                 call.future.set_exception(Unavailable("Server is stopping"))
             self._calls.clear()
-            for job in self._running.values():
+            for job in self.running_jobs():
                 job.cancel.set()
             self._cond.notify_all()
         if self._started and not self._engine_thread.is_current():
@@ -226,8 +226,21 @@ class Worker:
 
     def cancel_running(self) -> None:
         with self._cond:
-            for job in self._running.values():
+            for job in self.running_jobs():
                 job.cancel.set()
+
+    def job_on(self, slot: int) -> Job | None:
+        """The job whose task runs (or is about to start) on ``slot``: the engine's slot
+        holds it."""
+        slots = self.slots
+        task = slots[slot].task if 0 <= slot < len(slots) else None
+        owner = task.owner if task is not None else None
+        return owner if isinstance(owner, Job) else None
+
+    def running_jobs(self) -> list[Job]:
+        """The jobs on the engine's slots, by slot."""
+        jobs = (self.job_on(slot) for slot in range(len(self.slots)))
+        return [job for job in jobs if job is not None]
 
     @property
     def slots(self) -> Sequence[Slot]:
@@ -241,7 +254,7 @@ class Worker:
 
     @property
     def busy(self) -> bool:
-        return bool(self._running)
+        return any(slot.is_processing for slot in self.slots)
 
     # ------------------------------------------------------------------ submit
 
@@ -253,7 +266,7 @@ class Worker:
                 raise Unavailable("Loading model" if loading else "Server is stopping")
             self._supersede(job)
             full = len(self._queue) >= self._queue_limit
-            if full and (self._running or self._queue):
+            if full and (self._queue or self.busy):
                 raise Unavailable(
                     f"Server busy: {len(self._queue)} requests are queued; retry shortly",
                     headers={"Retry-After": "1"},
@@ -324,7 +337,7 @@ class Worker:
         slot = pinned_slot(job.params.id_slot, n_slots)
         if slot is None:
             return
-        running = self._running.get(slot) if self._follow_pins else None
+        running = self.job_on(slot) if self._follow_pins else None
         if not job.cache_only and running is not None and running.cache_only:
             running.stopped_by = "superseded by a completion for the same slot"
             running.cancel.set()
@@ -415,7 +428,7 @@ class Worker:
         job whose client left is dropped."""
         starts: list[Job] = []
         n_slots = max(1, len(self.slots))
-        free = [s.id for s in self.slots if s.id not in self._running]
+        free = [s.id for s in self.slots if not s.is_processing]
         for job in list(self._queue):
             if job.cancel.is_set():
                 self._queue.remove(job)
@@ -440,7 +453,8 @@ class Worker:
         return starts
 
     def _close(self, engine: ServedEngine) -> None:
-        for job in list(self._running.values()):
+        running = self.running_jobs()
+        for job in running:
             job.cancel.set()
         try:
             if self._before_close is not None:
@@ -451,9 +465,8 @@ class Worker:
             engine.close()
         finally:
             with self._cond:
-                for job in list(self._running.values()):
+                for job in running:
                     _finish(job, JobResult([], cancelled="server shutting down"))
-                self._running.clear()
                 self.engine = None
                 self.state = "stopped"
             self._stopped.set()
@@ -477,8 +490,7 @@ class Worker:
                 return
             slot_id = job.slot
             job.n_prompt = len(prompt)
-            with self._cond:
-                self._running[slot_id] = job
+            job.on_slot = True
             if not prompt:  # llama-server answers an empty prompt with an empty completion
                 empty = GenerationResult(tokens=[], text="", stop_type="none")
                 self._done(job, [empty], None)
@@ -503,6 +515,7 @@ class Worker:
                     prefill_cancel=_UntilOthersWait(job, self),
                     on_token=job.on_token,
                     on_done=lambda task: self._done(job, task.results, task.error),
+                    owner=job,
                 )
             )
         except BaseException as exc:  # one request's failure, not the daemon's
@@ -533,7 +546,7 @@ class Worker:
         if not choice.wait:
             return False
         with self._cond:
-            running = self._running.get(choice.slot)
+            running = self.job_on(choice.slot)
             if running is None:  # (freed meanwhile: it runs now)
                 return False
             if running.cache_only and not job.cache_only:
@@ -581,7 +594,7 @@ class Worker:
         # (the client's mistakes are answered with a 400 and logged on the request's line)
         if not isinstance(exc, (Unavailable, ContextExceeded, InvalidRequest, ValueError)):
             log.error("request failed", exc_info=exc)
-        if job.slot >= 0 and self._running.get(job.slot) is job:
+        if job.slot >= 0 and job.on_slot:
             self._reset_slot(job.slot)
         self._release(job)
         if not job.future.done():
@@ -589,8 +602,6 @@ class Worker:
 
     def _release(self, job: Job) -> None:
         with self._cond:
-            if job.slot >= 0 and self._running.get(job.slot) is job:
-                del self._running[job.slot]
             self.n_done += 1
             self._cond.notify_all()
 
