@@ -73,8 +73,11 @@ def test_an_editor_coming_back_restores_its_context(
     assert back["timings"]["prompt_n"] < 20 and back["tokens_cached"] >= n_a
     cache = cached.service.worker.engine.host_cache
     assert cache.hits >= 1 and cache.restored_tokens >= n_a and len(cache) >= 1
+    hits, stashed = cache.hits, cache.stashed
     with cached.client() as c:
         cold = complete(c, EDITOR_A + MORE, cache_prompt=False)
+    # a cold request restores nothing (it evaluates afresh) but keeps the context it drops
+    assert (cache.hits, cache.stashed) == (hits, stashed + 1)
     top = [e["top_logprobs"] for e in cold["completion_probabilities"]]
     assert min(t[0]["logprob"] - t[1]["logprob"] for t in top) > 0.05, top  # no near tie
     assert back["content"] == cold["content"]

@@ -137,13 +137,18 @@ class Engine:
         finally:
             self.slots[slot].hold(self.slots[slot].cached())
 
-    def recall(self, slot: int, layout: PromptLayout) -> hostcache.Recall | None:
+    def recall(
+        self, slot: int, layout: PromptLayout, *, restore: bool = True
+    ) -> hostcache.Recall | None:
         """Before ``layout`` starts on the idle ``slot``: keep the context it would overwrite
-        in the host cache, and put back a cached one that serves it better (None: no cache)."""
+        in the host cache, and (``restore``) put back a cached one that serves it better.
+        None: no host cache."""
         if self.host_cache is None:
             return None
         self.pair.check_slot(slot)
-        return hostcache.recall(self.pair, self.host_cache, self.slots[slot], layout)
+        return hostcache.recall(
+            self.pair, self.host_cache, self.slots[slot], layout, restore=restore
+        )
 
     @cached_property
     def identity(self) -> dict[str, Any]:

@@ -134,20 +134,24 @@ def usable(n_reused: int, spans: list[tuple[int, int]], sink: bool, layout: Prom
     return n_reused
 
 
-def recall(pair: ModelPair, cache: HostCache, slot: Slot, layout: PromptLayout) -> Recall:
+def recall(
+    pair: ModelPair, cache: HostCache, slot: Slot, layout: PromptLayout, *, restore: bool = True
+) -> Recall:
     """Before ``layout`` runs on the idle ``slot``: stash the slot's context when the prompt
-    would drop much of it, and restore the cached context that serves the prompt best when
-    that saves more evaluation than its copy costs."""
+    would drop much of it, and (``restore``) restore the cached context that serves the prompt
+    best when that saves more evaluation than its copy costs."""
     done = Recall()
     tc = pair.tcache
     policy = pair.prefill_policy(True)
     st = tc.slots[slot.id]
     prompt = layout.tokens
     held = list(st.tokens)
-    keep = usable(tc.plan(st, prompt, policy).n_reused, st.spans, st.sink, layout) if held else 0
+    keep = 0  # without ``restore`` the prompt is evaluated afresh: the slot drops it all
+    if held and restore:
+        keep = usable(tc.plan(st, prompt, policy).n_reused, st.spans, st.sink, layout)
     best: Entry | None = None
     best_key, best_keep = -1, keep
-    if len(prompt) - keep >= MIN_GAIN and cache.entries:  # (a keystroke: nothing to gain)
+    if restore and len(prompt) - keep >= MIN_GAIN and cache.entries:  # (a keystroke: no gain)
         fits = sorted(
             ((cache_fit(prompt, e.pieces), key) for key, e in cache.entries.items()), reverse=True
         )

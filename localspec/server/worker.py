@@ -497,7 +497,8 @@ class Worker:
                 return
             recall = getattr(engine, "recall", None)  # the host cache (engine/hostcache.py)
             if recall is not None:
-                out.recall = recall(slot_id, layout)
+                # (cache_prompt false evaluates the prompt afresh: keep the old context, only)
+                out.recall = recall(slot_id, layout, restore=params.request.cache_prompt)
             seeds = params.seeds()
             # a warm-up fills the cache once; more copies would do nothing
             n = 1 if params.request.n_predict == 0 else params.n_cmpl
