@@ -30,3 +30,8 @@ def models_dir() -> Path:
 def state_dir() -> Path:
     """Runtime state: the daemon's pid file and logs."""
     return Path(os.environ.get("LOCALSPEC_STATE_DIR") or platformdirs.user_state_dir(APP))
+
+
+def cache_dir() -> Path:
+    """What can be rebuilt: the slots' contexts kept across restarts, the wheel cache."""
+    return Path(os.environ.get("LOCALSPEC_CACHE_DIR") or platformdirs.user_cache_dir(APP))

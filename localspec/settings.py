@@ -180,6 +180,11 @@ class ServerSection(_Section):
         description="/infill puts the suffix block before the prefix (llama-server's "
         "--spm-infill, for models trained suffix-prefix-middle)",
     )
+    slot_save_path: Path | None = Field(
+        None,
+        description="directory of POST /slots/{id}?action=save|restore files (llama-server's "
+        "--slot-save-path); unset: slot actions are refused",
+    )
 
 
 class LimitsSettings(_Section):
@@ -239,6 +244,27 @@ class CacheSettings(_Section):
         "typed-in-middle",
         description="where /infill puts the typed cursor line: after FIM_MID (each keystroke "
         "extends the cached prompt) or llama-server's place, ending the prefix",
+    )
+    infill_window: int = Field(
+        1024,
+        ge=16,
+        description="tokens of the cursor's file an /infill prompt keeps: 3/4 prefix, 1/4 "
+        "suffix (llama-server takes its batch size; 1024 is the editors' recommended presets' "
+        "-b 1024), the same whatever batch the engine runs",
+    )
+    ram_gb: float | None = Field(
+        None,
+        ge=0,
+        description="host memory for slot contexts a new prompt overwrites, restored when a "
+        "prompt comes back to them (llama-server's --cache-ram); unset: the plan's size, half "
+        "the memory left free after the models, at most 8 GiB; 0: off",
+    )
+    restart_gb: float = Field(
+        2.0,
+        ge=0,
+        description="the slots' contexts written (at most this much) under the cache directory "
+        "at a clean shutdown and read back at start, so the first keystrokes after a restart "
+        "find their context; 0: off",
     )
     ring_attention: RingAttention = Field(
         "blocks",

@@ -14,6 +14,8 @@ from __future__ import annotations
 from os import PathLike
 from typing import TYPE_CHECKING, Any
 
+from localspec import paths
+from localspec.planning.host_cache import host_cache_budget, plan_free_bytes
 from localspec.planning.inputs import PlanSettings, Speculation, is_allowed
 from localspec.planning.result import Plan
 from localspec.planning.types import PlanError
@@ -106,11 +108,13 @@ def plan_engine_settings(
     draft_path: FilePath | None = None,
     *,
     n_slots: int | None = None,
+    host_cache_gb: float | None = None,
 ) -> EngineSettings:
     """What the engine loads for ``plan``. n_ctx is per slot (the engine multiplies by
     n_slots); the draft lives whole on one GPU: a split with all of it on ``draft_gpu``.
     ``n_slots``: the plan's, unless given (a chat pair serves as many slots as the completion
-    pair it stands beside)."""
+    pair it stands beside). ``host_cache_gb`` is ``cache.ram_gb`` (None: sized from the memory
+    the plan leaves free)."""
     from localspec.engine.types import EngineSettings, ModelSettings
 
     def model(path: FilePath, ngl: int, split: tuple[float, ...] | None, gpu: int) -> ModelSettings:
@@ -144,6 +148,7 @@ def plan_engine_settings(
         spec=spec_settings(plan.speculative, has_draft=draft is not None),
         cache_reuse=plan.cache_reuse,
         exact_ms=plan.cache_exact_ms,
+        host_cache_bytes=host_cache_budget(plan_free_bytes(plan.memory), host_cache_gb),
     )
 
 
@@ -166,11 +171,18 @@ def file_model_settings(
 
 
 def file_engine_settings(
-    settings: Settings, target: ModelSettings, draft: ModelSettings | None
+    settings: Settings,
+    target: ModelSettings,
+    draft: ModelSettings | None,
+    *,
+    host_cache: bool = True,
 ) -> EngineSettings:
-    """What the engine loads for GGUF files given on the command line (no plan)."""
+    """What the engine loads for GGUF files given on the command line (no plan); without
+    ``cache.ram_gb`` the host cache is sized when the models are loaded, from the memory
+    free then (``host_cache`` False: none, for a second, chat pair)."""
     from localspec.engine.types import EngineSettings
 
+    ram_gb = settings.cache.ram_gb
     return EngineSettings(
         target=target,
         draft=draft,
@@ -179,6 +191,9 @@ def file_engine_settings(
         cache_reuse=settings.cache.reuse_chunk,
         exact_ms=settings.cache.exact_ms,
         gpu_memory_cap=gpu_memory_cap(settings),
+        host_cache_bytes=(
+            (None if ram_gb is None else host_cache_budget(0, ram_gb)) if host_cache else 0
+        ),
     )
 
 
@@ -220,6 +235,10 @@ def server_settings(
         spm_infill=server.spm_infill,
         infill_layout=cache.infill_layout,
         ring_attention=cache.ring_attention,
+        infill_window=cache.infill_window,
+        slot_save_path=server.slot_save_path,
+        context_dir=paths.cache_dir() / "contexts" if cache.restart_gb > 0 else None,
+        context_bytes=int(cache.restart_gb * (1 << 30)),
         chat_refusal=chat_refusal,
         chat_alias=chat_alias,
         rejections_path=str(rejections.default_path())

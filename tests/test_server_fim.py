@@ -38,7 +38,7 @@ def test_repo_level_layout_in_llama_server_order() -> None:
         input_suffix="\nprint(x)\n",
         input_extra=extra,
         prompt_tokens=chars("y ="),
-        n_batch=1024,
+        window=1024,
         n_ctx=4096,
     ).tokens
     want = [
@@ -56,7 +56,7 @@ def test_repo_level_layout_in_llama_server_order() -> None:
 def test_empty_extra_still_names_project_and_file() -> None:
     got = infill_prompt(
         tokenize=chars, fim=QWEN_LIKE, input_prefix="a", input_suffix="b", input_extra=[],
-        prompt_tokens=[], n_batch=64, n_ctx=4096,
+        prompt_tokens=[], window=64, n_ctx=4096,
     ).tokens  # fmt: skip
     assert got == [REP, *chars("myproject\n"), SEP, *chars("filename\n"), PRE, 97, SUF, 98, MID]
 
@@ -64,7 +64,7 @@ def test_empty_extra_still_names_project_and_file() -> None:
 def test_without_repo_tokens_chunks_get_the_snippet_separator() -> None:
     got = infill_prompt(
         tokenize=chars, fim=NO_REPO, input_prefix="p", input_suffix="s",
-        input_extra=[Extra("one", "f.py"), Extra("two")], prompt_tokens=[], n_batch=64,
+        input_extra=[Extra("one", "f.py"), Extra("two")], prompt_tokens=[], window=64,
         n_ctx=4096,
     ).tokens  # fmt: skip
     sep = chars(SNIPPET_SEPARATOR)
@@ -75,7 +75,7 @@ def test_prefix_keeps_its_end_within_three_quarters_of_the_batch() -> None:
     prefix = "".join(chr(ord("A") + i % 26) for i in range(100))
     got = infill_prompt(
         tokenize=chars, fim=NO_REPO, input_prefix=prefix, input_suffix="", input_extra=[],
-        prompt_tokens=[], n_batch=40, n_ctx=4096,
+        prompt_tokens=[], window=40, n_ctx=4096,
     ).tokens  # fmt: skip
     assert got == [PRE, *chars(prefix[-30:]), SUF, MID]  # 3 * (40 // 4) = 30
 
@@ -84,7 +84,7 @@ def test_suffix_keeps_its_start_within_the_last_quarter_minus_prompt() -> None:
     suffix = "0123456789abcdefghij"
     got = infill_prompt(
         tokenize=chars, fim=NO_REPO, input_prefix="", input_suffix=suffix, input_extra=[],
-        prompt_tokens=chars("xyz"), n_batch=40, n_ctx=4096,
+        prompt_tokens=chars("xyz"), window=40, n_ctx=4096,
     ).tokens  # fmt: skip
     # 40 // 4 - (2 + 3 prompt tokens) = 5 suffix tokens, from the start
     assert got == [PRE, *chars("xyz"), SUF, *chars("01234"), MID]
@@ -93,26 +93,26 @@ def test_suffix_keeps_its_start_within_the_last_quarter_minus_prompt() -> None:
 def test_long_prompt_leaves_no_room_for_suffix() -> None:
     got = infill_prompt(
         tokenize=chars, fim=NO_REPO, input_prefix="", input_suffix="suffix", input_extra=[],
-        prompt_tokens=list(range(20)), n_batch=40, n_ctx=4096,
+        prompt_tokens=list(range(20)), window=40, n_ctx=4096,
     ).tokens  # fmt: skip
     assert got == [PRE, *range(20), SUF, MID]
 
 
 def test_extra_keeps_its_end_within_context_minus_batch_and_predict() -> None:
     chunk = "".join(chr(ord("a") + i % 26) for i in range(200))
-    n_ctx, n_batch = 160, 100
+    n_ctx, window = 160, 100
     got = infill_prompt(
         tokenize=chars, fim=QWEN_LIKE, input_prefix="P", input_suffix="S",
-        input_extra=[Extra(chunk, "big.txt")], prompt_tokens=[], n_batch=n_batch, n_ctx=n_ctx,
+        input_extra=[Extra(chunk, "big.txt")], prompt_tokens=[], window=window, n_ctx=n_ctx,
     ).tokens  # fmt: skip
     full_extra = extra_blocks(chars, QWEN_LIKE, [Extra(chunk, "big.txt")])[0]
-    n_extra = n_ctx - n_batch + 2  # the server's n_predict is -1: 2 * -1 adds two tokens
+    n_extra = n_ctx - window + 2  # the server's n_predict is -1: 2 * -1 adds two tokens
     assert got == [*full_extra[-n_extra:], PRE, ord("P"), SUF, ord("S"), MID]
     assert got[: len(got) - 5][-len(chars("filename\n")) :] == chars("filename\n")
 
 
 def test_extra_budget_counts_a_positive_server_n_predict() -> None:
-    take = budgets(n_prefix=0, n_suffix=0, n_extra=1000, n_prompt=0, n_batch=100, n_ctx=400,
+    take = budgets(n_prefix=0, n_suffix=0, n_extra=1000, n_prompt=0, window=100, n_ctx=400,
                    n_predict=50)  # fmt: skip
     assert take.extra == 400 - 100 - 100
 
@@ -120,7 +120,7 @@ def test_extra_budget_counts_a_positive_server_n_predict() -> None:
 def test_no_extra_when_the_batch_fills_the_context() -> None:
     got = infill_prompt(
         tokenize=chars, fim=QWEN_LIKE, input_prefix="P", input_suffix="S",
-        input_extra=[Extra("chunk")], prompt_tokens=[], n_batch=512, n_ctx=256,
+        input_extra=[Extra("chunk")], prompt_tokens=[], window=512, n_ctx=256,
     ).tokens  # fmt: skip
     assert got == [PRE, ord("P"), SUF, ord("S"), MID]
 
@@ -128,7 +128,7 @@ def test_no_extra_when_the_batch_fills_the_context() -> None:
 def test_bos_goes_after_the_extra_context_and_before_fim_pre() -> None:
     got = infill_prompt(
         tokenize=chars, fim=QWEN_LIKE, input_prefix="P", input_suffix="S", input_extra=[],
-        prompt_tokens=[], n_batch=64, n_ctx=4096, bos=BOS,
+        prompt_tokens=[], window=64, n_ctx=4096, bos=BOS,
     ).tokens  # fmt: skip
     assert got[got.index(BOS) - len(chars("filename\n")) - 1] == SEP
     assert got[got.index(BOS) + 1] == PRE
@@ -137,7 +137,7 @@ def test_bos_goes_after_the_extra_context_and_before_fim_pre() -> None:
 def test_spm_puts_the_suffix_block_first() -> None:
     got = infill_prompt(
         tokenize=chars, fim=NO_REPO, input_prefix="P", input_suffix="S", input_extra=[],
-        prompt_tokens=chars("q"), n_batch=64, n_ctx=4096, bos=BOS, spm=True,
+        prompt_tokens=chars("q"), window=64, n_ctx=4096, bos=BOS, spm=True,
     ).tokens  # fmt: skip
     assert got == [BOS, SUF, ord("S"), PRE, ord("P"), ord("q"), MID]
 
@@ -146,7 +146,7 @@ def test_mixed_prefix_pieces_keep_token_ids_and_tokenize_text() -> None:
     assert tokenize_mixed(chars, ["ab", 7, "c"]) == [97, 98, 7, 99]
     got = infill_prompt(
         tokenize=chars, fim=NO_REPO, input_prefix=["a", 5], input_suffix=[6, "b"],
-        input_extra=[], prompt_tokens=[], n_batch=64, n_ctx=4096,
+        input_extra=[], prompt_tokens=[], window=64, n_ctx=4096,
     ).tokens  # fmt: skip
     assert got == [PRE, 97, 5, SUF, 6, 98, MID]
 
@@ -155,12 +155,12 @@ def test_room_is_llama_servers_n_predict_reserve() -> None:
     chunk = "".join(chr(ord("a") + i % 26) for i in range(300))
     args = dict(
         tokenize=chars, fim=QWEN_LIKE, input_extra=[Extra(chunk)], prompt_tokens=[],
-        n_batch=100, n_ctx=200,
+        window=100, n_ctx=200,
     )  # fmt: skip
     short = infill_prompt(input_prefix="P", input_suffix="S", room=20, **args).tokens  # type: ignore[arg-type]
     # llama-server run with -n 10 reserves 2 * 10 tokens of context the same way
     assert short == infill_prompt(input_prefix="P", input_suffix="S", n_predict=10, **args).tokens  # type: ignore[arg-type]
-    assert len(short) == 80 + 5  # extra budget n_ctx - n_batch - room
+    assert len(short) == 80 + 5  # extra budget n_ctx - window - room
 
     full = "x" * 300
     exact = infill_prompt(input_prefix=full, input_suffix=full, n_predict=10, **args).tokens  # type: ignore[arg-type]
@@ -183,7 +183,7 @@ def test_the_extra_context_head_does_not_move_while_the_user_types() -> None:
         got = infill_prompt(
             tokenize=chars, fim=QWEN_LIKE, input_prefix="p" * n_pre, input_suffix="s" * n_suf,
             input_extra=[Extra(chunk)], prompt_tokens=list(range(1000, 1000 + n_prompt)),
-            n_batch=100, n_ctx=300, room=40,
+            window=100, n_ctx=300, room=40,
         ).tokens  # fmt: skip
         assert len(got) <= 300 - 40 + 3  # llama-server's -n 20 layout, never trimmed
         heads.add(tuple(got[: got.index(PRE)]))
@@ -193,7 +193,7 @@ def test_the_extra_context_head_does_not_move_while_the_user_types() -> None:
 def test_room_then_trims_the_start_of_the_prefix() -> None:
     got = infill_prompt(
         tokenize=chars, fim=NO_REPO, input_prefix="abcdefghij", input_suffix="", input_extra=[],
-        prompt_tokens=[], n_batch=40, n_ctx=12, room=4,
+        prompt_tokens=[], window=40, n_ctx=12, room=4,
     ).tokens  # fmt: skip
     assert got == [PRE, *chars("defghij"), SUF, MID]  # 12 - 4/2 = 10 tokens: the prefix end
 
@@ -204,14 +204,14 @@ def test_room_then_trims_the_start_of_the_prefix() -> None:
     n_suf=st.integers(0, 120),
     n_prompt=st.integers(0, 12),
     chunk_sizes=st.lists(st.integers(0, 80), max_size=4),
-    n_batch=st.integers(4, 160),
+    window=st.integers(4, 160),
     n_ctx=st.integers(16, 400),
     room=st.integers(0, 64),
     bos=st.booleans(),
     spm=st.booleans(),
 )
 def test_layout_invariants(
-    n_pre: int, n_suf: int, n_prompt: int, chunk_sizes: list[int], n_batch: int, n_ctx: int,
+    n_pre: int, n_suf: int, n_prompt: int, chunk_sizes: list[int], window: int, n_ctx: int,
     room: int, bos: bool, spm: bool,
 ) -> None:  # fmt: skip
     prefix, suffix = "p" * n_pre, "s" * n_suf
@@ -219,7 +219,7 @@ def test_layout_invariants(
     extra = [Extra("e" * n, f"f{i}") for i, n in enumerate(chunk_sizes)]
     kw = dict(
         tokenize=chars, fim=QWEN_LIKE, input_prefix=prefix, input_suffix=suffix,
-        input_extra=extra, prompt_tokens=prompt, n_batch=n_batch, n_ctx=n_ctx,
+        input_extra=extra, prompt_tokens=prompt, window=window, n_ctx=n_ctx,
         bos=BOS if bos else None, spm=spm,
     )  # fmt: skip
     exact = infill_prompt(n_predict=(room + 1) // 2 if room else -1, **kw).tokens  # type: ignore[arg-type]
@@ -230,14 +230,14 @@ def test_layout_invariants(
     assert head == full_extra[len(full_extra) - len(head) :]  # extra keeps its end
     kept_prefix = [t for t in got[len(head) :] if t == ord("p")]
     kept_suffix = [t for t in got[len(head) :] if t == ord("s")]
-    assert len(kept_suffix) == min(n_suf, max(0, n_batch // 4 - 2 - n_prompt))
+    assert len(kept_suffix) == min(n_suf, max(0, window // 4 - 2 - n_prompt))
     if room == 0:
         assert got == exact
     else:
         floor = 3 + bos + n_prompt + len(kept_suffix)  # what room may not cut
         assert len(got) <= max(n_ctx - room // 2, floor)
         assert len(got) == len(exact) or len(got) == max(n_ctx - room // 2, floor)
-        assert len(kept_prefix) <= min(n_pre, 3 * (n_batch // 4))
+        assert len(kept_prefix) <= min(n_pre, 3 * (window // 4))
 
 
 # ---------------------------------------------------------------- typed text behind FIM_MID
@@ -246,7 +246,7 @@ def test_layout_invariants(
 def _typed(prompt: str, **kw: object) -> list[int]:
     args: dict = dict(
         tokenize=chars, fim=NO_REPO, input_prefix="def f():\n", input_suffix="\nreturn 1\n",
-        input_extra=[Extra("x = 1\n", "a.py")], n_batch=64, n_ctx=4096,
+        input_extra=[Extra("x = 1\n", "a.py")], window=64, n_ctx=4096,
         infill_layout="typed-in-middle",
     )  # fmt: skip
     args.update(kw)
@@ -279,7 +279,7 @@ def test_typed_in_middle_keystrokes_only_append() -> None:
         previous = got
     server = infill_prompt(
         tokenize=chars, fim=NO_REPO, input_prefix="def f():\n", input_suffix=suffix,
-        input_extra=[], prompt_tokens=chars(line[:6]), n_batch=64, n_ctx=4096,
+        input_extra=[], prompt_tokens=chars(line[:6]), window=64, n_ctx=4096,
     ).tokens  # fmt: skip
     assert server[server.index(SUF) + 1 : server.index(MID)] == chars(suffix[: 16 - 2 - 6])
 
@@ -288,7 +288,7 @@ def test_ring_blocks_are_the_header_and_the_newest_whole_chunks_that_fit() -> No
     extra = [Extra("def a():\n", "a.py"), Extra("x = 1\n", "b.py")]
     kwargs = dict(
         tokenize=chars, fim=QWEN_LIKE, input_prefix="p\n", input_suffix="s\n",
-        input_extra=extra, prompt_tokens=chars("y"), n_batch=64, infill_layout="typed-in-middle",
+        input_extra=extra, prompt_tokens=chars("y"), window=64, infill_layout="typed-in-middle",
     )  # fmt: skip
     whole = infill_prompt(**kwargs, n_ctx=4096, ring_attention="blocks")  # type: ignore[arg-type]
     header, a, b = len("myproject\n") + 1, 1 + len("a.py\ndef a():\n"), 1 + len("b.py\nx = 1\n")

@@ -4,14 +4,15 @@ keeps in one place: the defaults (the model's), the loopback rule, the direction
 from __future__ import annotations
 
 import ast
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from localspec import paths, settings_to
 from localspec import settings as st
-from localspec import settings_to
 from localspec.engine.types import EngineSettings, ModelSettings, SpecSettings
 from localspec.plan import PlanSettings, Speculation
 from localspec.server import ServerSettings, UpstreamSettings
@@ -27,12 +28,19 @@ def test_defaults_of_each_part_are_the_settings_models() -> None:
     """Each part's defaults (for tests and programmatic use) equal what the default Settings
     translate to: a default changed in the model changes it everywhere."""
     defaults = st.Settings()
-    assert settings_to.server_settings(defaults, api_key=None) == ServerSettings()
+    # but one: the daemon keeps its slots' contexts under the user's cache directory, where a
+    # programmatic server (a test's) writes nothing unless asked
+    kept = dataclasses.replace(ServerSettings(), context_dir=paths.cache_dir() / "contexts")
+    assert settings_to.server_settings(defaults, api_key=None) == kept
+    off = _settings(cache={"restart_gb": 0})
+    assert settings_to.server_settings(off, api_key=None).context_dir is None
     assert settings_to.plan_inputs(defaults) == PlanSettings()
     assert settings_to.speculation(defaults) == Speculation()
     target, draft = ModelSettings(path="t.gguf"), ModelSettings(path="d.gguf")
+    # but the host cache: `up` has it sized when the models load (an engine built in code has
+    # none unless it asks)
     assert settings_to.file_engine_settings(defaults, target, draft) == EngineSettings(
-        target=target, draft=draft
+        target=target, draft=draft, host_cache_bytes=None
     )
     assert settings_to.spec_settings(Speculation(), has_draft=True) == SpecSettings()
     remote = _settings(backend={"kind": "llama-server", "url": "https://team:8443"})
@@ -47,8 +55,10 @@ def test_server_settings_carry_every_server_key() -> None:
         server={"host": "127.0.0.2", "port": 9000, "queue_limit": 3, "request_timeout_s": 5,
                 "metrics": False, "cors_origins": ["http://a"], "n_cmpl_max": 2,
                 "max_body_bytes": 4096, "body_timeout_s": 7, "max_connections": 9,
-                "spm_infill": True, "slots": 3, "slot_choice": "pinned"},
-        cache={"infill_layout": "llama-server", "ring_attention": "causal"},
+                "spm_infill": True, "slots": 3, "slot_choice": "pinned",
+                "slot_save_path": "/s"},
+        cache={"infill_layout": "llama-server", "ring_attention": "causal",
+               "infill_window": 512, "restart_gb": 0.5},
     )  # fmt: skip
     got = settings_to.server_settings(settings, api_key="k", model_alias="m", chat_alias="c")
     assert got == ServerSettings(
@@ -56,7 +66,8 @@ def test_server_settings_carry_every_server_key() -> None:
         request_timeout_s=5, metrics=False, cors_origins=("http://a",), model_alias="m",
         spm_infill=True, infill_layout="llama-server", ring_attention="causal", n_cmpl_max=2,
         max_body_bytes=4096, body_timeout_s=7, max_connections=9, chat_alias="c",
-        slot_choice="pinned",
+        slot_choice="pinned", slot_save_path=Path("/s"), infill_window=512,
+        context_dir=paths.cache_dir() / "contexts", context_bytes=1 << 29,
     )  # fmt: skip
 
 
@@ -101,6 +112,13 @@ def test_files_on_the_command_line_become_engine_settings(tmp_path: Path) -> Non
     assert (alone.n_slots, alone.cache_reuse, alone.exact_ms) == (2, 64, 0)
     paired = settings_to.file_engine_settings(settings, target, target)
     assert paired.spec.mode == "hybrid"
+    # the host cache: sized when the models load (None) unless cache.ram_gb says; none for a
+    # chat pair
+    assert alone.host_cache_bytes is None
+    asked = _settings(cache={"ram_gb": 0.5})
+    assert settings_to.file_engine_settings(asked, target, None).host_cache_bytes == 1 << 29
+    chat = settings_to.file_engine_settings(settings, target, None, host_cache=False)
+    assert chat.host_cache_bytes == 0
     default = settings_to.file_model_settings(
         st.Settings(), "x.gguf", gpu_layers=0, flash_attn=True
     )

@@ -188,7 +188,7 @@ def test_the_text_layout_is_local_servings_layout() -> None:
         input_suffix="\n    return y\n",
         input_extra=extra,
         prompt_tokens=[ord(c) for c in "    y = "],
-        n_batch=4096,
+        window=4096,
         n_ctx=40000,
         infill_layout="typed-in-middle",
     )

@@ -163,6 +163,8 @@ def localspec_spec(
         "--slots", str(serve.slots),
         "--threads", str(serve.threads),
         "--cache-reuse", str(serve.cache_reuse),
+        # llama-server's /infill window is its -b: the same window, whatever batch localspec runs
+        "--infill-window", str(serve.batch),
         "--log-requests",  # one line per request in the kept log: what each keystroke did
     ]  # fmt: skip
     if serve.draft is not None:

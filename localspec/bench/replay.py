@@ -444,7 +444,8 @@ def _main(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
         return 2
     print(
         f"{len(schedule.bursts)} locations, {schedule.n_requests} requests per server "
-        f"from {len(sources)} files",
+        f"from {len(sources)} files; an equal /infill window on every server: "
+        f"{anchor.ServeSettings.batch} tokens (llama-server -b, localspec --infill-window)",
         file=sys.stderr,
     )
 
@@ -558,6 +559,7 @@ def _main(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
         "traffic": {k: v for k, v in vars(traffic).items()},
         "clients": args.clients,
         "same_slot": args.same_slot,
+        "infill_window": anchor.ServeSettings.batch,  # every server's (anchor.localspec_spec)
         "background": args.background,
         "code": str(args.code or editor.default_code_dir()),
         "cold_on": {t.name: t.oracle.name if t.oracle else "self" for t in targets},

@@ -23,6 +23,8 @@ examples:
   localspec bench kvcompact --help       KV compaction after a file switch, off vs on
   localspec bench ringquality --help     what ring blocks cost the model's predictions
   localspec bench offload --help         plan, up and status with the pair on the device
+  localspec bench restore --help         a slot context's copy to/from RAM vs its evaluation
+  localspec bench switch --help          two editors on one slot, and a restart
   localspec bench render                 docs/benchmarks.md's tables from the result files
 Benchmarks print a table and write a result file (bench/results/NAME/, or
 $BENCH_RESULTS_DIR); --json FILE also writes the figures alone. Every argument after the
@@ -41,6 +43,8 @@ BENCHES = (
     "kvcompact",
     "ringquality",
     "offload",
+    "restore",
+    "switch",
     "render",
 )
 

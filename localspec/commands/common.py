@@ -138,6 +138,7 @@ SERVE_FLAGS = (
         None,
         ("typed-in-middle", "llama-server"),
     ),
+    SettingFlag("--infill-window", "cache.infill_window", int, "/infill prefix+suffix tokens", "N"),
     SettingFlag(
         "--ring-attention",
         "cache.ring_attention",
@@ -145,6 +146,9 @@ SERVE_FLAGS = (
         "how /infill's ring chunks attend (default blocks)",
         None,
         ("causal", "blocks"),
+    ),
+    SettingFlag(
+        "--slot-save-path", "server.slot_save_path", str, "directory of saved slots", "DIR"
     ),
     SettingFlag("--spm-infill", "server.spm_infill", bool, "/infill: suffix block before prefix"),
     SettingFlag("--offline", "hub.offline", bool, "never use the network"),

@@ -226,6 +226,16 @@ def summarise(totals: dict[str, float]) -> dict[str, Any]:
         "draft_tokens_accepted": int(accepted),
         "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
         "queue_depth": int(totals.get("localspec_queue_depth", 0)),
+        "host_cache": {
+            "entries": int(totals.get("localspec_host_cache_entries", 0)),
+            "bytes": int(totals.get("localspec_host_cache_bytes", 0)),
+            "limit_bytes": int(totals.get("localspec_host_cache_limit_bytes", 0)),
+            "restores": int(total("host_cache_restores")),
+            "restored_tokens": int(total("host_cache_restored_tokens")),
+            "restore_ms": round(total("host_cache_restore_seconds") * 1e3, 1),
+        }
+        if "localspec_host_cache_limit_bytes" in totals
+        else None,
     }
 
 
@@ -305,6 +315,13 @@ def render_status(report: dict[str, Any]) -> str:
             f"  acceptance   {metrics['draft_tokens_accepted']} of {metrics['draft_tokens']} "
             "drafted tokens" + (f" ({rate:.0%})" if rate is not None else "")
         )
+        cache = metrics.get("host_cache")
+        if cache:
+            lines.append(
+                f"  host cache   {cache['entries']} contexts, {human_bytes(cache['bytes'])} of "
+                f"{human_bytes(cache['limit_bytes'])}; {cache['restores']} restores "
+                f"({cache['restored_tokens']} tokens in {cache['restore_ms']:.0f} ms)"
+            )
     lines += acceptance_table(report.get("acceptance") or {})
     return "\n".join(lines)
 

@@ -211,6 +211,7 @@ def run_pull(args: argparse.Namespace) -> int:
 
 def run_plan(args: argparse.Namespace) -> int:
     from localspec import hardware, plan, step_costs
+    from localspec.planning.host_cache import host_cache_budget, plan_free_bytes
 
     try:
         settings = c.load_settings(args).settings
@@ -248,11 +249,33 @@ def run_plan(args: argparse.Namespace) -> int:
     except ValueError as exc:  # CatalogError, HardwareError, PlanError are ValueErrors
         c.error(str(exc))
         return c.EXIT_USAGE
+    window = settings.cache.infill_window
+    host_cache = host_cache_budget(plan_free_bytes(chosen.memory), settings.cache.ram_gb)
     if args.json:
-        c.print_json(chosen.to_json())
+        c.print_json({**chosen.to_json(), "infill_window": window, "host_cache_bytes": host_cache})
     else:
         print(plan.render_plan(chosen))
+        print(infill_window_line(window))
+        print(host_cache_line(host_cache))
     return c.EXIT_OK
+
+
+def host_cache_line(n_bytes: int) -> str:
+    """What ``plan`` says of the host cache of slot contexts (engine/hostcache.py)."""
+    if n_bytes <= 0:
+        return "host cache of slot contexts: off (cache.ram_gb = 0)"
+    return (
+        f"host cache of slot contexts: {n_bytes / (1 << 30):.1f} GiB (cache.ram_gb; unset: "
+        "half the host memory the plan leaves free, at most 8 GiB)"
+    )
+
+
+def infill_window_line(window: int) -> str:
+    """What ``plan`` says of /infill's window: it does not follow the plan's batch size."""
+    return (
+        f"infill window: {window} tokens ({3 * (window // 4)} prefix, {window // 4} suffix; "
+        "cache.infill_window), whatever the batch size"
+    )
 
 
 def run_catalog_refresh(args: argparse.Namespace) -> int:

@@ -253,7 +253,7 @@ def _local_models(args: argparse.Namespace, settings: st.Settings) -> Served:
     off = settings.models.chat == "off"
     chat = None
     if chat_target is not None and not off:
-        chat = settings_to.file_engine_settings(settings, chat_target, chat_draft)
+        chat = settings_to.file_engine_settings(settings, chat_target, chat_draft, host_cache=False)
     return Served(
         settings_to.file_engine_settings(settings, target, draft),
         args.target.name,
@@ -287,11 +287,13 @@ def _planned_models(settings: st.Settings) -> Served:
         if chat_plan is not None:
             chat_paths = fetch.pull_plan(chat_plan, settings=settings, catalog=catalog)
             chat_engine = settings_to.plan_engine_settings(
-                chat_plan, *chat_paths, n_slots=chosen.n_slots
+                chat_plan, *chat_paths, n_slots=chosen.n_slots, host_cache_gb=0
             )
     except fetch.FetchError as exc:
         raise UpError(str(exc)) from None
-    engine = settings_to.plan_engine_settings(chosen, target_path, draft_path)
+    engine = settings_to.plan_engine_settings(
+        chosen, target_path, draft_path, host_cache_gb=settings.cache.ram_gb
+    )
     return Served(
         dataclasses.replace(engine, gpu_memory_cap=settings_to.gpu_memory_cap(settings)),
         chosen.pair_id,
@@ -326,8 +328,11 @@ def _fallback(served: Served, *, out_of_memory: bool = False) -> Served | None:
     if smaller is None:
         return None
     c.warn(f"{smaller.notes[-1]}; retrying")
-    engine = settings_to.plan_engine_settings(smaller, *served.paths)
-    engine = dataclasses.replace(engine, gpu_memory_cap=served.engine.gpu_memory_cap)
+    engine = dataclasses.replace(
+        settings_to.plan_engine_settings(smaller, *served.paths),
+        host_cache_bytes=served.engine.host_cache_bytes,
+        gpu_memory_cap=served.engine.gpu_memory_cap,
+    )
     return dataclasses.replace(served, engine=engine, plan=smaller)
 
 

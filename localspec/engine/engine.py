@@ -12,12 +12,14 @@ the first disagreement emits the target's token, and rejected KV is removed from
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cached_property
 from typing import Any
 
-from localspec.engine import memory
+from localspec.engine import hostcache, memory, slotstate
 from localspec.engine.alloc import Allocations
 from localspec.engine.completion import Completion, draft_window_start
 from localspec.engine.errors import EngineError
+from localspec.engine.llama import _available_memory
 from localspec.engine.pair import ModelPair
 from localspec.engine.scheduler import Scheduler
 from localspec.engine.slot import Slot, Task
@@ -28,9 +30,11 @@ from localspec.engine.types import (
     GenerationRequest,
     GenerationResult,
     IndexedTokenCallback,
+    PromptLayout,
     SpecSettings,
     TokenCallback,
 )
+from localspec.planning.host_cache import host_cache_budget
 
 __all__ = ["Engine", "draft_window_start"]
 
@@ -51,6 +55,11 @@ class Engine:
         self.model_path = pair.target.path
         self.draft_path = pair.draft.path if pair.draft is not None else None
         self.scheduler = Scheduler(pair)
+        # contexts a new prompt overwrites, kept in host memory (engine/hostcache.py)
+        budget = settings.host_cache_bytes
+        if budget is None:
+            budget = host_cache_budget(_available_memory())
+        self.host_cache = hostcache.HostCache(budget) if budget > 0 else None
         self.slots: Sequence[Slot] = tuple(self.scheduler.slots)
 
     @classmethod
@@ -125,6 +134,35 @@ class Engine:
         """Forget what the slot holds (a failed request may have left it half-written)."""
         self.pair.clear_slot(slot)
         self.slots[slot].hold([])
+
+    def save_slot(self, slot: int) -> slotstate.SlotSnapshot:
+        """The slot's context in both models (no request may run on it: engine/slotstate.py)."""
+        return slotstate.take(self.pair, slot)
+
+    def restore_slot(self, slot: int, snap: slotstate.SlotSnapshot) -> None:
+        """Make the slot hold ``snap``; on a StateError it holds nothing."""
+        try:
+            slotstate.put(self.pair, slot, snap)
+        finally:
+            self.slots[slot].hold(self.slots[slot].cached())
+
+    def recall(
+        self, slot: int, layout: PromptLayout, *, restore: bool = True
+    ) -> hostcache.Recall | None:
+        """Before ``layout`` starts on the idle ``slot``: keep the context it would overwrite
+        in the host cache, and (``restore``) put back a cached one that serves it better.
+        None: no host cache."""
+        if self.host_cache is None:
+            return None
+        self.pair.check_slot(slot)
+        return hostcache.recall(
+            self.pair, self.host_cache, self.slots[slot], layout, restore=restore
+        )
+
+    @cached_property
+    def identity(self) -> dict[str, Any]:
+        """What a saved context is tied to: the model files and the KV's cell types."""
+        return slotstate.pair_identity(self.pair)
 
     def close(self) -> None:
         self.pair.close()

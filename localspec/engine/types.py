@@ -123,6 +123,10 @@ class EngineSettings:
     # bytes llama.cpp may allocate on each offload device (limits.gpu_memory_gb): a load over
     # it fails as out of memory, as on a card that size (engine/memory.py); None: no cap
     gpu_memory_cap: int | None = None
+    # host memory for slot contexts a new prompt would overwrite (engine/hostcache.py); None:
+    # sized at load from the memory free then (planning/host_cache.py); 0: off, an engine
+    # built in code (a test, a benchmark) unless it asks; `localspec up` sizes it
+    host_cache_bytes: int | None = 0
 
 
 # llama-server's default chain (common_params_sampling.samplers); at the default values every

@@ -22,7 +22,7 @@ from starlette.responses import Response
 from localspec import __version__
 from localspec.engine.api import ServedEngine
 from localspec.engine.types import EngineSettings, ModelSettings
-from localspec.server import chat, prompts
+from localspec.server import chat, prompts, slot_actions
 from localspec.server import stats_page as stats_view
 from localspec.server.chatmodel import reading_chat_model
 from localspec.server.dispatch import error_response
@@ -118,6 +118,7 @@ async def infill(body: InfillRequest, request: Request, svc: Svc) -> Response:
         prompt=body.prompt or "",
         spm=svc.settings.spm_infill,
         room=svc.settings.infill_room,
+        window=svc.settings.infill_window,
         infill_layout=svc.settings.infill_layout,
         # (llama-server's layout has no ring warm-up of its own: the whole prompt is filled)
         ring_only=svc.settings.infill_layout == "typed-in-middle" and body.is_ring_warmup,
@@ -157,6 +158,7 @@ async def openai_completions(body: OpenAICompletionRequest, request: Request, sv
                 prompt="",
                 spm=svc.settings.spm_infill,
                 room=svc.settings.infill_room,
+                window=svc.settings.infill_window,
                 cache=svc.token_cache,
             )
         else:
@@ -388,6 +390,7 @@ def create_app(
                 n_cmpl_max=server_settings.n_cmpl_max,
                 spm_infill=server_settings.spm_infill,
                 infill_room=server_settings.infill_room,
+                infill_window=server_settings.infill_window,
             ),
             registry=svc.metrics.registry if svc.metrics is not None else None,
         )
@@ -439,6 +442,7 @@ def create_app(
     )
     app.state.service = svc
     app.include_router(router)
+    app.include_router(slot_actions.router)  # POST /slots/{id}: a path parameter, FastAPI's way
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
     app.add_exception_handler(Exception, _on_error)

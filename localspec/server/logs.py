@@ -45,6 +45,11 @@ class RequestLog:
     # n_cmpl > 1: tokens drawn at another completion's rows while their tokens agreed
     followed: int | None = None
     threads: str | None = None  # the target's threads at the end: "single tokens/batches"
+    # the host cache (engine/hostcache.py): context tokens put back into the slot from RAM
+    # instead of evaluated, the copy's time, and tokens of the slot's old context kept there
+    restored: int | None = None
+    restore_ms: float | None = None
+    stashed: int | None = None
     queue_ms: float | None = None
     prompt_ms: float | None = None
     gen_ms: float | None = None
@@ -69,7 +74,7 @@ class RequestLog:
         out = {k: v for k, v in asdict(self).items() if v is not None and k != "extra"}
         out["outcome"] = self.final_outcome()
         out.update(self.extra)
-        for key in ("queue_ms", "prompt_ms", "gen_ms", "total_ms"):
+        for key in ("queue_ms", "prompt_ms", "gen_ms", "total_ms", "restore_ms"):
             if key in out:
                 out[key] = round(out[key], 2)
         return out

@@ -18,6 +18,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
+from localspec.engine.hostcache import HostCache
 from localspec.engine.slot import Slot
 from localspec.engine.types import GenerationResult
 
@@ -44,6 +45,8 @@ class Probes:
     # the target's KV buffer: (cells freed below kept ones, compactions so far); None before
     # a model is loaded
     kv: Callable[[], tuple[int, int] | None] = lambda: None
+    # the host-memory cache of slot contexts (engine/hostcache.py); None: off or not loaded
+    host_cache: Callable[[], HostCache | None] = lambda: None
 
 
 class _StateCollector(Collector):
@@ -125,6 +128,9 @@ class _StateCollector(Collector):
             yield CounterMetricFamily(
                 "localspec_kv_compactions", "KV buffer compactions done by prefills", value=kv[1]
             )
+        cache = p.host_cache()
+        if cache is not None:
+            yield from _host_cache_metrics(cache)
         ratio = GaugeMetricFamily(
             "localspec_draft_acceptance_ratio",
             "Accepted / drafted tokens since start, by draft source",
@@ -134,6 +140,35 @@ class _StateCollector(Collector):
             if drafted:
                 ratio.add_metric([source], accepted / drafted)
         yield ratio
+
+
+def _host_cache_metrics(cache: HostCache) -> Iterable[Metric]:
+    """The host cache's size and what it saved (engine/hostcache.py)."""
+    gauges = (
+        ("bytes", "Bytes of slot contexts held in host memory", cache.n_bytes),
+        ("limit_bytes", "The host cache's bound (cache.ram_gb)", cache.max_bytes),
+        ("entries", "Slot contexts held in host memory", len(cache)),
+    )
+    for name, doc, value in gauges:
+        yield GaugeMetricFamily(f"localspec_host_cache_{name}", doc, value=value)
+    counters = (
+        ("restores", "Contexts restored from host memory instead of evaluated", cache.hits),
+        ("restored_tokens", "Tokens of the contexts restored", cache.restored_tokens),
+        ("restore_seconds", "Time spent restoring contexts", cache.restore_ms / 1e3),
+        ("misses", "Prompts no cached context served better than their slot", cache.misses),
+        (
+            "stashes",
+            "Contexts copied to host memory before a request overwrote them",
+            cache.stashed,
+        ),
+        (
+            "evictions",
+            "Contexts dropped to stay within the bound (least recently used)",
+            cache.evicted,
+        ),
+    )
+    for name, doc, value in counters:
+        yield CounterMetricFamily(f"localspec_host_cache_{name}", doc, value=value)
 
 
 class Metrics:

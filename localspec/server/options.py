@@ -8,6 +8,7 @@ programmatic use), so a default lives in one place.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from localspec.settings import (
     CacheSettings,
@@ -38,6 +39,14 @@ class ServerSettings:
     # server/prompts.py: infill_prompt, ring_attention_in_effect)
     infill_layout: InfillLayout = _CACHE.infill_layout
     ring_attention: RingAttention = _CACHE.ring_attention
+    # /infill's prefix (3/4) and suffix (1/4) window, whatever the engine's n_batch
+    infill_window: int = _CACHE.infill_window
+    # where POST /slots/{id}?action=save|restore keeps its files; None: refused (as llama-server)
+    slot_save_path: Path | None = _SERVER.slot_save_path
+    # the slots' contexts written here at a clean shutdown and read back at start (at most
+    # context_bytes; server/keep.py); None: not kept
+    context_dir: Path | None = None
+    context_bytes: int = int(_CACHE.restart_gb * (1 << 30))
     n_cmpl_max: int = _SERVER.n_cmpl_max  # most completions one request may ask for
     infill_room: int = 256  # /infill prompts leave this many tokens (at most n_ctx/4) to generate
     max_body_bytes: int = _SERVER.max_body_bytes  # larger request bodies answer 413

@@ -25,9 +25,12 @@ the line's beginning is as much in distribution as a prefix that ends mid-line. 
 budget does not shrink as the line grows (llama-server's does, by the prompt's length), so the
 suffix block stays the same tokens while the user types.
 
-Budgets: the prefix gets 3/4 of ``n_batch``, the suffix the rest minus the prompt and two
-special tokens, the extra context what is left of ``n_ctx`` after a batch and twice the
-server's default ``n_predict``. ``spm`` swaps the prefix and suffix blocks.
+Budgets: the prefix gets 3/4 of the ``window``, the suffix the rest minus the prompt and two
+special tokens, the extra context what is left of ``n_ctx`` after the window and twice the
+server's default ``n_predict``. llama-server's window is its ``n_batch``; here it is a setting
+(``cache.infill_window``, the editors' recommended ``-b 1024`` by default), so the model sees
+the same context whatever batch size the plan gave the engine. ``spm`` swaps the prefix and
+suffix blocks.
 
 ``room`` (tokens kept free for the completion) stands for llama-server's ``2 * n_predict``
 reserve: with ``room = 256`` the layout is llama-server's run with ``-n 128``, the
@@ -51,8 +54,9 @@ from localspec.engine.api import ServedEngine
 from localspec.engine.types import PromptLayout
 from localspec.engine.vocab import FimTokens
 from localspec.server.errors import InvalidRequest, NotSupported
-from localspec.settings import InfillLayout, RingAttention
+from localspec.settings import CacheSettings, InfillLayout, RingAttention
 
+INFILL_WINDOW = CacheSettings().infill_window  # the setting's default
 Prepare = Callable[[ServedEngine], PromptLayout]  # engine -> the prompt, as the engine evaluates it
 
 # --- the FIM layout -------------------------------------------------------------------------------
@@ -169,7 +173,7 @@ def budgets(
     n_suffix: int,
     n_extra: int,
     n_prompt: int,
-    n_batch: int,
+    window: int,
     n_ctx: int,
     n_predict: int,
 ) -> Budgets:
@@ -177,11 +181,11 @@ def budgets(
 
     ``n_prompt`` is the cursor line's share taken from the suffix budget (0 when it sits
     behind FIM_MID)."""
-    quarter = n_batch // 4
+    quarter = window // 4
     return Budgets(
         prefix=min(n_prefix, 3 * quarter),
         suffix=min(n_suffix, max(0, quarter - (2 + n_prompt))),
-        extra=min(max(0, n_ctx - n_batch - 2 * n_predict), n_extra),
+        extra=min(max(0, n_ctx - window - 2 * n_predict), n_extra),
     )
 
 
@@ -201,7 +205,7 @@ def infill_prompt(
     input_suffix: str | Sequence[int | str],
     input_extra: Sequence[ExtraText],
     prompt_tokens: Sequence[int],
-    n_batch: int,
+    window: int,
     n_ctx: int,
     n_predict: int = -1,
     bos: int | None = None,
@@ -231,7 +235,7 @@ def infill_prompt(
         n_suffix=len(suffix),
         n_extra=len(extra),
         n_prompt=0 if typed_in_middle else len(prompt_tokens),
-        n_batch=n_batch,
+        window=window,
         n_ctx=n_ctx,
         n_predict=(room + 1) // 2 if room > 0 else n_predict,
     )
@@ -391,6 +395,7 @@ def infill(
     prompt: str,
     spm: bool,
     room: int = 0,
+    window: int = INFILL_WINDOW,
     infill_layout: InfillLayout = "llama-server",
     ring_only: bool = False,
     ring_attention: RingAttention = "causal",
@@ -415,7 +420,7 @@ def infill(
             input_suffix=input_suffix,
             input_extra=input_extra,
             prompt_tokens=cache.tokenize(vocab, prompt, special=True) if prompt else [],
-            n_batch=engine.n_batch,
+            window=window,
             n_ctx=engine.n_ctx,
             bos=_bos(vocab),
             spm=spm,

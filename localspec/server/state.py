@@ -17,7 +17,7 @@ from localspec import __version__
 from localspec.engine.api import ServedEngine
 from localspec.engine.types import EngineSettings, SamplingParams, SpecSettings, TokenEvent
 from localspec.rejections import RejectionFile
-from localspec.server import dispatch, prompts, results
+from localspec.server import dispatch, keep, prompts, results
 from localspec.server.chatmodel import chat_model
 from localspec.server.errors import ApiError, Unavailable
 from localspec.server.metrics import Metrics, Probes
@@ -52,6 +52,7 @@ def _probes(worker: Worker) -> Probes:
     return Probes(
         cpu=cpu,
         kv=kv,
+        host_cache=lambda: getattr(worker.engine, "host_cache", None),
         queued=lambda: worker.queued,
         busy=lambda: worker.busy,
         cancelled=lambda: worker.n_cancelled,
@@ -122,6 +123,12 @@ class Service:
     ) -> Service:
         """``engine_thread``: the thread that runs this model's llama.cpp calls (a chat pair
         shares the completion pair's)."""
+        before_close = None
+        root = settings.context_dir
+        if root is not None:  # the slots' contexts kept across a restart (server/keep.py)
+            load = keep.keeping(load, root)
+            max_bytes = settings.context_bytes
+            before_close = lambda engine: keep.save_contexts(engine, root, max_bytes)  # noqa: E731
         worker = Worker(
             load,
             queue_limit=settings.queue_limit,
@@ -129,6 +136,7 @@ class Service:
             on_ready=on_ready,
             on_failure=on_failure,
             engine_thread=engine_thread,
+            before_close=before_close,
         )
         metrics = Metrics(_probes(worker)) if settings.metrics else None
         name = settings.model_alias or Path(engine_settings.target.path).name
@@ -257,6 +265,14 @@ class Service:
                 prompt_ms=first.prompt_ms if first else 0.0,
                 gen_ms=max((r.predicted_ms for r in runs), default=0.0),
             )
+            recall = result.recall  # the host cache's work before it ran (engine/hostcache.py)
+            if recall is not None and (recall.restored or recall.stashed):
+                dispatch.note(
+                    request,
+                    restored=recall.restored,
+                    restore_ms=recall.restore_ms,
+                    stashed=recall.stashed,
+                )
             if log.isEnabledFor(logging.DEBUG):
                 for done in result.completions:
                     r = done.result
@@ -393,6 +409,8 @@ class Service:
             },
             "n_ctx": engine.n_ctx,
             "n_batch": engine.n_batch,
+            # /infill's prefix + suffix tokens (llama-server's n_batch; cache.infill_window)
+            "infill_window": self.settings.infill_window,
             "total_slots": engine.n_slots,
             "model_alias": self.model_name,
             "model_path": str(engine.model_path),

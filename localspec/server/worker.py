@@ -24,6 +24,7 @@ from typing import Generic, Literal, TypeVar
 
 from localspec.engine.api import ServedEngine
 from localspec.engine.cache_plan import choose_slot, pinned_slot
+from localspec.engine.hostcache import Recall
 from localspec.engine.slot import Slot, Task
 from localspec.engine.types import GenerationResult, PromptLayout, TokenEvent
 from localspec.server.errors import ContextExceeded, InvalidRequest, Unavailable
@@ -85,6 +86,7 @@ class JobResult:
     t_engine_ms: float = 0.0
     t_post_ms: float = 0.0  # after the engine: slot bookkeeping, the prompt's text
     t_done: float = 0.0  # perf_counter when the worker handed the result over
+    recall: Recall | None = None  # a context the host cache stashed/restored before it ran
 
 
 State = Literal["loading", "ready", "failed", "stopping", "stopped"]
@@ -175,10 +177,13 @@ class Worker:
         on_failure: Callable[[BaseException], None] | None = None,
         engine_thread: EngineThread | None = None,
         slot_choice: SlotRule = "pinned",
+        before_close: Callable[[ServedEngine], object] | None = None,
     ) -> None:
         """``slot_choice`` (``server.slot_choice``): pinned, a request's ``id_slot`` picks its
         slot (llama-server's rule); cache, it only breaks ties, and the slot whose cache holds
-        most of the prompt answers (``cache_plan.choose_slot``)."""
+        most of the prompt answers (``cache_plan.choose_slot``). ``before_close``: run on the
+        engine before it is freed (the slots' contexts kept for the next start, server/keep.py)."""
+        self._before_close = before_close
         self._load = load
         self._queue_limit = queue_limit
         self._follow_pins = slot_choice == "pinned"
@@ -456,6 +461,11 @@ class Worker:
         for job in running:
             job.cancel.set()
         try:
+            if self._before_close is not None:
+                try:
+                    self._before_close(engine)
+                except Exception:  # costs the next start speed, never the shutdown
+                    log.exception("before closing the engine")
             engine.close()
         finally:
             with self._cond:
@@ -489,6 +499,10 @@ class Worker:
                 empty = GenerationResult(tokens=[], text="", stop_type="none")
                 self._done(job, [empty], None)
                 return
+            recall = getattr(engine, "recall", None)  # the host cache (engine/hostcache.py)
+            if recall is not None:
+                # (cache_prompt false evaluates the prompt afresh: keep the old context, only)
+                out.recall = recall(slot_id, layout, restore=params.request.cache_prompt)
             seeds = params.seeds()
             # a warm-up fills the cache once; more copies would do nothing
             n = 1 if params.request.n_predict == 0 else params.n_cmpl

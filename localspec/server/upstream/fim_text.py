@@ -25,7 +25,6 @@ from localspec.server.prompts import ExtraText, infill_prompt
 # standard library with Qwen's tokenizer (median 4.4): 95 % of windows take no more tokens
 # than the budgets assume, so the prompt stays inside the upstream's context.
 CHARS_PER_TOKEN = 3.4
-N_BATCH = 1024  # the token budget the prefix/suffix split follows (llama-vscode presets' -b)
 
 _PRE, _SUF, _MID, _REP, _SEP = (0xFDD0 + i for i in range(5))  # noncharacters U+FDD0..
 _STRIP = {cp: None for cp in range(0xFDD0, 0xFDF0)}
@@ -46,6 +45,7 @@ def infill_text(
     room: int = 256,
     spm: bool = False,
     ring_only: bool = False,
+    window: int = 1024,
 ) -> str:
     """The prompt text of one /infill request (``ring_only``: just the extra-context head,
     for a ring warm-up). ``n_ctx`` and ``room`` are tokens."""
@@ -63,7 +63,7 @@ def infill_text(
         input_suffix=input_suffix,
         input_extra=input_extra,
         prompt_tokens=_codepoints(prompt),
-        n_batch=int(N_BATCH * CHARS_PER_TOKEN),
+        window=int(window * CHARS_PER_TOKEN),
         n_ctx=int(n_ctx * CHARS_PER_TOKEN),
         spm=spm,
         room=int(min(room, n_ctx // 4) * CHARS_PER_TOKEN),

@@ -75,6 +75,7 @@ class Limits:
     n_cmpl_max: int = 16
     spm_infill: bool = False
     infill_room: int = 256
+    infill_window: int = 1024  # cache.infill_window, in tokens
 
 
 async def _events(lines: AsyncIterator[str], url: str) -> AsyncIterator[dict[str, Any] | None]:
@@ -199,6 +200,7 @@ class OpenAIBackend:
                     prompt=body.prompt or "",
                     n_ctx=n_ctx,
                     room=self.limits.infill_room,
+                    window=self.limits.infill_window,
                     spm=self.limits.spm_infill,
                     ring_only=body.is_ring_warmup,
                 )
