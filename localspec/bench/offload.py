@@ -52,6 +52,9 @@ def _infill(base: str, prefix: str, suffix: str, n_predict: int, spec: bool) -> 
         "top_k": 1,  # greedy: speculation must not change the answer
         "temperature": 0.0,
         "cache_prompt": False,
+        # every answer runs to n_predict, so the draft has tokens to offer whatever the
+        # model's end token would have cut short
+        "ignore_eos": True,
     }
     if not spec:
         body["speculative.n_max"] = 0
@@ -78,7 +81,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     base = f"http://127.0.0.1:{port}"
     up = ["up", "--detach", "--port", str(port), "--ctx-size", str(args.ctx_size)]
     up += ["--target", args.target, "--gpu-layers", str(args.gpu_layers)]
-    up += ["--draft", args.draft] if args.draft else []
+    # the draft model drafts on every step (auto would price it first, from measured times)
+    up += ["--draft", args.draft, "--spec-mode", "draft"] if args.draft else []
     up += ["--gpu-memory-gb", str(args.gpu_memory_gb)] if args.gpu_memory_gb else []
     started = _cli(*up, timeout=args.timeout)
     if started.returncode != 0:
