@@ -56,7 +56,9 @@ def _infill(base: str, prefix: str, suffix: str, n_predict: int, spec: bool) -> 
         # model's end token would have cut short
         "ignore_eos": True,
     }
-    if not spec:
+    if spec:
+        body["speculative.p_min"] = 0.0  # a draft however unsure its model is: drafts happen
+    else:
         body["speculative.n_max"] = 0
     t0 = time.perf_counter()
     r = httpx.post(f"{base}/infill", json=body, timeout=600)
