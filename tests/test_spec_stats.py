@@ -15,11 +15,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from localspec.commands import lifecycle
 from localspec.engine.acceptance import MAX_POSITION, Acceptance
-from localspec.engine.types import EngineSettings, ModelSettings, SpecSettings
 from localspec.language import LanguageBook, code_in_chat, from_filename, guess, label
 from localspec.server import ServerSettings, create_app, logs
 from tests.fixtures.models import follow_chain, scripted_chat_gguf
 from tests.ops_support import wait_until
+from tests.spec_support import follow_drafting
 from tests.test_server_http import Live, engine_settings, start, stop
 
 PY = (
@@ -87,17 +87,7 @@ def test_acceptance_by_position_counts_each_judged_token_once() -> None:
 
 @pytest.fixture(scope="module")
 def follow(qwen_follow: Path, qwen_follow_draft: Path) -> Iterator[Live]:
-    def model(p: Path) -> ModelSettings:
-        return ModelSettings(path=str(p), n_ctx=2048, n_batch=512, n_ubatch=512, n_threads=2)
-
-    engine = EngineSettings(
-        target=model(qwen_follow),
-        draft=model(qwen_follow_draft),
-        n_slots=2,
-        # fixed lengths, every token drafted, on this thread: the rejections fall where the
-        # follow rule puts them
-        spec=SpecSettings(mode="draft", n_max=N_MAX, p_min=0.0, pipeline=False),
-    )
+    engine = follow_drafting(qwen_follow, qwen_follow_draft, N_MAX)
     live = start(create_app(ServerSettings(port=0), engine))
     yield live
     stop(live)

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 from matplotlib import image
 
-from localspec.engine.types import EngineSettings, ModelSettings, SpecSettings
 from localspec.server import ServerSettings, create_app
 from tests.ops_support import wait_until
+from tests.spec_support import follow_drafting
 from tests.test_server_http import Live, start, stop
 
 pytestmark = pytest.mark.browser
@@ -43,15 +43,7 @@ def chromium() -> str:
 
 @pytest.fixture(scope="module")
 def live(qwen_follow: Path, qwen_follow_draft: Path) -> Iterator[Live]:
-    def model(p: Path) -> ModelSettings:
-        return ModelSettings(path=str(p), n_ctx=2048, n_batch=512, n_ubatch=512, n_threads=2)
-
-    engine = EngineSettings(
-        target=model(qwen_follow),
-        draft=model(qwen_follow_draft),
-        n_slots=2,
-        spec=SpecSettings(mode="draft", n_max=6, p_min=0.0, pipeline=False),
-    )
+    engine = follow_drafting(qwen_follow, qwen_follow_draft, 6)
     server = start(create_app(ServerSettings(port=0), engine))
     yield server
     stop(server)
