@@ -200,6 +200,12 @@ class SpeculativeSettings(_Section):
     n_max: int = Field(16, ge=0, le=128, description="most tokens drafted per step")
     n_min: int = Field(0, ge=0, le=128, description="skip drafts shorter than this")
     p_min: float = Field(0.75, ge=0.0, le=1.0, description="stop drafting below this prob.")
+    pipeline: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="the draft model drafts ahead on its own thread while the target verifies: "
+        "auto when both models' threads fit the free cores; off: draft, then verify (the "
+        "drafts then do not depend on either thread's timing)",
+    )
     record_rejections: bool = Field(
         False,
         description="keep drafts the target rejected in a local file (data dir; never sent "

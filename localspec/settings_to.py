@@ -82,9 +82,14 @@ def spec_settings(asked: Speculation, *, has_draft: bool) -> SpecSettings:
     return SpecSettings(mode=asked.mode, n_max=asked.n_max, n_min=asked.n_min, p_min=asked.p_min)
 
 
+# ``speculative.pipeline`` as SpecSettings.pipeline (None: the engine decides from the cores)
+PIPELINE: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
+
+
 def with_speculation_extras(engine: EngineSettings, settings: Settings) -> EngineSettings:
-    """The engine's settings with what the plan does not carry: recording rejected drafts
-    and the acceptance rule (``speculative.record_rejections``, ``speculative.accept*``)."""
+    """The engine's settings with what the plan does not carry: recording rejected drafts,
+    the acceptance rule (``speculative.record_rejections``, ``speculative.accept*``) and
+    whether the draft runs on its own thread (``speculative.pipeline``)."""
     import dataclasses
 
     spec = settings.speculative
@@ -98,6 +103,7 @@ def with_speculation_extras(engine: EngineSettings, settings: Settings) -> Engin
             accept_p_min=spec.accept_p_min,
             by_language=spec.by_language,
             entropy_max=spec.entropy_max,
+            pipeline=PIPELINE[spec.pipeline],
         ),
     )
 

@@ -727,6 +727,7 @@ def test_props_models_slots_metrics(qwen: Live, qc: httpx.Client, qwen_target: P
     assert props["model_path"] == str(qwen_target) and props["total_slots"] == 2
     assert props["draft_model_path"] and props["speculative"]["n_max"] == 16
     assert props["speculative"]["ring_attention"] == "blocks"  # the default
+    assert props["speculative"]["pipeline"] == "auto"  # the default: the engine decides
     models = qc.get("/v1/models").json()
     assert models["data"][0]["id"] == qwen_target.name
     slots = qc.get("/slots").json()

@@ -125,6 +125,47 @@ def test_files_on_the_command_line_become_engine_settings(tmp_path: Path) -> Non
     assert default.n_ctx == ModelSettings(path="x").n_ctx and default.flash_attn is True
 
 
+@pytest.mark.parametrize(
+    ("argv", "env", "pipeline"),
+    [([], {}, None), (["--spec-pipeline", "off"], {}, False),
+     (["--spec-pipeline", "on"], {}, True), ([], {"LOCALSPEC_SPECULATIVE_PIPELINE": "off"}, False),
+     (["--spec-pipeline", "auto"], {"LOCALSPEC_SPECULATIVE_PIPELINE": "off"}, None)],
+)  # fmt: skip
+def test_speculative_pipeline_reaches_the_engine(
+    argv: list[str],
+    env: dict[str, str],
+    pipeline: bool | None,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    """``speculative.pipeline`` (``--spec-pipeline``, the env, a file): auto leaves the choice
+    to the engine (SpecSettings.pipeline None: on when both models' threads fit the cores),
+    on and off force it; the other speculative settings stay as they were."""
+    from localspec import cli
+    from localspec.commands import common
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    args = cli.build_parser().parse_args(["up", "--spec-mode", "draft", *argv])
+    loaded = common.load_settings(args, quiet=True).settings
+    assert loaded.speculative.pipeline == {None: "auto", True: "on", False: "off"}[pipeline]
+    target = ModelSettings(path="t.gguf")
+    engine = settings_to.file_engine_settings(loaded, target, target)
+    served = settings_to.with_speculation_extras(engine, loaded)
+    assert served.spec == dataclasses.replace(engine.spec, pipeline=pipeline)
+    assert served.spec.mode == "draft"
+
+
+def test_speculative_pipeline_refuses_other_values() -> None:
+    with pytest.raises(ValueError, match=r"speculative\.pipeline"):
+        st.Settings.model_validate({"speculative": {"pipeline": "sometimes"}})
+    with pytest.raises(SystemExit):  # argparse names the choices
+        from localspec import cli
+
+        cli.build_parser().parse_args(["up", "--spec-pipeline", "maybe"])
+
+
 def _imports(path: Path) -> set[str]:
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):

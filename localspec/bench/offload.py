@@ -70,6 +70,8 @@ def _infill(base: str, prefix: str, suffix: str, n_predict: int, spec: bool) -> 
         "tokens": answer.get("tokens_predicted"),
         "draft_n": timings.get("draft_n", 0),
         "draft_n_accepted": timings.get("draft_n_accepted", 0),
+        "draft_n_verif_steps": timings.get("draft_n_verif_steps", 0),
+        "draft_n_accepted_per_pos": timings.get("draft_n_accepted_per_pos", []),
         "seconds": round(time.perf_counter() - t0, 2),
     }
 
@@ -83,8 +85,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     base = f"http://127.0.0.1:{port}"
     up = ["up", "--detach", "--port", str(port), "--ctx-size", str(args.ctx_size)]
     up += ["--target", args.target, "--gpu-layers", str(args.gpu_layers)]
-    # the draft model drafts on every step (auto would price it first, from measured times)
-    up += ["--draft", args.draft, "--spec-mode", "draft"] if args.draft else []
+    # the draft model drafts on every step (auto would price it first, from measured times),
+    # then the target verifies: no draft thread, whose offers would follow its timing
+    if args.draft:
+        up += ["--draft", args.draft, "--spec-mode", "draft", "--spec-pipeline", "off"]
     up += ["--gpu-memory-gb", str(args.gpu_memory_gb)] if args.gpu_memory_gb else []
     started = _cli(*up, timeout=args.timeout)
     if started.returncode != 0:
@@ -112,6 +116,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "answers": pairs,
         "all_equal": all(p["speculative"]["content"] == p["target_only"]["content"] for p in pairs),
         "drafted": sum(p["speculative"]["draft_n"] for p in pairs),
+        "accepted": sum(p["speculative"]["draft_n_accepted"] for p in pairs),
+        "speculative": (status.get("props") or {}).get("speculative"),
+        "metrics": status.get("metrics"),
         "status_text": status_text,
     }
 

@@ -126,6 +126,14 @@ SERVE_FLAGS = (
     SettingFlag("--draft-max", "speculative.n_max", int, "most tokens drafted per step", "N"),
     SettingFlag("--draft-min", "speculative.n_min", int, "skip drafts shorter than this", "N"),
     SettingFlag("--draft-p-min", "speculative.p_min", float, "min draft token probability", "P"),
+    SettingFlag(
+        "--spec-pipeline",
+        "speculative.pipeline",
+        str,
+        "the draft model on its own thread (default auto)",
+        None,
+        ("auto", "on", "off"),
+    ),
     SettingFlag("--cache-reuse", "cache.reuse_chunk", int, "min KV-shift chunk; 0: off", "N"),
     SettingFlag(
         "--cache-exact-ms", "cache.exact_ms", float, "extra ms per request for exact KV", "MS"

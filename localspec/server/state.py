@@ -420,6 +420,9 @@ class Service:
                 "n_max": spec.n_max,
                 "n_min": spec.n_min,
                 "p_min": spec.p_min,
+                # speculative.pipeline: the draft model on its own thread (auto: when the
+                # threads of both models fit the free cores)
+                "pipeline": {None: "auto", True: "on", False: "off"}[spec.pipeline],
                 "draft_model": None if engine.draft_path is None else str(engine.draft_path),
                 "cache_reuse": self.engine_settings.cache_reuse,
                 "cache_exact_ms": self.engine_settings.exact_ms,
