@@ -22,6 +22,7 @@ from localspec.server.app import create_app
 from localspec.server.logs import REQUESTS
 from localspec.server.options import ServerSettings
 from tests.test_server_http import Live, engine_settings, start, stop
+from tests.test_server_slot_actions import context_restores
 
 EDITOR_A = "".join(f"def alpha_{i}(x):\n    return x * {i}\n\n" for i in range(40))
 EDITOR_B = "".join(f"class Beta{i}:\n    size = {i}\n\n" for i in range(50))
@@ -91,6 +92,14 @@ def test_an_editor_coming_back_restores_its_context(
     assert totals["localspec_host_cache_restores_total"] == cache.hits >= 1
     assert totals["localspec_host_cache_restored_tokens_total"] >= n_a
     assert totals["localspec_host_cache_bytes"] == cache.n_bytes > 0
+    with cached.client() as c:  # the same restores among every source's
+        by_source = context_restores(c)
+    assert by_source["host_cache"] == (
+        cache.hits,
+        cache.restored_tokens,
+        pytest.approx(cache.restore_ms / 1e3),
+    )
+    assert by_source["slot_file"] == by_source["restart"] == (0, 0, 0)
     status = render_status({"url": cached.url, "health": "ok", "metrics": summarise(totals)})
     assert f"{cache.hits} restores ({cache.restored_tokens} tokens" in status
 

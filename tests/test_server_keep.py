@@ -14,6 +14,7 @@ from localspec.server.app import create_app
 from localspec.server.keep import context_dir
 from localspec.server.options import ServerSettings
 from tests.test_server_http import Live, engine_settings, start, stop
+from tests.test_server_slot_actions import context_restores
 
 PROMPT = "".join(f"def keep_{i}(x):\n    return x - {i}\n\n" for i in range(40))
 MORE = "def last(x):\n    return"
@@ -52,6 +53,11 @@ def test_a_restart_finds_the_context(qwen_target: Path, qwen_draft: Path, tmp_pa
     live = serve(qwen_target, qwen_draft, tmp_path)
     try:
         assert live.service.worker.slots[0].tokens == held  # read back at start
+        with live.client() as c:  # and counted in /metrics under its source
+            restores = context_restores(c)
+        contexts, tokens, seconds = restores["restart"]
+        assert (contexts, tokens) == (1, len(held)) and seconds > 0
+        assert restores["slot_file"] == (0, 0, 0) and "host_cache" not in restores  # none here
         answer = complete(live, PROMPT + MORE)
         assert answer["timings"]["prompt_n"] < 20 and answer["tokens_cached"] >= len(held) - 8
         cold = complete(live, PROMPT + MORE, cache_prompt=False)
@@ -71,6 +77,8 @@ def test_a_corrupt_file_costs_speed_only(
     try:
         assert live.service.worker.slots[0].tokens == []
         assert any("dropped the kept context" in r.getMessage() for r in caplog.records)
+        with live.client() as c:
+            assert context_restores(c)["restart"] == (0, 0, 0)  # a dropped file restored nothing
         assert complete(live, PROMPT)["timings"]["prompt_n"] > 300  # serving, cold
     finally:
         stop(live)

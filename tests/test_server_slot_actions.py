@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from localspec.engine import slotstate_io
 from localspec.engine.slotstate import file_identity
@@ -41,6 +42,23 @@ def saving(
 def c(saving: Live) -> Iterator[httpx.Client]:
     with saving.client() as client:
         yield client
+
+
+def context_restores(c: httpx.Client) -> dict[str, tuple[float, float, float]]:
+    """/metrics' restored slot contexts by source: (contexts, tokens, seconds)."""
+    values: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(c.get("/metrics").text):
+        if family.name.startswith("localspec_context_"):
+            for sample in family.samples:
+                values.setdefault(sample.labels["source"], {})[sample.name] = sample.value
+    return {
+        source: (
+            v["localspec_context_restores_total"],
+            v["localspec_context_restored_tokens_total"],
+            v["localspec_context_restore_seconds_total"],
+        )
+        for source, v in values.items()
+    }
 
 
 def held(live: Live, slot: int) -> list[int]:
@@ -97,11 +115,19 @@ def test_save_erase_restore_continues_as_the_saved_slot(saving: Live, c: httpx.C
     r = act(c, 0, "erase")
     assert r.status_code == 200 and r.json()["id_slot"] == 0
     assert r.json()["n_erased"] >= len(kept) and held(saving, 0) == []
+    before = context_restores(c)
     r = act(c, 0, "restore", "ctx.bin")
     assert r.status_code == 200, r.text
     restored = r.json()
     assert restored["n_restored"] == len(kept) and restored["n_read"] == saved["n_written"]
     assert "restore_ms" in restored["timings"] and held(saving, 0) == kept
+    # /metrics counts the restore under its source, with its tokens and the time it answered
+    after = context_restores(c)
+    pairs = zip(after["slot_file"], before["slot_file"], strict=True)
+    contexts, tokens, seconds = (a - b for a, b in pairs)
+    assert (contexts, tokens) == (1, len(kept))
+    assert seconds == pytest.approx(restored["timings"]["restore_ms"] / 1e3, rel=1e-6)
+    assert after["restart"] == before["restart"] == (0, 0, 0)
     assert drafts.tokens == kept_draft
     again = complete(c, PROMPT + MORE)
     # only the new tokens were evaluated, on the saved KV (the drafts' batches may differ
@@ -135,8 +161,10 @@ def test_bad_requests_answer_400(saving: Live, c: httpx.Client) -> None:
     assert act(c, 0, "jump", "x.bin").json()["error"]["message"] == "Invalid action"
     for slot in ("abc", "7", "-1"):
         assert act(c, slot, "erase").json()["error"]["message"] == "Invalid slot ID"
+    before = context_restores(c)
     r = act(c, 0, "restore", "missing.bin")
     assert r.status_code == 400 and "Unable to restore slot" in r.json()["error"]["message"]
+    assert context_restores(c) == before  # a refused restore is not counted
 
 
 def _refused(saving: Live, c: httpx.Client, data: bytes, caplog: pytest.LogCaptureFixture) -> str:
@@ -158,6 +186,7 @@ def test_corrupt_truncated_and_other_models_states_are_refused(
     fill(c, 0)
     fill(c, 1)
     assert act(c, 0, "save", "good.bin").status_code == 200
+    before = context_restores(c)["slot_file"]
     good = (saving.service.settings.slot_save_path / "good.bin").read_bytes()
     flipped = bytearray(good)
     flipped[-100] ^= 0xFF
@@ -174,7 +203,9 @@ def test_corrupt_truncated_and_other_models_states_are_refused(
         other, snap, {**engine.identity, "target": file_identity(str(qwen_target_f16))}
     )
     assert "other model files" in _refused(saving, c, other.read_bytes(), caplog)
+    assert context_restores(c)["slot_file"] == before  # none of the refused ones counted
     assert act(c, 0, "restore", "good.bin").status_code == 200  # the good one still restores
+    assert context_restores(c)["slot_file"][0] == before[0] + 1
 
 
 def test_a_failed_write_is_a_500_and_keeps_the_old_file(

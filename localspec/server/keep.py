@@ -24,6 +24,7 @@ from localspec.engine.slotstate import StateError
 
 log = logging.getLogger("localspec.server")
 MIN_TOKENS = 64  # a context shorter than this is cheaper to evaluate than to keep
+OnRestore = Callable[[int, float], None]  # (tokens, seconds) of one context restored
 
 
 def context_dir(root: Path, identity: dict[str, Any]) -> Path:
@@ -59,15 +60,17 @@ def save_contexts(engine: Any, root: Path, max_bytes: int) -> int:
     return written
 
 
-def resume_contexts(engine: Any, root: Path) -> int:
+def resume_contexts(engine: Any, root: Path, on_restore: OnRestore | None = None) -> int:
     """Read the contexts a clean shutdown kept back into their slots; returns the tokens
-    restored. A file that cannot be restored is logged and removed."""
+    restored. A file that cannot be restored is logged and removed. ``on_restore(tokens,
+    seconds)`` for each context restored (the /metrics counters)."""
     if not hasattr(engine, "restore_slot"):
         return 0
     directory = context_dir(root, engine.identity)
     restored = 0
     t0 = time.perf_counter()
     for path in sorted(directory.glob("slot*.bin")):
+        t_file = time.perf_counter()
         try:
             slot = int(path.stem.removeprefix("slot"))
             if not 0 <= slot < engine.n_slots:
@@ -79,19 +82,23 @@ def resume_contexts(engine: Any, root: Path) -> int:
             path.unlink(missing_ok=True)
             continue
         restored += len(snap.tokens)
+        if on_restore is not None:
+            on_restore(len(snap.tokens), time.perf_counter() - t_file)
     if restored:
         ms = (time.perf_counter() - t0) * 1e3
         log.info("restored %d tokens of kept slot contexts in %.0f ms", restored, ms)
     return restored
 
 
-def keeping(load: Callable[[], Any], root: Path) -> Callable[[], Any]:
+def keeping(
+    load: Callable[[], Any], root: Path, on_restore: OnRestore | None = None
+) -> Callable[[], Any]:
     """``load``, then the kept contexts read back (on the engine's thread)."""
 
     def load_and_resume() -> Any:
         engine = load()
         try:
-            resume_contexts(engine, root)
+            resume_contexts(engine, root, on_restore)
         except Exception:  # a bug here costs speed, never the start
             log.exception("reading the kept slot contexts failed")
         return engine

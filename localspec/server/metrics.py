@@ -8,7 +8,8 @@ never blocks on the metrics and a scrape always shows the present.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,43 @@ class Probes:
     kv: Callable[[], tuple[int, int] | None] = lambda: None
     # the host-memory cache of slot contexts (engine/hostcache.py); None: off or not loaded
     host_cache: Callable[[], HostCache | None] = lambda: None
+    # contexts restored from files, by source (Restores.totals)
+    restores: Callable[[], Mapping[str, RestoreTotal]] = dict
+
+
+@dataclass(frozen=True)
+class RestoreTotal:
+    """What one source restored so far."""
+
+    contexts: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+
+class Restores:
+    """Slot contexts read back from a file instead of evaluated, by source: ``slot_file``
+    (``POST /slots/{id}?action=restore``) and ``restart`` (kept at the last clean shutdown,
+    server/keep.py). The host cache counts its own restores (``host_cache`` in /metrics).
+    Added to from the event loop and the engine's thread, read by scrapes: under a lock."""
+
+    SOURCES = ("slot_file", "restart")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._totals = {source: RestoreTotal() for source in self.SOURCES}
+
+    def add(self, source: str, tokens: int, seconds: float) -> None:
+        """One context of ``tokens`` tokens restored in ``seconds`` (reading and checking the
+        file included)."""
+        with self._lock:
+            t = self._totals[source]
+            self._totals[source] = RestoreTotal(
+                t.contexts + 1, t.tokens + tokens, t.seconds + seconds
+            )
+
+    def totals(self) -> dict[str, RestoreTotal]:
+        with self._lock:
+            return dict(self._totals)
 
 
 class _StateCollector(Collector):
@@ -131,6 +169,7 @@ class _StateCollector(Collector):
         cache = p.host_cache()
         if cache is not None:
             yield from _host_cache_metrics(cache)
+        yield from _restore_metrics(p.restores(), cache)
         ratio = GaugeMetricFamily(
             "localspec_draft_acceptance_ratio",
             "Accepted / drafted tokens since start, by draft source",
@@ -169,6 +208,30 @@ def _host_cache_metrics(cache: HostCache) -> Iterable[Metric]:
     )
     for name, doc, value in counters:
         yield CounterMetricFamily(f"localspec_host_cache_{name}", doc, value=value)
+
+
+def _restore_metrics(
+    restores: Mapping[str, RestoreTotal], cache: HostCache | None
+) -> Iterable[Metric]:
+    """Every way a slot's context came back without being evaluated, by source: the host
+    cache (its own counters above, repeated under this label), a slot file, a restart."""
+    totals = dict(restores)
+    if cache is not None:
+        totals["host_cache"] = RestoreTotal(
+            cache.hits, cache.restored_tokens, cache.restore_ms / 1e3
+        )
+    families: tuple[tuple[str, str, Callable[[RestoreTotal], float]], ...] = (
+        ("restores", "Slot contexts restored instead of evaluated", lambda t: t.contexts),
+        ("restored_tokens", "Tokens of the slot contexts restored", lambda t: t.tokens),
+        ("restore_seconds", "Time spent restoring slot contexts", lambda t: t.seconds),
+    )
+    for name, doc, value in families:
+        family = CounterMetricFamily(
+            f"localspec_context_{name}", f"{doc}, by source", labels=["source"]
+        )
+        for source, total in sorted(totals.items()):
+            family.add_metric([source], value(total))
+        yield family
 
 
 class Metrics:

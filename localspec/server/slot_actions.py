@@ -109,12 +109,14 @@ async def _act(svc: Any, request: Request, id_slot: str, action: str) -> dict[st
     except StateError as exc:
         log.warning("refused to restore slot %d from %s: %s", slot, path, exc)
         raise InvalidRequest(f"Unable to restore slot: {exc}") from None
+    seconds = time.perf_counter() - t0
+    svc.restores.add("slot_file", len(snap.tokens), seconds)
     return {
         "id_slot": slot,
         "filename": filename,
         "n_restored": len(snap.tokens),
         "n_read": n_read,
-        "timings": {"restore_ms": (time.perf_counter() - t0) * 1e3},
+        "timings": {"restore_ms": seconds * 1e3},
     }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -20,7 +21,7 @@ from localspec.rejections import RejectionFile
 from localspec.server import dispatch, keep, prompts, results
 from localspec.server.chatmodel import chat_model
 from localspec.server.errors import ApiError, Unavailable
-from localspec.server.metrics import Metrics, Probes
+from localspec.server.metrics import Metrics, Probes, Restores
 from localspec.server.options import ServerSettings
 from localspec.server.prompts import Prepare, TokenCache
 from localspec.server.requests import GenerationFields, TaskParams, sampling_json, task_params
@@ -30,7 +31,7 @@ from localspec.server.worker import EngineThread, Job, JobResult, Worker
 log = logging.getLogger("localspec.server")
 
 
-def _probes(worker: Worker) -> Probes:
+def _probes(worker: Worker, restores: Restores) -> Probes:
     def model_files() -> dict[str, str]:
         engine = worker.engine
         if engine is None:
@@ -53,6 +54,7 @@ def _probes(worker: Worker) -> Probes:
         cpu=cpu,
         kv=kv,
         host_cache=lambda: getattr(worker.engine, "host_cache", None),
+        restores=restores.totals,
         queued=lambda: worker.queued,
         busy=lambda: worker.busy,
         cancelled=lambda: worker.n_cancelled,
@@ -109,6 +111,8 @@ class Service:
     _params_cache: dict[tuple[Any, ...], TaskParams] = field(default_factory=dict)
     chat_service: Service | None = None  # a second pair loaded for chat (its own worker)
     spec: SpecStats = field(default_factory=lambda: SpecStats(None))  # by language, position
+    # contexts restored from a slot file or at start (/metrics; the host cache counts its own)
+    restores: Restores = field(default_factory=Restores)
 
     @classmethod
     def create(
@@ -124,9 +128,10 @@ class Service:
         """``engine_thread``: the thread that runs this model's llama.cpp calls (a chat pair
         shares the completion pair's)."""
         before_close = None
+        restores = Restores()
         root = settings.context_dir
         if root is not None:  # the slots' contexts kept across a restart (server/keep.py)
-            load = keep.keeping(load, root)
+            load = keep.keeping(load, root, functools.partial(restores.add, "restart"))
             max_bytes = settings.context_bytes
             before_close = lambda engine: keep.save_contexts(engine, root, max_bytes)  # noqa: E731
         worker = Worker(
@@ -138,7 +143,7 @@ class Service:
             engine_thread=engine_thread,
             before_close=before_close,
         )
-        metrics = Metrics(_probes(worker)) if settings.metrics else None
+        metrics = Metrics(_probes(worker, restores)) if settings.metrics else None
         name = settings.model_alias or Path(engine_settings.target.path).name
         rejections = None
         if settings.rejections_path:
@@ -146,7 +151,15 @@ class Service:
             rejections = RejectionFile(path, cap)
         spec = SpecStats(metrics.registry if metrics is not None else None, rejections=rejections)
         return cls(
-            settings, engine_settings, worker, metrics, name, time.time(), TokenCache(), spec=spec
+            settings,
+            engine_settings,
+            worker,
+            metrics,
+            name,
+            time.time(),
+            TokenCache(),
+            spec=spec,
+            restores=restores,
         )
 
     # ------------------------------------------------------------------ state
