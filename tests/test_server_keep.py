@@ -14,7 +14,7 @@ from localspec.server.app import create_app
 from localspec.server.keep import context_dir
 from localspec.server.options import ServerSettings
 from tests.test_server_http import Live, engine_settings, start, stop
-from tests.test_server_slot_actions import context_restores
+from tests.test_server_slot_actions import context_restores, full_disk
 
 PROMPT = "".join(f"def keep_{i}(x):\n    return x - {i}\n\n" for i in range(40))
 MORE = "def last(x):\n    return"
@@ -97,3 +97,35 @@ def test_another_model_never_reads_them(
     finally:
         stop(live)
     assert path.is_file()  # the first model's contexts are still there for it
+
+
+def test_a_full_disk_at_shutdown_costs_speed_only(
+    qwen_target: Path,
+    qwen_draft: Path,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The contexts' writes fail for space (the kernel's ENOSPC, tests/test_server_slot_
+    actions.py's full_disk): the shutdown logs it and completes, leaves no partial file, and
+    the next start serves, cold."""
+    _, path = first_life(qwen_target, qwen_draft, tmp_path)
+    live = serve(qwen_target, qwen_draft, tmp_path)
+    try:
+        complete(live, PROMPT)
+        full_disk(monkeypatch, path.parent)
+    finally:
+        stop(live)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(
+        "could not keep the slots' contexts" in m and "No space left on device" in m
+        for m in messages
+    ), messages
+    assert list(path.parent.iterdir()) == []  # neither the old file nor a partial one
+    monkeypatch.undo()
+    live = serve(qwen_target, qwen_draft, tmp_path)
+    try:
+        assert live.service.worker.slots[0].tokens == []
+        assert complete(live, PROMPT)["timings"]["prompt_n"] > 300  # serving, cold
+    finally:
+        stop(live)

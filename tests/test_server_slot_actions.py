@@ -4,6 +4,9 @@ evaluating only the new tokens."""
 
 from __future__ import annotations
 
+import errno
+import os
+import tempfile
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -59,6 +62,23 @@ def context_restores(c: httpx.Client) -> dict[str, tuple[float, float, float]]:
         )
         for source, v in values.items()
     }
+
+
+def full_disk(monkeypatch: pytest.MonkeyPatch, directory: Path) -> None:
+    """Files written into ``directory`` through a temporary file (slotstate_io's atomic write)
+    go to /dev/full: each write fails with the kernel's own ENOSPC, as on a full disk, without
+    root, a mount or a disk to fill. The temporary file is still made there (its removal after
+    the failure is what is checked); other directories are untouched."""
+    original = tempfile.mkstemp
+
+    def mkstemp(*args: Any, **kw: Any) -> tuple[int, str]:
+        fd, name = original(*args, **kw)
+        if Path(name).parent != directory:
+            return fd, name
+        os.close(fd)
+        return os.open("/dev/full", os.O_WRONLY), name
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
 
 
 def held(live: Live, slot: int) -> list[int]:
@@ -211,8 +231,8 @@ def test_corrupt_truncated_and_other_models_states_are_refused(
 def test_a_failed_write_is_a_500_and_keeps_the_old_file(
     saving: Live, c: httpx.Client, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The directory cannot take the file (here: it is a file; a full disk fails the same
-    write): 500 in llama-server's format, a log line, the slot and the daemon as they were."""
+    """The directory cannot take the file (it is a file; a full disk: the next test): 500 in
+    llama-server's format, a log line, the slot and the daemon as they were."""
     fill(c, 0)
     before = held(saving, 0)
     svc = saving.service
@@ -229,6 +249,35 @@ def test_a_failed_write_is_a_500_and_keeps_the_old_file(
     assert any("saving slot 0" in rec.getMessage() for rec in caplog.records)
     assert held(saving, 0) == before and blocked.read_bytes() == b"x"
     assert act(c, 0, "save", "after.bin").status_code == 200
+
+
+def test_a_full_disk_is_a_500_and_keeps_the_old_file(
+    saving: Live, c: httpx.Client, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The write itself fails for space (ENOSPC, mid-file): 500 with the system's reason, a
+    log line, no temporary file left, the old file and the slot as they were, and the old
+    file still restores."""
+    directory = saving.service.settings.slot_save_path
+    assert act(c, 0, "erase").status_code == 200
+    fill(c, 0)
+    r = act(c, 0, "save", "full.bin")
+    assert r.status_code == 200, r.text
+    n_old = r.json()["n_saved"]
+    old = (directory / "full.bin").read_bytes()
+    complete(c, PROMPT + MORE, n_predict=2)  # the slot now holds more than the old file
+    before = held(saving, 0)
+    assert len(before) > n_old
+    with monkeypatch.context() as m:
+        full_disk(m, directory)
+        r = act(c, 0, "save", "full.bin")
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    assert r.json()["error"]["message"] == f"Unable to save slot: {os.strerror(errno.ENOSPC)}"
+    assert any("saving slot 0" in rec.getMessage() for rec in caplog.records)
+    assert (directory / "full.bin").read_bytes() == old
+    assert not list(directory.glob(".full.bin.*"))  # the partial temporary file is gone
+    assert held(saving, 0) == before and c.get("/health").status_code == 200
+    r = act(c, 0, "restore", "full.bin")
+    assert r.status_code == 200 and r.json()["n_restored"] == n_old
 
 
 def test_an_action_on_a_busy_slot_waits_for_its_request(saving: Live, c: httpx.Client) -> None:
