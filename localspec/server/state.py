@@ -64,7 +64,7 @@ def _probes(worker: Worker) -> Probes:
 
 PARAMS_CACHE = 64  # distinct parameter sets remembered (clients send one or two)
 # fields task_params() ignores (and that may hold anything, unhashable included)
-_UNUSED_FIELDS = frozenset({"model", "lora", "t_max_prompt_ms", "language", "filename"})
+_UNUSED_FIELDS = frozenset({"model", "lora", "language", "filename"})
 
 
 def _params_key(body: GenerationFields) -> tuple[Any, ...]:
@@ -137,6 +137,7 @@ class Service:
             on_failure=on_failure,
             engine_thread=engine_thread,
             before_close=before_close,
+            jump_policy=settings.jump_policy,
         )
         metrics = Metrics(_probes(worker)) if settings.metrics else None
         name = settings.model_alias or Path(engine_settings.target.path).name
@@ -265,6 +266,8 @@ class Service:
                 prompt_ms=first.prompt_ms if first else 0.0,
                 gen_ms=max((r.predicted_ms for r in runs), default=0.0),
             )
+            if result.budget is not None:  # answered from the nearest lines (server/jump.py)
+                dispatch.note(request, budget=1, budget_ctx=result.budget.n_ctx_tokens)
             recall = result.recall  # the host cache's work before it ran (engine/hostcache.py)
             if recall is not None and (recall.restored or recall.stashed):
                 dispatch.note(
@@ -292,6 +295,8 @@ class Service:
             m.child(m.latency, endpoint).observe(wall)
             m.child(m.queue_time, endpoint).observe(result.t_queue_ms / 1e3)
             m.overhead.observe(max(0.0, wall - result.t_engine_ms / 1e3))
+            if result.budget is not None:
+                m.child(m.budget_answers, endpoint).inc()
             for index, r in enumerate(runs):
                 m.record(r, endpoint, prompt=index == 0)
 
