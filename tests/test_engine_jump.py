@@ -22,8 +22,9 @@ from localspec.engine import (
     SpecSettings,
     Task,
 )
+from localspec.engine.scheduler import BEHIND_CHUNK
 from localspec.engine.types import PromptLayout
-from tests.test_engine_batch import prompts
+from tests.test_engine_batch import each_batch, prompts
 from tests.test_engine_exact import model_settings
 
 GREEDY = SamplingParams(top_k=1, temperature=0.0)
@@ -35,7 +36,7 @@ def engine(qwen_target: Path, qwen_draft: Path) -> Iterator[Engine]:
         target=model_settings(qwen_target),
         draft=model_settings(qwen_draft),
         n_slots=1,
-        prefill_chunk=32,
+        prefill_chunk=128,
         spec=SpecSettings(mode="hybrid", n_max=4, p_min=0.0, pipeline=False),
     )
     with Engine.load(s) as eng:
@@ -74,12 +75,15 @@ def test_an_answer_apart_leaves_the_slot_alone_and_equals_a_cold_answer(engine: 
 
 
 def test_the_fill_behind_waits_for_the_answer_and_the_next_request_reuses_it(
-    engine: Engine,
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     old, full, short = prompts(engine, 3, lines=12)
     engine.clear_slot(0)
     engine.generate(req(old, 0))
     seen: dict[str, int] = {}
+    pieces = each_batch(
+        engine.pair.tctx, monkeypatch, lambda segs: {s.seq: len(s.tokens) for s in segs}
+    )
 
     def answered(task: Task) -> None:
         # the fill has evaluated nothing of its own yet: the slot holds at most what the old
@@ -92,6 +96,14 @@ def test_the_fill_behind_waits_for_the_answer_and_the_next_request_reuses_it(
     run(engine, answer, fill)
     common = next((i for i, (a, b) in enumerate(zip(old, full, strict=False)) if a != b), 0)
     assert seen["slot_tokens_at_answer"] <= common
+    # without flash attention the fill's pieces are small (a newer request waits for one),
+    # the answer's prompt goes in pieces of the engine's size
+    assert not engine.flash_attn
+    slot_seq = engine.slots[0].target.seq
+    filled = [n for batch in pieces for seq, n in batch.items() if seq == slot_seq]
+    assert filled and max(filled) <= BEHIND_CHUNK < 128
+    answered = [n for batch in pieces for seq, n in batch.items() if seq != slot_seq]
+    assert max(answered) == min(len(short), 128)
     assert engine.slot_tokens(0) == full
     fill_result: GenerationResult = fill.results[0]
     assert fill_result.n_evaluated + fill_result.n_cached == len(full)

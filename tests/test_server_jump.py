@@ -10,9 +10,13 @@ next keystroke at that place finds it cached.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import threading
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -22,6 +26,7 @@ import pytest
 
 from localspec.commands.lifecycle import metric_totals, render_status, summarise
 from localspec.engine.cache import SlotCaches
+from localspec.engine.slot import Task
 from localspec.engine.types import SpecSettings
 from localspec.server.app import create_app
 from localspec.server.logs import REQUESTS
@@ -144,6 +149,58 @@ def test_a_budget_answer_streams_and_the_fill_outlives_the_client(budget: Live) 
         assert len(engine.slot_tokens(0)) > 600
         again = infill(c, body(a, 90))
         assert "prompt_budget" not in again and again["timings"]["prompt_n"] <= 2
+
+
+@contextlib.contextmanager
+def only_apart(engine: Any) -> Iterator[threading.Event]:
+    """Engine steps run only while an answer apart is live, until the event is set: a
+    warm-up stays where it is, on any machine, while a keystroke is answered beside it."""
+    release, tasks = threading.Event(), []
+    real_submit, real_step = engine.submit, engine.step
+
+    def submit(task: Task) -> None:
+        tasks.append(task)
+        real_submit(task)
+
+    def step() -> bool:
+        if not release.is_set() and not any(t.apart and not t.done for t in tasks):
+            time.sleep(0.002)
+            return True
+        return real_step()
+
+    engine.submit, engine.step = submit, step
+    try:
+        yield release
+    finally:
+        release.set()
+        del engine.submit, engine.step
+
+
+def test_a_keystroke_behind_a_warm_up_is_answered_beside_it(budget: Live) -> None:
+    """An editor's ring warm-up fills the slot (seconds after a jump): a keystroke under the
+    budget does not wait for it, its answer comes apart at once, and its full prompt fills
+    the slot once the warm-up is done."""
+    a, b = source("eta", 120), source("theta", 120)
+    ring = [{"filename": f"/p/m{i}.py", "text": "".join(source(f"r{i}", 8)), "time": i}
+            for i in range(6)]  # fmt: skip
+    engine = budget.service.worker.engine
+    with budget.client() as c:
+        infill(c, body(a, 60))
+        idle(budget)
+        warm = body([], 0, input_extra=ring, n_predict=0)
+        with only_apart(engine) as release, ThreadPoolExecutor(1) as pool:
+            warming = pool.submit(infill, c, warm)
+            wait_until(lambda: budget.service.worker.busy)  # the warm-up holds the slot
+            # (waiting for the warm-up instead, it would wait for ever: it is held)
+            r = c.post("/infill", json=body(b, 70, input_extra=ring), timeout=30)
+            assert r.status_code == 200 and r.json()["prompt_budget"]["used"] is True
+            assert not warming.done()  # answered beside the warm-up, not after it
+            release.set()
+            assert warming.result()["timings"]["prompt_n"] > 0
+        idle(budget)
+        again = infill(c, body(b, 70, input_extra=ring))
+        assert "prompt_budget" not in again and again["timings"]["prompt_n"] <= 2
+        assert len(engine.slot_tokens(0)) > 600
 
 
 def test_wait_evaluates_the_whole_prompt(

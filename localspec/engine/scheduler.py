@@ -23,7 +23,8 @@ The policy, step by step:
 * An ``apart`` task (a budget answer: a short prompt of the cursor's nearest lines) is
   evaluated and decoded in spare sequences of its own, beside its slot, whose KV it leaves
   alone; a ``behind`` task (that slot's full prompt filling for the next keystroke) puts its
-  pieces only into steps that hold no other task's work, so the answer is not slowed by it.
+  pieces only into steps that hold no other task's work, so the answer is not slowed by it,
+  and a cache fill (``n_predict`` 0) waits while an answer runs apart.
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ from localspec.engine.types import (
 # the query rows of one tile of llama.cpp's CPU flash attention (GGML_FA_TILE_Q); a batch of
 # fewer rows takes its row-by-row kernel
 FA_TILE_ROWS = 64
+# a fill behind a budget answer evaluates pieces of this many tokens (without flash attention,
+# where a CPU's prompt speed does not depend on the piece size): the next keystroke waits for
+# the piece in flight before it takes the slot
+BEHIND_CHUNK = 32
 
 
 def _with_held_context(prompt: Sequence[int], blocks: Sequence[int], held: SeqState) -> list[int]:
@@ -140,9 +145,15 @@ class Scheduler:
             for run in self.running:
                 for c in run.completions:
                     c.unpipe()
-        # a fill behind others waits for a step without them (it would slow their steps)
+        # a fill behind others waits for a step without them (it would slow their steps), and
+        # a warm-up waits while an answer runs apart (the answer is the one within a budget)
         front = any(not r.task.behind for r in self.running)
-        filling = [r for r in self.prefilling if not (front and r.task.behind)]
+        apart = any(r.task.apart for r in self.running)
+        filling = [
+            r
+            for r in self.prefilling
+            if not (front and r.task.behind) and not (apart and r.task.first.n_predict == 0)
+        ]
         pending = sum(len(r.piece.tokens) for r in filling if r.piece is not None)
         # pieces in a batch of their own add nothing to the decoding rows' step
         apart = bool(live and pending) and self.pair.pieces_apart
@@ -306,6 +317,9 @@ class Scheduler:
             held = st
             policy = pair.prefill_policy(first.cache_prompt)
             blocks = () if task.apart else first.blocks  # (a spare sequence has no iso one)
+            if task.behind and not pair.flash_attn:
+                chunk = min(policy.chunk or pair.n_batch, BEHIND_CHUNK)
+                policy = replace(policy, chunk=chunk, piece_ms=0.0)
             if (
                 not task.apart
                 and first.n_predict == 0

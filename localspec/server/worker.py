@@ -72,6 +72,10 @@ class Job:
     language: Future[str] | None = None
     # the cursor's nearest lines as a prompt of a given window (/infill: a budget answer's)
     short: ShortPrompt | None = None
+    # started while its slot fills a cache (a warm-up, a budget answer's fill): it answers
+    # apart or goes back to wait for the slot (once)
+    beside: bool = False
+    beside_tried: bool = False
 
     @property
     def cache_only(self) -> bool:
@@ -455,6 +459,11 @@ class Worker:
                 job.slot = -1  # any free slot: the one whose cache fits best, at start
             elif pinned is not None and pinned in free:
                 job.slot = pinned
+            elif (beside := self._beside(job, pinned, n_slots)) is not None:
+                job.slot, job.beside = beside, True  # (the slot stays busy: no free one taken)
+                self._queue.remove(job)
+                starts.append(job)
+                continue
             else:
                 continue
             self._queue.remove(job)
@@ -464,6 +473,20 @@ class Worker:
                 free.pop()  # reserves one: the choice among the free ones comes at start
             starts.append(job)
         return starts
+
+    def _beside(self, job: Job, pinned: int | None, n_slots: int) -> int | None:
+        """Under ``budget``: the busy slot a completion may answer beside, apart, now: one
+        filling a cache (an editor's warm-up, a budget answer's fill), which it would
+        otherwise wait for (seconds after a jump); None: it waits."""
+        if self._jump_policy != "budget" or job.short is None or job.cache_only:
+            return None
+        slot = pinned if pinned is not None else (0 if n_slots == 1 else None)
+        if job.beside_tried or slot is None:
+            return None
+        task = self.slots[slot].task
+        if task is None or not (task.behind or task.first.n_predict == 0):
+            return None
+        return slot
 
     def _close(self, engine: ServedEngine) -> None:
         running = self.running_jobs()
@@ -503,13 +526,13 @@ class Worker:
                 return
             slot_id = job.slot
             job.n_prompt = len(prompt)
-            job.on_slot = True
+            job.on_slot = not job.beside  # (beside a busy slot it only answers apart)
             if not prompt:  # llama-server answers an empty prompt with an empty completion
                 empty = GenerationResult(tokens=[], text="", stop_type="none")
                 self._done(job, [empty], None)
                 return
             recall = getattr(engine, "recall", None)  # the host cache (engine/hostcache.py)
-            if recall is not None:
+            if recall is not None and not job.beside:
                 # (cache_prompt false evaluates the prompt afresh: keep the old context, only)
                 out.recall = recall(slot_id, layout, restore=params.request.cache_prompt)
             seeds = params.seeds()
@@ -528,6 +551,11 @@ class Worker:
             jump = self._jump(engine, job, layout, slot_id)
             if jump is not None:
                 self._answer_apart(engine, job, reqs, *jump)
+                return
+            if job.beside:  # the whole prompt fits the budget: it waits for the slot
+                job.beside, job.beside_tried = False, True
+                with self._cond:
+                    self._queue.appendleft(job)
                 return
             engine.submit(
                 Task(
