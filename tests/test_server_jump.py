@@ -212,6 +212,8 @@ def test_wait_evaluates_the_whole_prompt(
         with live.client() as c:
             infill(c, body(a, 60))
             jump = infill(c, body(b, 70))
+            props = c.get("/props").json()
         assert "prompt_budget" not in jump and jump["timings"]["prompt_n"] > 600
+        assert props["jump_policy"] == "wait"
     finally:
         stop(live)

@@ -22,9 +22,9 @@ The policy, step by step:
 * A cancelled task's sequences stop at the next step; the others go on.
 * An ``apart`` task (a budget answer: a short prompt of the cursor's nearest lines) is
   evaluated and decoded in spare sequences of its own, beside its slot, whose KV it leaves
-  alone; a ``behind`` task (that slot's full prompt filling for the next keystroke) puts its
-  pieces only into steps that hold no other task's work, so the answer is not slowed by it,
-  and a cache fill (``n_predict`` 0) waits while an answer runs apart.
+  alone; a ``behind`` task (that slot's full prompt filling for the next keystroke) puts no
+  piece into a step that evaluates another task's prompt, so the answer's prompt keeps to
+  its budget, and a cache fill (``n_predict`` 0) waits while an answer runs apart.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from localspec.engine.types import (
 FA_TILE_ROWS = 64
 # a fill behind a budget answer evaluates pieces of this many tokens (without flash attention,
 # where a CPU's prompt speed does not depend on the piece size): the next keystroke waits for
-# the piece in flight before it takes the slot
+# the piece in flight before it takes the slot, and an answer's decoding step carries no more
 BEHIND_CHUNK = 32
 
 
@@ -145,14 +145,17 @@ class Scheduler:
             for run in self.running:
                 for c in run.completions:
                     c.unpipe()
-        # a fill behind others waits for a step without them (it would slow their steps), and
-        # a warm-up waits while an answer runs apart (the answer is the one within a budget)
-        front = any(not r.task.behind for r in self.running)
+        # a fill behind others waits while their prompts are evaluated (a budget answer's
+        # prompt is sized to its budget) and rides along their decoding steps, a small piece
+        # each: aborted keystroke after keystroke, the answers would starve it, and it is what
+        # the next keystroke needs; a warm-up waits while an answer runs apart
+        front = any(not r.task.behind for r in self.prefilling)
         apart = any(r.task.apart for r in self.running)
         filling = [
             r
             for r in self.prefilling
-            if not (front and r.task.behind) and not (apart and r.task.first.n_predict == 0)
+            if not (r.task.behind and front)
+            and not (apart and not r.task.behind and r.task.first.n_predict == 0)
         ]
         pending = sum(len(r.piece.tokens) for r in filling if r.piece is not None)
         # pieces in a batch of their own add nothing to the decoding rows' step

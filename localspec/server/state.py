@@ -416,6 +416,7 @@ class Service:
             "n_batch": engine.n_batch,
             # /infill's prefix + suffix tokens (llama-server's n_batch; cache.infill_window)
             "infill_window": self.settings.infill_window,
+            "jump_policy": self.settings.jump_policy,  # t_max_prompt_ms: wait, or budget
             "total_slots": engine.n_slots,
             "model_alias": self.model_name,
             "model_path": str(engine.model_path),
