@@ -43,6 +43,7 @@ from localspec.planning.types import MAX_SLOTS
 SlotRule = Literal["cache", "pinned"]
 InfillLayout = Literal["typed-in-middle", "llama-server"]
 RingAttention = Literal["causal", "blocks"]
+JumpPolicy = Literal["wait", "budget"]
 Fallback = Literal["local", "none"]
 
 if sys.version_info >= (3, 11):
@@ -257,6 +258,13 @@ class CacheSettings(_Section):
         description="tokens of the cursor's file an /infill prompt keeps: 3/4 prefix, 1/4 "
         "suffix (llama-server takes its batch size; 1024 is the editors' recommended presets' "
         "-b 1024), the same whatever batch the engine runs",
+    )
+    jump_policy: JumpPolicy = Field(
+        "wait",
+        description="an /infill prompt whose uncached part cannot be evaluated within the "
+        "request's t_max_prompt_ms at the measured prefill speed: wait (evaluate it all, "
+        "exact) or budget (answer from the cursor's nearest lines that fit, evaluated apart, "
+        "while the full context fills on the slot for the next keystroke)",
     )
     ram_gb: float | None = Field(
         None,

@@ -242,6 +242,7 @@ def server_settings(
         infill_layout=cache.infill_layout,
         ring_attention=cache.ring_attention,
         infill_window=cache.infill_window,
+        jump_policy=cache.jump_policy,
         slot_save_path=server.slot_save_path,
         context_dir=paths.cache_dir() / "contexts" if cache.restart_gb > 0 else None,
         context_bytes=int(cache.restart_gb * (1 << 30)),

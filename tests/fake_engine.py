@@ -68,6 +68,11 @@ class StepEngine:
     def slot_tokens(self, slot: int) -> list[int]:
         return self.slots[slot].cached()
 
+    def prompt_cost(self, slot: int, layout: Any) -> tuple[int, float]:
+        return len(layout.tokens), -1.0  # never measured: a budget answer never starts here
+
+    spare_sequences = 0
+
     def clear_slot(self, slot: int) -> None:
         self.slots[slot].target.tokens = []
         self.slots[slot].hold([])

@@ -657,6 +657,34 @@ def test_also_n_cmpl_starts_a_second_localspec(tmp_path: Path) -> None:
     assert "server.slot_choice=pinned" not in first.argv
 
 
+def test_also_jump_policy_starts_a_localspec_with_the_other_policy(tmp_path: Path) -> None:
+    target = tmp_path / "t.gguf"
+    target.write_bytes(b"GGUF")
+    argv = ["--target", str(target), "--jump-policy", "wait", "--also-jump-policy", "budget"]
+    first, other = server_specs(replay_parser().parse_args(argv))
+    assert (first.name, other.name) == ("localspec", "localspec/jump-budget")
+    assert first.argv[-2:] == ["--jump-policy", "wait"] and first.port != other.port
+    assert other.argv[-2:] == ["--jump-policy", "budget"] and "wait" not in other.argv
+
+
+def test_budget_answers_are_counted_and_compared_with_the_first_servers() -> None:
+    outcomes = [
+        _outcome("wait", 0, 900, content="a"),
+        _outcome("wait", 1, 800, content="b"),
+        _outcome("wait", 2, 50, content="c"),
+        replace(_outcome("budget", 0, 300, content="a"), budget=True),
+        replace(_outcome("budget", 1, 300, content="x"), budget=True),
+        _outcome("budget", 2, 40, content="c"),
+    ]
+    wait, budget = report.summarize(outcomes, ["wait", "budget"])
+    assert (wait.budget, wait.budget_share, wait.budget_equal_first) == (0, None, None)
+    assert budget.budget == 2 and budget.budget_share == pytest.approx(2 / 3)
+    assert budget.budget_compared == 2 and budget.budget_equal_first == 0.5
+    text = report.table([wait, budget])
+    assert "budget answers (nearest lines)" in text and "= first's answer" in text
+    assert "identical to cold cache" not in text  # (no cold checks: the row is left out)
+
+
 def test_cli_against_a_url_writes_json(code_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "r.json"
     with Stub(_slow_on("e")) as stub:

@@ -61,6 +61,7 @@ class Outcome:
     # n_cmpl > 1: each completion's generated tokens (the first is predicted_n)
     cmpl_predicted: list[int] = field(default_factory=list)
     backend: str = ""  # a localspec in front of a team server: who answered (upstream, local)
+    budget: bool = False  # answered from the nearest lines within t_max_prompt_ms (localspec)
     error: str = ""
     # n_probs' report (completion_probabilities), kept for the cold probes only
     probabilities: list[dict[str, Any]] | None = None
@@ -117,6 +118,7 @@ def _fill(outcome: Outcome, answer: Any) -> None:
     outcome.content = str(answer.get("content", ""))
     outcome.stop_type = str(answer.get("stop_type", ""))
     outcome.tokens_cached = answer.get("tokens_cached")
+    outcome.budget = bool((answer.get("prompt_budget") or {}).get("used"))
     outcome.tokens_evaluated = answer.get("tokens_evaluated")
     outcome.prompt_n = timings.get("prompt_n")
     outcome.cache_n = timings.get("cache_n")

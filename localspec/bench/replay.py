@@ -76,6 +76,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument("--llama-server-bin", metavar="PATH", help="instead of $LLAMA_SERVER_BIN")
     srv.add_argument("--spec-mode", help="localspec's speculative mode (default: its settings)")
+    srv.add_argument(
+        "--jump-policy",
+        choices=("wait", "budget"),
+        help="localspec's cache.jump_policy (default: its settings)",
+    )
+    srv.add_argument(
+        "--also-jump-policy",
+        choices=("wait", "budget"),
+        metavar="POLICY",
+        help="also replay against a second localspec with this cache.jump_policy (named "
+        "localspec/jump-POLICY; its budget answers are compared with the first's)",
+    )
     srv.add_argument("--ctx", type=int, default=4096, help="context per slot (default 4096)")
     srv.add_argument(
         "--threads", type=int, default=None, help="llama.cpp threads (default: physical cores)"
@@ -238,6 +250,21 @@ def server_specs(args: argparse.Namespace) -> list[anchor.ServerSpec]:
     )
     if args.url is None and not args.no_localspec:
         specs.append(anchor.localspec_spec(serve, args.spec_mode))
+        if args.jump_policy:
+            own = specs[0]
+            specs[0] = replace(own, argv=[*own.argv, "--jump-policy", args.jump_policy])
+        if args.also_jump_policy:
+            other = anchor.twin(specs[0])
+            argv = [*other.argv]
+            if "--jump-policy" in argv:
+                del argv[argv.index("--jump-policy") : argv.index("--jump-policy") + 2]
+            specs.append(
+                replace(
+                    other,
+                    name=jump_twin(specs[0].name, args.also_jump_policy),
+                    argv=[*argv, "--jump-policy", args.also_jump_policy],
+                )
+            )
         if args.also_n_cmpl is not None:
             name = n_cmpl_twin(specs[0].name, args.also_n_cmpl)
             specs.append(replace(anchor.twin(specs[0]), name=name))
@@ -250,8 +277,11 @@ def server_specs(args: argparse.Namespace) -> list[anchor.ServerSpec]:
                     argv=[*pinned.argv, "--set", "server.slot_choice=pinned"],
                 )
             )
-    elif args.also_n_cmpl is not None or args.also_pinned:
-        raise ValueError("--also-n-cmpl and --also-pinned start a second localspec: drop --url")
+    elif args.also_n_cmpl is not None or args.also_pinned or args.also_jump_policy:
+        raise ValueError(
+            "--also-n-cmpl, --also-pinned and --also-jump-policy start a second localspec: "
+            "drop --url"
+        )
     if args.vs_llama_server:
         binary = anchor.find_llama_server(args.llama_server_bin)
         for mode in (m.strip() for m in args.vs_llama_server.split(",")):
@@ -266,6 +296,11 @@ def server_specs(args: argparse.Namespace) -> list[anchor.ServerSpec]:
         proxy.two_slots(team)
         specs.insert(1, proxy.proxy_spec(team.url, serve, local=args.failover))
     return specs
+
+
+def jump_twin(name: str, policy: str) -> str:
+    """The name of the localspec that replays the same keystrokes under another jump policy."""
+    return f"{name}/jump-{policy}"
 
 
 def n_cmpl_twin(name: str, n_cmpl: int) -> str:
@@ -533,6 +568,16 @@ def _main(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
         shown = shown_ratios(first, best, LATENCY_RATIOS + WORK_RATIOS)
         print(f"\n{first.server} vs llama-server's best here ({best.server}): {shown}")
     extra: dict[str, Any] = {}
+    if args.also_jump_policy and best is not None:
+        other = next(s for s in summaries if s.server == jump_twin(names[0], args.also_jump_policy))
+        shown = shown_ratios(other, best, LATENCY_RATIOS)
+        line = f"{other.server} vs {best.server}: {shown}"
+        table_text += "\n" + line
+        print(line)
+        extra["jump_policy_vs_llama_server"] = {
+            "server": other.server,
+            **{label: ratio(getattr(other, f), getattr(best, f)) for label, f in LATENCY_RATIOS},
+        }
     if own_twin is not None:
         extra["vs_own_n_cmpl"] = own_n_cmpl(
             outcomes, names[0], own_twin, args.n_cmpl, args.also_n_cmpl

@@ -70,6 +70,12 @@ class Summary:
     # where those cold answers part, the first server's cold top-2 margin (its n_probs report)
     cold_vs_first_margin_p50: float | None = None
     cold_vs_first_margin_max: float | None = None
+    # answers made from the cursor's nearest lines within t_max_prompt_ms (cache.jump_policy
+    # budget): how many, and how many equal the first server's answer to the same keystroke
+    budget: int = 0
+    budget_share: float | None = None
+    budget_equal_first: float | None = None
+    budget_compared: int = 0
 
 
 KEYS = ("type", "pause", "final")
@@ -146,6 +152,8 @@ def summarize(outcomes: Sequence[Outcome], servers: Sequence[str]) -> list[Summa
         s.parted_runner_up = share(sum(bool(c.runner_up) for c in colds), len(margins))
         typical = [c.typical_margin for c in colds if c.typical_margin is not None]
         s.cold_margin_p50 = percentile(typical, 50)
+        s.budget = sum(o.budget for o in ok)
+        s.budget_share = share(s.budget, len(ok)) if s.budget else None
         if name != first:
             pairs = [
                 (o.content, by_key[(first, o.burst, o.key)].content)
@@ -154,6 +162,20 @@ def summarize(outcomes: Sequence[Outcome], servers: Sequence[str]) -> list[Summa
                 and by_key[(first, o.burst, o.key)].status == "ok"
             ]
             s.agree_with_first = share(sum(a == b for a, b in pairs), len(pairs))
+            budget_pairs = [
+                (o.content, theirs.content)
+                for o in ok
+                if o.budget
+                and (theirs := by_key.get((first, o.burst, o.key))) is not None
+                and theirs.status == "ok"
+                and not theirs.budget
+            ]
+            s.budget_compared = len(budget_pairs)
+            s.budget_equal_first = (
+                share(sum(a == b for a, b in budget_pairs), len(budget_pairs))
+                if budget_pairs
+                else None
+            )
             cold_pairs = [
                 (o.cold, theirs.cold)
                 for o in ok
@@ -240,6 +262,10 @@ ROWS: tuple[tuple[str, str, str], ...] = (
     ("  took cold's 2nd choice", "parted_runner_up", ".0%"),
     ("cold top-2 margin, all tokens p50", "cold_margin_p50", ".3f"),
     ("end-of-line answers = first", "agree_with_first", ".0%"),
+    ("budget answers (nearest lines)", "budget", "d"),
+    ("  share of completed", "budget_share", ".0%"),
+    ("  compared with first's answer", "budget_compared", "d"),
+    ("  = first's answer", "budget_equal_first", ".0%"),
     ("cold answers = first's cold", "cold_agree_with_first", ".0%"),
     ("  parted: first's top-2 margin p50", "cold_vs_first_margin_p50", ".3f"),
     ("  ... max", "cold_vs_first_margin_max", ".3f"),
@@ -252,6 +278,8 @@ def table(summaries: Sequence[Summary]) -> str:
     label_w = max(len(r[0]) for r in ROWS)
     lines = [" " * label_w + "  " + "  ".join(n.rjust(width) for n in names)]
     for label, attr, spec in ROWS:
+        if all(getattr(s, attr) is None for s in summaries):
+            continue  # (nothing measured: cold checks off, one server, no budget answers)
         cells = [fmt(getattr(s, attr), spec).rjust(width) for s in summaries]
         lines.append(label.ljust(label_w) + "  " + "  ".join(cells))
     rel = ratios(summaries)

@@ -148,6 +148,14 @@ SERVE_FLAGS = (
     ),
     SettingFlag("--infill-window", "cache.infill_window", int, "/infill prefix+suffix tokens", "N"),
     SettingFlag(
+        "--jump-policy",
+        "cache.jump_policy",
+        str,
+        "a cold /infill past t_max_prompt_ms: wait, or answer from what fits",
+        None,
+        ("wait", "budget"),
+    ),
+    SettingFlag(
         "--ring-attention",
         "cache.ring_attention",
         str,

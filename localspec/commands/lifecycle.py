@@ -226,6 +226,7 @@ def summarise(totals: dict[str, float]) -> dict[str, Any]:
         "draft_tokens_accepted": int(accepted),
         "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
         "queue_depth": int(totals.get("localspec_queue_depth", 0)),
+        "budget_answers": int(total("budget_answers")),
         "host_cache": {
             "entries": int(totals.get("localspec_host_cache_entries", 0)),
             "bytes": int(totals.get("localspec_host_cache_bytes", 0)),
@@ -315,6 +316,11 @@ def render_status(report: dict[str, Any]) -> str:
             f"  acceptance   {metrics['draft_tokens_accepted']} of {metrics['draft_tokens']} "
             "drafted tokens" + (f" ({rate:.0%})" if rate is not None else "")
         )
+        if metrics.get("budget_answers"):
+            lines.append(
+                f"  jumps        {metrics['budget_answers']} answered from the nearest lines "
+                "within t_max_prompt_ms (cache.jump_policy budget)"
+            )
         cache = metrics.get("host_cache")
         if cache:
             lines.append(

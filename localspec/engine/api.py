@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 from localspec.engine.slot import Slot, Task
 from localspec.engine.threads import ThreadGovernor
+from localspec.engine.types import PromptLayout
 from localspec.engine.vocab import Vocab
 
 
@@ -61,6 +62,16 @@ class ServedEngine(Protocol):
 
     def slot_tokens(self, slot: int) -> list[int]:
         """The tokens the slot's sequence holds in the target's cache."""
+        ...
+
+    def prompt_cost(self, slot: int, layout: PromptLayout) -> tuple[int, float]:
+        """(tokens of ``layout`` the idle ``slot`` would evaluate, measured ms per prompt
+        token or -1 before one was measured)."""
+        ...
+
+    @property
+    def spare_sequences(self) -> int:
+        """Sequences free now for extra completions or an answer apart from its slot."""
         ...
 
     def clear_slot(self, slot: int) -> None:

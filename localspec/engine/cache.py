@@ -352,6 +352,32 @@ class SlotCaches:
 
     prefill = driven(prefill_steps)
 
+    def to_evaluate(
+        self,
+        st: SeqState,
+        prompt: Sequence[int],
+        policy: PrefillPolicy,
+        blocks: Sequence[int] = (),
+    ) -> int:
+        """About how many of ``prompt``'s tokens a prefill of ``st`` would evaluate (a jump's
+        cost, before it runs): blocks whose tokens the sequence holds as blocks move into
+        place, the rest is planned as the prefill plans it."""
+        spans = block_spans(blocks)
+        if not spans or not st.spans:
+            return self.plan(st, prompt, policy).n_evaluated
+        held = {tuple(st.tokens[a:b]) for a, b in st.spans if b <= len(st.tokens)}
+        missing = sum(b - a for a, b in spans if tuple(prompt[a:b]) not in held)
+        end, held_end = spans[-1][1], st.spans[-1][1] if st.spans else 0
+        rest = plan_reuse(
+            st.tokens[held_end:],
+            prompt[end:],
+            min_chunk=policy.min_chunk,
+            tail_min=policy.tail_min,
+            tail_refresh=policy.tail_refresh,
+            can_shift=self.ctx.can_shift,
+        )
+        return missing + rest.n_evaluated
+
     def _pieces(self, policy: PrefillPolicy, alone: bool) -> Pieces:
         n_batch = self.ctx.n_batch
         budget = policy.piece_ms if self.ctx.flash_attn else 0.0

@@ -159,6 +159,22 @@ class Engine:
             self.pair, self.host_cache, self.slots[slot], layout, restore=restore
         )
 
+    def prompt_cost(self, slot: int, layout: PromptLayout) -> tuple[int, float]:
+        """(about how many of ``layout``'s tokens the idle ``slot`` would evaluate, the
+        measured prefill price in ms per token, -1 before any prompt piece was timed): what
+        a budget answer (``jump_policy``) decides by."""
+        pair = self.pair
+        pair.check_slot(slot)
+        policy = pair.prefill_policy(True)
+        st = self.slots[slot].target
+        n = pair.tcache.to_evaluate(st, layout.tokens, policy, layout.blocks)
+        return n, pair.tcache.ms_per_token
+
+    @property
+    def spare_sequences(self) -> int:
+        """Sequences free now for extra completions or an answer apart from its slot."""
+        return self.scheduler.spare
+
     @cached_property
     def identity(self) -> dict[str, Any]:
         """What a saved context is tied to: the model files and the KV's cell types."""

@@ -20,6 +20,11 @@ The policy, step by step:
   attention the pieces go in a second batch of the step, after the decoding rows'
   (``ModelPair.pieces_apart``).
 * A cancelled task's sequences stop at the next step; the others go on.
+* An ``apart`` task (a budget answer: a short prompt of the cursor's nearest lines) is
+  evaluated and decoded in spare sequences of its own, beside its slot, whose KV it leaves
+  alone; a ``behind`` task (that slot's full prompt filling for the next keystroke) puts no
+  piece into a step that evaluates another task's prompt, so the answer's prompt keeps to
+  its budget, and a cache fill (``n_predict`` 0) waits while an answer runs apart.
 """
 
 from __future__ import annotations
@@ -44,6 +49,10 @@ from localspec.engine.types import (
 # the query rows of one tile of llama.cpp's CPU flash attention (GGML_FA_TILE_Q); a batch of
 # fewer rows takes its row-by-row kernel
 FA_TILE_ROWS = 64
+# a fill behind a budget answer evaluates pieces of this many tokens (without flash attention,
+# where a CPU's prompt speed does not depend on the piece size): the next keystroke waits for
+# the piece in flight before it takes the slot, and an answer's decoding step carries no more
+BEHIND_CHUNK = 32
 
 
 def _with_held_context(prompt: Sequence[int], blocks: Sequence[int], held: SeqState) -> list[int]:
@@ -85,10 +94,11 @@ class Scheduler:
             raise ValueError("a task needs at least one request")
         first = task.first
         pair.check_slot(first.slot)
-        if len(task.requests) - 1 > len(pair.tcache.aux):
+        if len(task.requests) - (0 if task.apart else 1) > len(pair.tcache.aux):
+            most = len(pair.tcache.aux) + (0 if task.apart else 1)
             raise ValueError(
                 f"{len(task.requests)} completions asked; this engine decodes at most "
-                f"{len(pair.tcache.aux) + 1} of one request at once"
+                f"{most} of one request at once{' apart from its slot' if task.apart else ''}"
             )
         n_prompt = len(first.prompt)
         if n_prompt == 0:
@@ -103,7 +113,8 @@ class Scheduler:
         if bad:
             raise ValueError(f"token id {bad[0]} out of range (n_vocab {pair.vocab.n_vocab})")
         self.waiting.append(task)
-        self.slots[first.slot].submitted(task)
+        if not task.apart:
+            self.slots[first.slot].submitted(task)
 
     @property
     def busy(self) -> bool:
@@ -111,6 +122,11 @@ class Scheduler:
 
     def slot_busy(self, slot: int) -> bool:
         return self.slots[slot].run is not None
+
+    @property
+    def spare(self) -> int:
+        """Spare sequences free now (for extra completions, or an ``apart`` task)."""
+        return len(self._free_aux)
 
     def busy_besides(self, slot: int) -> bool:
         """Anything else running or waiting (a prompt of a client that left is evaluated on,
@@ -129,7 +145,19 @@ class Scheduler:
             for run in self.running:
                 for c in run.completions:
                     c.unpipe()
-        pending = sum(len(r.piece.tokens) for r in self.prefilling if r.piece is not None)
+        # a fill behind others waits while their prompts are evaluated (a budget answer's
+        # prompt is sized to its budget) and rides along their decoding steps, a small piece
+        # each: aborted keystroke after keystroke, the answers would starve it, and it is what
+        # the next keystroke needs; a warm-up waits while an answer runs apart
+        front = any(not r.task.behind for r in self.prefilling)
+        apart = any(r.task.apart for r in self.running)
+        filling = [
+            r
+            for r in self.prefilling
+            if not (r.task.behind and front)
+            and not (apart and not r.task.behind and r.task.first.n_predict == 0)
+        ]
+        pending = sum(len(r.piece.tokens) for r in filling if r.piece is not None)
         # pieces in a batch of their own add nothing to the decoding rows' step
         apart = bool(live and pending) and self.pair.pieces_apart
         self._drafts(live, 0 if apart else min(pending, self.pair.n_batch))
@@ -138,7 +166,7 @@ class Scheduler:
         apart = apart and n_tokens + pending >= FA_TILE_ROWS  # (fewer: the row-by-row kernel)
         pieces: list[tuple[Running, Segment]] = []
         rows = 0 if apart else n_tokens  # in the pieces' batch
-        for run in self.prefilling:  # oldest first, while the batch has room
+        for run in filling:  # oldest first, while the batch has room
             assert run.piece is not None
             if (rows or pieces) and rows + len(run.piece.tokens) > self.pair.n_batch:
                 break
@@ -252,7 +280,10 @@ class Scheduler:
         """Start every waiting task whose slot is free and whose extra completions have
         sequences to decode in, in the order they came."""
         for task in list(self.waiting):
-            if self.slot_busy(task.slot) or len(task.requests) - 1 > len(self._free_aux):
+            if task.apart:
+                if len(task.requests) > len(self._free_aux):
+                    continue
+            elif self.slot_busy(task.slot) or len(task.requests) - 1 > len(self._free_aux):
                 continue
             self.waiting.remove(task)
             self._start(task)
@@ -263,23 +294,38 @@ class Scheduler:
         slot = self.slots[task.slot]
         st = slot.target
         run = Running(task, time.perf_counter(), pair.inside_ms())
+        if task.apart:
+            run.home = self._free_aux.pop()
+            st = run.home.target
         run.reserved = [self._free_aux.pop() for _ in range(len(task.requests) - 1)]
         self.running.append(run)
-        slot.started(run)
+        if not task.apart:
+            slot.started(run)
         try:
-            if not first.cache_prompt:
+            if run.home is not None:  # (a spare sequence: what an earlier user left goes)
+                pair.tcache.clear(st)
+                if run.home.draft is not None and pair.dcache is not None:
+                    pair.settle_draft()
+                    pair.dcache.clear(run.home.draft)
+            elif not first.cache_prompt:
                 pair.clear_slot(task.slot)
             c = self._completion(run, 0, st)
             # (extra completions follow it while they agree)
             alone = len(self.running) == 1 and not self.waiting
-            if alone and first.n_predict != 0 and c.draft_ok and pair.pipeline_enabled():
+            pipe = alone and not task.apart and first.n_predict != 0
+            if pipe and c.draft_ok and pair.pipeline_enabled():
                 # the draft's window prefill runs on its thread beside the target's prefill
                 c.start_pipeline()
             prompt: Sequence[int] = first.prompt
-            held = slot.target
+            held = st
             policy = pair.prefill_policy(first.cache_prompt)
+            blocks = () if task.apart else first.blocks  # (a spare sequence has no iso one)
+            if task.behind and not pair.flash_attn:
+                chunk = min(policy.chunk or pair.n_batch, BEHIND_CHUNK)
+                policy = replace(policy, chunk=chunk, piece_ms=0.0)
             if (
-                first.n_predict == 0
+                not task.apart
+                and first.n_predict == 0
                 and len(held.tokens) > len(first.prompt)
                 and held.tokens[: len(first.prompt)] == first.prompt
                 and pair.tcache.blocks_in_place(held, first.blocks, first.block_sink)
@@ -307,7 +353,7 @@ class Scheduler:
                 st,
                 prompt,
                 policy,
-                first.blocks,
+                blocks,
                 first.block_sink,
                 cancel,
                 alone=alone,
@@ -334,7 +380,7 @@ class Scheduler:
             cancel=task.cancel,
             on_token=task.on_token,
             dst=dst,
-            dslot=self.slots[task.slot].draft,
+            dslot=run.home.draft if run.home is not None else self.slots[task.slot].draft,
         )
         run.completions.append(c)
         return c
@@ -370,7 +416,7 @@ class Scheduler:
                 first_c.result.stop_type = "limit"
             first_c.done = True
             return
-        slot_st = self.slots[task.slot].target
+        slot_st = run.home.target if run.home is not None else self.slots[task.slot].target
         for index in range(1, len(task.requests)):
             aux = run.reserved.pop()
             run.aux.append(aux)
@@ -439,6 +485,13 @@ class Scheduler:
             self._free_aux.append(aux)
         self._free_aux.extend(run.reserved)  # a request that ended before its prompt was in
         run.aux, run.reserved = [], []
+        home, run.home = run.home, None
+        if home is not None:
+            pair.tcache.release(home.target, 0)
+            if home.draft is not None and pair.dcache is not None:
+                pair.settle_draft()
+                pair.dcache.release(home.draft, 0)
+            self._free_aux.append(home)
 
     def _finish(self, run: Running) -> None:
         if run in self.running:
@@ -447,7 +500,8 @@ class Scheduler:
             self.prefilling.remove(run)
         task = run.task
         task.done = True
-        self.slots[task.slot].ended(task)
+        if not task.apart:
+            self.slots[task.slot].ended(task)
         if task.on_done is not None:
             task.on_done(task)
 
@@ -456,9 +510,11 @@ class Scheduler:
         if run.steps is not None:
             run.steps.close()
             run.steps = None
+        apart = run.task.apart  # (its own sequences are cleared as they are freed)
         self._close(run)
         with contextlib.suppress(DecodeError):
-            self.pair.clear_slot(run.task.slot)
+            if not apart:
+                self.pair.clear_slot(run.task.slot)
         run.task.error = exc
         self._finish(run)
 
@@ -469,7 +525,8 @@ class Scheduler:
         while self.waiting:
             task = self.waiting.popleft()
             task.error, task.done = exc, True
-            self.slots[task.slot].ended(task)
+            if not task.apart:
+                self.slots[task.slot].ended(task)
             if task.on_done is not None:
                 task.on_done(task)
 

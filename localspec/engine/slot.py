@@ -41,6 +41,12 @@ class Task:
     on_token: IndexedTokenCallback | None = None
     on_done: Callable[[Task], None] | None = None
     owner: object = None  # who submitted it (the server's job), read back through Slot.task
+    # evaluated and decoded in spare sequences of its own (a budget answer, ``jump_policy``):
+    # the slot's KV is not touched, the slot does not hold it, and it waits for no slot
+    apart: bool = False
+    # a fill that yields: its prompt pieces run only in steps with no other task's work (the
+    # slot's full context filling behind a budget answer on the same slot)
+    behind: bool = False
     results: list[GenerationResult] = field(default_factory=list)
     error: BaseException | None = None
     done: bool = False
@@ -80,6 +86,7 @@ class Running:
     pre: PrefillResult | None = None
     prompt_ms: float = 0.0
     shared: bool = False  # the prompt shared steps with other sequences (no price sample)
+    home: Aux | None = None  # an ``apart`` task's own sequences (its first completion's)
 
 
 class SlotState(Enum):

@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -111,21 +112,27 @@ async def infill(body: InfillRequest, request: Request, svc: Svc) -> Response:
     except ApiError as exc:
         return error_response(exc, request)
     svc.spec.begin(request, body)
-    prepare = prompts.infill(
+    fim = partial(
+        prompts.infill,
         input_prefix=body.input_prefix,
         input_suffix=body.input_suffix,
-        input_extra=body.input_extra or (),
         prompt=body.prompt or "",
         spm=svc.settings.spm_infill,
         room=svc.settings.infill_room,
-        window=svc.settings.infill_window,
         infill_layout=svc.settings.infill_layout,
-        # (llama-server's layout has no ring warm-up of its own: the whole prompt is filled)
-        ring_only=svc.settings.infill_layout == "typed-in-middle" and body.is_ring_warmup,
         ring_attention=svc.settings.ring_attention,
         cache=svc.token_cache,
     )
-    return await svc.native(request, "infill", svc.job(params, prepare))
+    prepare = fim(
+        input_extra=body.input_extra or (),
+        window=svc.settings.infill_window,
+        # (llama-server's layout has no ring warm-up of its own: the whole prompt is filled)
+        ring_only=svc.settings.infill_layout == "typed-in-middle" and body.is_ring_warmup,
+    )
+    job = svc.job(params, prepare)
+    # a budget answer's prompt (server/jump.py): the cursor's nearest lines, no extra context
+    job.short = lambda engine, window: fim(input_extra=(), window=window)(engine)
+    return await svc.native(request, "infill", job)
 
 
 @router.post("/completion")

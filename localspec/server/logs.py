@@ -50,6 +50,10 @@ class RequestLog:
     restored: int | None = None
     restore_ms: float | None = None
     stashed: int | None = None
+    # answered from the cursor's nearest lines within t_max_prompt_ms (server/jump.py): 1,
+    # and that short prompt's tokens
+    budget: int | None = None
+    budget_ctx: int | None = None
     queue_ms: float | None = None
     prompt_ms: float | None = None
     gen_ms: float | None = None

@@ -301,6 +301,13 @@ class Metrics:
             registry=r,
         )
         self.predicted = Counter("localspec_tokens_predicted", "Tokens generated", registry=r)
+        self.budget_answers = Counter(
+            "localspec_budget_answers",
+            "Answers made from the cursor's nearest lines within t_max_prompt_ms "
+            "(cache.jump_policy budget)",
+            ["endpoint"],
+            registry=r,
+        )
         self.drafted = Counter(
             "localspec_draft_tokens", "Tokens proposed by a drafter", ["source"], registry=r
         )

@@ -13,6 +13,7 @@ from pathlib import Path
 from localspec.settings import (
     CacheSettings,
     InfillLayout,
+    JumpPolicy,
     RingAttention,
     ServerSection,
     SlotRule,
@@ -41,6 +42,8 @@ class ServerSettings:
     ring_attention: RingAttention = _CACHE.ring_attention
     # /infill's prefix (3/4) and suffix (1/4) window, whatever the engine's n_batch
     infill_window: int = _CACHE.infill_window
+    # a cold /infill past its t_max_prompt_ms: wait for it, or answer from what fits (jump.py)
+    jump_policy: JumpPolicy = _CACHE.jump_policy
     # where POST /slots/{id}?action=save|restore keeps its files; None: refused (as llama-server)
     slot_save_path: Path | None = _SERVER.slot_save_path
     # the slots' contexts written here at a clean shutdown and read back at start (at most

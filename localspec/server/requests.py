@@ -2,7 +2,7 @@
 
 The bodies are pydantic models: the API schema (OpenAPI) and its validation, in one place.
 Field names, aliases and defaults follow llama-server's ``/completion`` schema. Unknown fields
-are accepted and ignored (clients send ``time``, ``lora``, ``t_max_prompt_ms``, ...), and an
+are accepted and ignored (clients send ``time``, ``lora``, ...), and an
 explicit ``null`` means "the server default", as in llama-server. Hard limits are rejected
 here with a 400.
 
@@ -116,7 +116,9 @@ class GenerationFields(_Body):
         description="After a newline, stop once generation ran this long.",
     )
     t_max_prompt_ms: Int32 | None = Field(
-        None, description="Accepted and ignored (as llama-server)."
+        None,
+        description="/infill with cache.jump_policy budget: answer within this many ms of "
+        "prompt evaluation from the nearest lines (llama-server ignores it).",
     )
     stop: list[Text] | Text | None = Field(None, max_length=MAX_STOP_STRINGS)
     response_fields: list[str] | None = Field(
@@ -564,6 +566,7 @@ class TaskParams:
     stream: bool = False
     response_fields: tuple[str, ...] = ()
     settings_json: dict[str, Any] = field(default_factory=dict)
+    t_max_prompt_ms: int = 0  # the prompt evaluation's budget (server/jump.py); <= 0: none
 
     def seeds(self) -> list[int]:
         """Distinct seeds for n_cmpl > 1: the asked seed counts up, a random one is drawn each."""
@@ -652,4 +655,5 @@ def task_params(
         stream=stream,
         response_fields=tuple(body.response_fields or ()),
         settings_json=settings_json,
+        t_max_prompt_ms=body.t_max_prompt_ms or 0,
     )

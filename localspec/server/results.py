@@ -97,6 +97,8 @@ class FinishedCompletion:
     tokens_cached: int
     prompt_text: str = ""
     truncated: bool = False  # the prompt was cut to fit, or generation hit the context end
+    # answered from the cursor's nearest lines within t_max_prompt_ms (server/jump.py)
+    prompt_budget: dict[str, Any] | None = None
 
 
 def _per(ms: float, n: int) -> float:
@@ -207,6 +209,7 @@ def final_object(
         "stop_type": r.stop_type,
         "stopping_word": r.stopping_word,
         "tokens_cached": done.tokens_cached,
+        **({"prompt_budget": done.prompt_budget} if done.prompt_budget else {}),
         **probs,
         "timings": timings(r, n_predicted),
     }

@@ -66,7 +66,7 @@ def _probes(worker: Worker, restores: Restores) -> Probes:
 
 PARAMS_CACHE = 64  # distinct parameter sets remembered (clients send one or two)
 # fields task_params() ignores (and that may hold anything, unhashable included)
-_UNUSED_FIELDS = frozenset({"model", "lora", "t_max_prompt_ms", "language", "filename"})
+_UNUSED_FIELDS = frozenset({"model", "lora", "language", "filename"})
 
 
 def _params_key(body: GenerationFields) -> tuple[Any, ...]:
@@ -142,6 +142,7 @@ class Service:
             on_failure=on_failure,
             engine_thread=engine_thread,
             before_close=before_close,
+            jump_policy=settings.jump_policy,
         )
         metrics = Metrics(_probes(worker, restores)) if settings.metrics else None
         name = settings.model_alias or Path(engine_settings.target.path).name
@@ -278,6 +279,8 @@ class Service:
                 prompt_ms=first.prompt_ms if first else 0.0,
                 gen_ms=max((r.predicted_ms for r in runs), default=0.0),
             )
+            if result.budget is not None:  # answered from the nearest lines (server/jump.py)
+                dispatch.note(request, budget=1, budget_ctx=result.budget.n_ctx_tokens)
             recall = result.recall  # the host cache's work before it ran (engine/hostcache.py)
             if recall is not None and (recall.restored or recall.stashed):
                 dispatch.note(
@@ -305,6 +308,8 @@ class Service:
             m.child(m.latency, endpoint).observe(wall)
             m.child(m.queue_time, endpoint).observe(result.t_queue_ms / 1e3)
             m.overhead.observe(max(0.0, wall - result.t_engine_ms / 1e3))
+            if result.budget is not None:
+                m.child(m.budget_answers, endpoint).inc()
             for index, r in enumerate(runs):
                 m.record(r, endpoint, prompt=index == 0)
 
@@ -424,6 +429,7 @@ class Service:
             "n_batch": engine.n_batch,
             # /infill's prefix + suffix tokens (llama-server's n_batch; cache.infill_window)
             "infill_window": self.settings.infill_window,
+            "jump_policy": self.settings.jump_policy,  # t_max_prompt_ms: wait, or budget
             "total_slots": engine.n_slots,
             "model_alias": self.model_name,
             "model_path": str(engine.model_path),

@@ -26,13 +26,14 @@ from localspec.engine.api import ServedEngine
 from localspec.engine.cache_plan import choose_slot, pinned_slot
 from localspec.engine.hostcache import Recall
 from localspec.engine.slot import Slot, Task
-from localspec.engine.types import GenerationResult, PromptLayout, TokenEvent
+from localspec.engine.types import GenerationRequest, GenerationResult, PromptLayout, TokenEvent
 from localspec.server.errors import ContextExceeded, InvalidRequest, Unavailable
+from localspec.server.jump import PromptBudget, ShortPrompt, short_prompt
 from localspec.server.logs import REQUESTS
 from localspec.server.prompts import truncate
 from localspec.server.requests import TaskParams
 from localspec.server.results import FinishedCompletion
-from localspec.settings import SlotRule
+from localspec.settings import JumpPolicy, SlotRule
 
 log = logging.getLogger("localspec.server")
 # a request cut short is logged by its route when the client leaves, before the engine has
@@ -69,6 +70,12 @@ class Job:
     # the code's language, resolved beside the queue (server/speculation.py); the engine
     # gets it when it is known by the time the job starts
     language: Future[str] | None = None
+    # the cursor's nearest lines as a prompt of a given window (/infill: a budget answer's)
+    short: ShortPrompt | None = None
+    # started while its slot fills a cache (a warm-up, a budget answer's fill): it answers
+    # apart or goes back to wait for the slot (once)
+    beside: bool = False
+    beside_tried: bool = False
 
     @property
     def cache_only(self) -> bool:
@@ -87,6 +94,7 @@ class JobResult:
     t_post_ms: float = 0.0  # after the engine: slot bookkeeping, the prompt's text
     t_done: float = 0.0  # perf_counter when the worker handed the result over
     recall: Recall | None = None  # a context the host cache stashed/restored before it ran
+    budget: PromptBudget | None = None  # answered from the nearest lines (server/jump.py)
 
 
 State = Literal["loading", "ready", "failed", "stopping", "stopped"]
@@ -178,12 +186,16 @@ class Worker:
         engine_thread: EngineThread | None = None,
         slot_choice: SlotRule = "pinned",
         before_close: Callable[[ServedEngine], object] | None = None,
+        jump_policy: JumpPolicy = "wait",
     ) -> None:
         """``slot_choice`` (``server.slot_choice``): pinned, a request's ``id_slot`` picks its
         slot (llama-server's rule); cache, it only breaks ties, and the slot whose cache holds
         most of the prompt answers (``cache_plan.choose_slot``). ``before_close``: run on the
-        engine before it is freed (the slots' contexts kept for the next start, server/keep.py)."""
+        engine before it is freed (the slots' contexts kept for the next start, server/keep.py).
+        ``jump_policy`` (``cache.jump_policy``): budget, a prompt the slot lacks too much of
+        for ``t_max_prompt_ms`` is answered from its nearest lines (server/jump.py)."""
         self._before_close = before_close
+        self._jump_policy = jump_policy
         self._load = load
         self._queue_limit = queue_limit
         self._follow_pins = slot_choice == "pinned"
@@ -202,6 +214,7 @@ class Worker:
         self.n_cancelled = 0  # jobs that ended early: client left, superseded, timed out
         # prompt tokens the engine evaluated for every job, those the client left included
         self.n_prompt_evaluated = 0
+        self.n_budget = 0  # answers made from the nearest lines (server/jump.py)
 
     # ------------------------------------------------------------------ control
 
@@ -446,6 +459,11 @@ class Worker:
                 job.slot = -1  # any free slot: the one whose cache fits best, at start
             elif pinned is not None and pinned in free:
                 job.slot = pinned
+            elif (beside := self._beside(job, pinned, n_slots)) is not None:
+                job.slot, job.beside = beside, True  # (the slot stays busy: no free one taken)
+                self._queue.remove(job)
+                starts.append(job)
+                continue
             else:
                 continue
             self._queue.remove(job)
@@ -455,6 +473,20 @@ class Worker:
                 free.pop()  # reserves one: the choice among the free ones comes at start
             starts.append(job)
         return starts
+
+    def _beside(self, job: Job, pinned: int | None, n_slots: int) -> int | None:
+        """Under ``budget``: the busy slot a completion may answer beside, apart, now: one
+        filling a cache (an editor's warm-up, a budget answer's fill), which it would
+        otherwise wait for (seconds after a jump); None: it waits."""
+        if self._jump_policy != "budget" or job.short is None or job.cache_only:
+            return None
+        slot = pinned if pinned is not None else (0 if n_slots == 1 else None)
+        if job.beside_tried or slot is None:
+            return None
+        task = self.slots[slot].task
+        if task is None or not (task.behind or task.first.n_predict == 0):
+            return None
+        return slot
 
     def _close(self, engine: ServedEngine) -> None:
         running = self.running_jobs()
@@ -494,13 +526,13 @@ class Worker:
                 return
             slot_id = job.slot
             job.n_prompt = len(prompt)
-            job.on_slot = True
+            job.on_slot = not job.beside  # (beside a busy slot it only answers apart)
             if not prompt:  # llama-server answers an empty prompt with an empty completion
                 empty = GenerationResult(tokens=[], text="", stop_type="none")
                 self._done(job, [empty], None)
                 return
             recall = getattr(engine, "recall", None)  # the host cache (engine/hostcache.py)
-            if recall is not None:
+            if recall is not None and not job.beside:
                 # (cache_prompt false evaluates the prompt afresh: keep the old context, only)
                 out.recall = recall(slot_id, layout, restore=params.request.cache_prompt)
             seeds = params.seeds()
@@ -516,6 +548,15 @@ class Worker:
                 if language is not None:
                     req = replace(req, language=language)
                 reqs.append(req)
+            jump = self._jump(engine, job, layout, slot_id)
+            if jump is not None:
+                self._answer_apart(engine, job, reqs, *jump)
+                return
+            if job.beside:  # the whole prompt fits the budget: it waits for the slot
+                job.beside, job.beside_tried = False, True
+                with self._cond:
+                    self._queue.appendleft(job)
+                return
             engine.submit(
                 Task(
                     reqs,
@@ -528,6 +569,73 @@ class Worker:
             )
         except BaseException as exc:  # one request's failure, not the daemon's
             self._failed(job, exc)
+
+    def _jump(
+        self, engine: ServedEngine, job: Job, layout: PromptLayout, slot: int
+    ) -> tuple[PromptBudget, PromptLayout] | None:
+        """Under ``budget``: the short prompt a request the slot lacks too much of is
+        answered from (None: the whole prompt is evaluated, as under ``wait``)."""
+        req = job.params.request
+        if (
+            self._jump_policy != "budget"
+            or req.n_predict == 0
+            or not req.cache_prompt
+            or engine.spare_sequences < 1
+        ):
+            return None
+        return short_prompt(
+            engine, layout, slot, t_max_prompt_ms=job.params.t_max_prompt_ms, short=job.short
+        )
+
+    def _answer_apart(
+        self,
+        engine: ServedEngine,
+        job: Job,
+        reqs: list[GenerationRequest],
+        budget: PromptBudget,
+        nearest: PromptLayout,
+    ) -> None:
+        """Answer from ``nearest`` in spare sequences (as many completions as there are
+        spare sequences) while the full prompt fills the slot behind it; the fill goes on
+        after the answer, and after the client leaves, until a newer request wants the
+        engine (``_UntilOthersWait``: then that request's own prefill takes over from it)."""
+        assert job.out is not None
+        job.out.budget = budget
+        self.n_budget += 1
+        room = engine.n_ctx - len(job.prompt) - len(nearest.tokens)
+        answer = []
+        for req in reqs[: engine.spare_sequences]:
+            n_predict = room if req.n_predict < 0 or req.n_predict > room else req.n_predict
+            short = replace(req, prompt=nearest.tokens, blocks=(), block_sink=False)
+            answer.append(replace(short, n_predict=n_predict))
+        engine.submit(  # (first: the fill starting after it sees nothing waiting)
+            Task(
+                answer,
+                cancel=job.cancel,
+                on_token=job.on_token,
+                on_done=lambda task: self._done(job, task.results, task.error),
+                owner=job,
+                apart=True,
+            )
+        )
+        engine.submit(
+            Task(
+                [replace(reqs[0], n_predict=0)],
+                cancel=_FILL_RUNS,
+                prefill_cancel=_UntilOthersWait(job, self, left=True),
+                on_done=lambda task: self._filled(job, task),
+                owner=job,
+                behind=True,
+            )
+        )
+
+    def _filled(self, job: Job, task: Task) -> None:
+        """A budget answer's fill ended (on the worker thread): the slot holds what it got
+        to (a failure cleared it)."""
+        if task.error is not None:
+            log.warning("filling slot %d behind a budget answer failed: %s", job.slot, task.error)
+            return
+        self.n_prompt_evaluated += sum(r.n_evaluated for r in task.results)
 
     def _layout(self, engine: ServedEngine, job: Job) -> PromptLayout:
         """The job's prompt, cut to the context where its endpoint allows (llama-server's
@@ -574,13 +682,19 @@ class Worker:
         # (the slot took its tokens when its task ended; an empty prompt ran no task)
         n_cached = len(engine.slots[job.slot].tokens) if job.prompt else 0
         n_ctx = engine.n_ctx
+        budget = out.budget.to_json() if out.budget is not None else None
         for index, result in enumerate(results):
             hit_end = (
                 result.stop_type == "limit" and len(job.prompt) + len(result.tokens) >= n_ctx - 1
             )
             out.completions.append(
                 FinishedCompletion(
-                    result, index, job.slot, n_cached, truncated=out.truncated or hit_end
+                    result,
+                    index,
+                    job.slot,
+                    n_cached,
+                    truncated=out.truncated or hit_end,
+                    prompt_budget=budget,
                 )
             )
         if any(r.cancelled for r in results):
@@ -658,11 +772,22 @@ class _UntilOthersWait:
 
     job: Job
     worker: Worker
+    left: bool = False  # evaluate on as if the client had left (a budget answer's fill)
 
     def is_set(self) -> bool:
-        if not self.job.cancel.is_set():
+        if not (self.left or self.job.cancel.is_set()):
             return False
         return bool(self.job.stopped_by) or self.worker.others_wait(self.job.slot)
+
+
+class _Never:
+    """A cancel that is never set (a fill's own: its prefill cancel rules it)."""
+
+    def is_set(self) -> bool:
+        return False
+
+
+_FILL_RUNS = _Never()
 
 
 def _log_cut_short(job: Job, result: JobResult) -> None:
