@@ -415,7 +415,8 @@ def test_the_local_model_gets_what_is_left_of_the_requests_time(
             final = sse_objects(r.text)[-1] if stream else r.json()
             assert final["stop"] is True and final["model"] == "local"
             budget = final["generation_settings"]["t_max_predict_ms"]
-            assert 0 < budget <= 60000 - 1000  # at least the second spent upstream is gone
+            # the second spent upstream is gone (the give-up timer may fire a millisecond early)
+            assert 0 < budget <= 60000 - 990
             assert proxy.lines("/infill")[-1]["fallback"] == reason
 
 
