@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import statistics
 import sys
 import sysconfig
 import time
@@ -254,8 +255,8 @@ def run(
                     outputs[mode] = res.tokens
                     if mode == "target-only" and (lang, i) not in refs:
                         engine.settings = settings
-                        greedy_draft = draft_greedy(engine, prompt, res.tokens)
-                        refs[(lang, i)] = DepthOracle.of(res.tokens, greedy_draft)
+                        greedy_draft, draft_ms = draft_greedy(engine, prompt, res.tokens)
+                        refs[(lang, i)] = DepthOracle.of(res.tokens, greedy_draft, draft_ms)
                     done += 1
                     if progress:
                         el = time.perf_counter() - t_start
@@ -326,13 +327,17 @@ def _ratio(t: Totals, base: Totals) -> float:
     return t.tok_s / base.tok_s if base.tok_s else 0.0
 
 
-def draft_greedy(engine: Engine, prompt: list[int], output: list[int]) -> list[int]:
+def draft_greedy(
+    engine: Engine, prompt: list[int], output: list[int], n_timed: int = 8
+) -> tuple[list[int], float]:
     """The draft model's greedy token at each position of ``output`` (after the prompt's
-    draft window and the output before it), in one pass over slot 1's draft sequence."""
+    draft window and the output before it), in one pass over slot 1's draft sequence; and
+    the ms of one draft token's decode (the median of ``n_timed`` single-token decodes of the
+    output, as drafting runs them)."""
     pair = engine.pair
     st = engine.slots[1].draft
     if pair.dcache is None or pair.dctx is None or st is None or not output:
-        return []
+        return [], -1.0
     window = prompt[draft_window_start(len(prompt), pair.settings.spec.draft_window) :]
     seq = window + output[:-1]
     first = len(window) - 1  # the row whose logits give output[0]
@@ -345,9 +350,16 @@ def draft_greedy(engine: Engine, prompt: list[int], output: list[int]) -> list[i
             rows = [j for j in range(len(chunk)) if at + j >= first]
             pair.dcache.append(st, chunk, logits=rows)
             out += [int(pair.dctx.logits(j).argmax()) for j in rows]
+        pair.dcache.truncate(st, len(window))
+        times = []
+        for tok in output[:n_timed]:
+            t0 = time.perf_counter()
+            pair.dcache.append(st, [tok], logits="last")
+            pair.dctx.logits(-1).argmax()
+            times.append((time.perf_counter() - t0) * 1000.0)
     finally:
         engine.clear_slot(1)
-    return out
+    return out, statistics.median(times) if times else -1.0
 
 
 def _row(language: str, mode: str, by_mode: dict[str, Totals]) -> dict[str, Any]:

@@ -549,9 +549,8 @@ class Completion:
         model_ok = self.draft_ok and self.mode in ("draft", "hybrid", "auto")
         draft_run = min(oracle.draft_run(pos), n_max) if model_ok else 0
         td = time.perf_counter()
-        source, k = oracle.choose(
-            ngram_run, draft_run, self.policy.verify, self.policy.source("draft").cost_ms
-        )
+        draft_ms = oracle.draft_ms if oracle.draft_ms >= 0 else self.policy.source("draft").cost_ms
+        source, k = oracle.choose(ngram_run, draft_run, self.policy.verify, draft_ms)
         out: tuple[str, str, list[int]] = ("", "", [])
         if source == "ngram":
             out = ("ngram", ngram_source(match), ngram[:k])

@@ -20,19 +20,23 @@ class DepthOracle:
     """``target``: the target's greedy output for the request; ``draft_runs[i]``: how many
     tokens, from output position i on, the draft model's own greedy chain equals it (the
     draft's argmax after the prompt's draft window and ``target[:j]`` equals ``target[j]``
-    for j = i, i+1, ...)."""
+    for j = i, i+1, ...); ``draft_ms``: one draft-model token's decode, measured before the
+    request (< 0: the request's own measurement, once it has one)."""
 
     target: tuple[int, ...]
     draft_runs: tuple[int, ...]
+    draft_ms: float = -1.0
 
     @classmethod
-    def of(cls, target: Sequence[int], draft_greedy: Sequence[int]) -> DepthOracle:
+    def of(
+        cls, target: Sequence[int], draft_greedy: Sequence[int], draft_ms: float = -1.0
+    ) -> DepthOracle:
         """From the draft model's greedy token at each position of the target's output."""
         runs = [0] * (len(target) + 1)
         for i in range(len(target) - 1, -1, -1):
             ok = i < len(draft_greedy) and draft_greedy[i] == target[i]
             runs[i] = runs[i + 1] + 1 if ok else 0
-        return cls(tuple(target), tuple(runs[:-1]))
+        return cls(tuple(target), tuple(runs[:-1]), draft_ms)
 
     def accepted(self, pos: int, draft: Sequence[int]) -> int:
         """How many of ``draft``, offered after ``pos`` emitted tokens, the target accepts."""
