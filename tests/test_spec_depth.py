@@ -109,28 +109,3 @@ def test_the_server_hands_the_language_to_the_engine(
         assert len(rust) > 0
     finally:
         stop(live)
-
-
-def test_confidence_stop_keeps_the_output_and_calibrates_its_bands(engine: Engine) -> None:
-    """The chain stop changes only how far the draft model drafts: the output stays the
-    target's, and each proposed token's probability band learns the target's verdicts (the
-    follow draft misses after every multiple of 3, while sure of itself)."""
-    base = engine.settings
-    try:
-        spec = replace(base.spec, confidence_stop=True, by_language=True)
-        engine.settings = replace(base, spec=spec)
-        drafted = []
-        for _ in range(3):
-            req = GenerationRequest(
-                slot=0, prompt=PROMPT, n_predict=40, sampling=GREEDY, language="c"
-            )
-            res = engine.generate(req)
-            assert res.tokens == follow_chain(PROMPT[-1], 40)
-            drafted += res.spec_steps
-        assert sum(d for _, d, _ in drafted) > 0
-        record = engine.pair.policy_for(False, spec, 0.0, "c").source("draft")
-        seen = sum(n for _, n in record.bands)
-        accepted = sum(a for a, _ in record.bands)
-        assert seen > 0 and 0 < accepted < seen  # the misses were seen as misses
-    finally:
-        engine.settings = base
