@@ -222,11 +222,6 @@ class SpeculativeSettings(_Section):
         le=20.0,
         description="skip drafting while the target's entropy (nats) is above this; 0: never",
     )
-    confidence_stop: bool = Field(
-        False,
-        description="auto: cut the draft model's chain where its calibrated confidence no "
-        "longer pays for a verify row and a draft decode",
-    )
 
     @model_validator(mode="after")
     def _min_below_max(self) -> SpeculativeSettings:

@@ -98,7 +98,6 @@ def with_speculation_extras(engine: EngineSettings, settings: Settings) -> Engin
             accept_p_min=spec.accept_p_min,
             by_language=spec.by_language,
             entropy_max=spec.entropy_max,
-            confidence_stop=spec.confidence_stop,
         ),
     )
 

@@ -404,27 +404,3 @@ def test_a_piece_after_one_that_ran_alone_holds_what_the_budget_buys() -> None:
     pieces.ran(16, 1.0)  # too short to price (mostly fixed cost)
     assert pieces.size() == 128
     assert Pieces(128, 1024, budget_ms=0.0, price=0.1).size() == 128  # no budget: chunks
-
-
-def test_confidence_stop_learns_what_each_band_of_draft_probability_is_worth() -> None:
-    """The draft's own probability, calibrated by the target's verdicts per band: a draft
-    unsure (p 0.4) of tokens the target always takes earns long chains; one sure (p 0.99) of
-    tokens the target refuses is cut at once."""
-    pol = cpu_like_policy()
-    pol.observe_draft_cost("draft", 10.0)
-    src = pol.source("draft")
-    assert abs(src.chance(0.4) - 0.4) < 1e-9  # no record yet: the probability itself
-    for _ in range(20):
-        pol.observe_result("draft", 3, 3, [0.4, 0.4, 0.4])
-        pol.observe_result("draft", 2, 0, [0.995, 0.995])  # the second was never seen
-    assert src.chance(0.4) > 0.9 and src.chance(0.995) < 0.1
-    assert src.bands[-1][1] == 20  # only the first of each refused draft was seen
-    assert pol.keeps("draft", 4, src.chance(0.4) ** 5)
-    assert not pol.keeps("draft", 0, src.chance(0.995))
-    # going on costs a draft decode as well as a verify row: a long sure chain goes on, a
-    # chain whose chance has fallen low stops before paying for the next token
-    assert pol.goes_on("draft", 2, 0.95) and not pol.goes_on("draft", 2, 0.05)
-    pol.observe_draft_cost("draft", 1000.0)
-    for _ in range(30):
-        pol.observe_draft_cost("draft", 1000.0)
-    assert not pol.goes_on("draft", 2, 0.95)  # a draft token dearer than a target step

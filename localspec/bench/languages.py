@@ -50,14 +50,12 @@ MODES: dict[str, dict[str, Any]] = {
     "target-only": {"mode": "off"},
     "today": {"mode": "auto"},
     "by-context": {"mode": "auto", "by_language": True},  # + entropy_max from the command line
-    # by-context, and the draft's chain cut where its calibrated confidence stops paying
-    "confident": {"mode": "auto", "by_language": True, "confidence_stop": True},
     "relaxed": {"mode": "auto", "accept": "topk"},  # + accept_top_k / accept_p_min
     # the ceiling of any depth policy with this pair (engine/oracle.py): knows the target's
     # output, drafts exactly what it accepts (on this thread: the oracle weighs draft costs)
     "oracle": {"mode": "auto", "pipeline": False},
 }
-EXACT = ("today", "by-context", "confident", "oracle")
+EXACT = ("today", "by-context", "oracle")
 SCAN_PER_ROOT = 20_000  # files looked at under each search root, at most
 MIN_BYTES, MAX_BYTES = 3_000, 400_000
 
@@ -199,9 +197,8 @@ def run(
     names = ["target-only", "today", *(m for m in MODES if m in modes_run and m not in
                                        ("target-only", "today"))]  # fmt: skip
     modes = {name: dict(MODES[name]) for name in names}
-    for name in ("by-context", "confident"):
-        if name in modes:
-            modes[name]["entropy_max"] = entropy_max
+    if "by-context" in modes:
+        modes["by-context"]["entropy_max"] = entropy_max
     if "relaxed" in modes:
         modes["relaxed"] |= {"accept_top_k": accept_top_k, "accept_p_min": accept_p_min}
     n_threads = threads or physical_cores()
@@ -417,8 +414,6 @@ def format_table(result: dict[str, Any]) -> str:
     ]
     if "by-context" in modes:
         notes.append(f"by-context: auto with each language's own record{gate}")
-    if "confident" in modes:
-        notes.append("confident: by-context, the draft's chain cut by its calibrated confidence")
     if "relaxed" in modes:
         k, p = result["accept_top_k"], result["accept_p_min"]
         notes.append(f"relaxed: auto, top-{k} above p {p}")

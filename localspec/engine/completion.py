@@ -96,10 +96,8 @@ class Completion:
             # the cost model caps the length; p_min only has to stop hopeless drafts (a
             # small draft model is often unsure of tokens the target then accepts)
             self.p_min = min(self.p_min, ADAPTIVE_P_MIN)
-        # the draft model's chain stops where one more token no longer pays (SpecPolicy.keeps)
-        self.confident = self.auto and spec.confidence_stop and req.oracle is None
-        if req.oracle is not None or (self.confident and req.spec_p_min is None):
-            self.p_min = 0.0  # the oracle knows which tokens pass; the chain stop weighs them
+        if req.oracle is not None:
+            self.p_min = 0.0  # the oracle knows which tokens pass, not the draft's confidence
         self.sampler = Sampler(req.sampling, pair.tctx, pair.vocab.handle, req.prompt)
         self.result = GenerationResult(tokens=[], text="", stop_type="none")
         self.result.n_prompt = len(req.prompt)
@@ -118,7 +116,6 @@ class Completion:
         self.policy: SpecPolicy = self._policy(pipelined=False)
         # this step's draft: source (stats), policy key, tokens
         self.source, self.key, self.draft = "", "", []
-        self.draft_probs: list[float] = []  # the draft model's probability of each token
         self.model_k = 0  # draft-model tokens asked for, to be drafted in a shared batch
         # completions of the same request whose tokens so far equal this one's: they draw
         # from this sequence's rows instead of decoding their own (``lead``)
@@ -313,8 +310,7 @@ class Completion:
             st = res.drafted.setdefault(source, DraftStats())
             st.drafted += len(draft)
             st.accepted += accepted
-            probs = self.draft_probs if source == "draft" else None
-            self.policy.observe_result(key, len(draft), accepted, probs)
+            self.policy.observe_result(key, len(draft), accepted)
             res.spec_steps.append((source, len(draft), accepted))
         self.policy.tick()
         events: list[TokenEvent] = []
@@ -389,7 +385,6 @@ class Completion:
         going: list[Completion] = []
         for f in self.followers:
             f.draft, f.source, f.key = draft, self.source, self.key
-            f.draft_probs = self.draft_probs
             theirs = f.take(base, step_ms, n_before)
             f.result.n_followed += len(theirs)
             if not f.done and not self.done and theirs == mine:
@@ -472,7 +467,6 @@ class Completion:
         (``draft_together``)."""
         self.model_k = 0
         self._defer = defer_model
-        self.draft_probs = []
         self.source, self.key, self.draft = self._propose(room)
 
     def _propose(self, room: int) -> tuple[str, str, list[int]]:
@@ -496,8 +490,6 @@ class Completion:
             source, key = "ngram", ngram_source(match)
             if auto and draft:
                 draft = draft[: self.policy.plan(key)]
-            if self.confident and draft and self.pipe is None and self._model_beats(key, draft):
-                draft = []
         if self.pipe is not None:
             if self.draft_ok and self.mode in ("draft", "hybrid", "auto"):
                 cand = self._pipelined_draft(n_max, auto)
@@ -510,9 +502,7 @@ class Completion:
                 k = n_max
                 if auto:
                     probe_ok = self._draft_probe_is_cheap()
-                    planned = self.policy.plan("draft", allow_probe=probe_ok)
-                    # a confidence stop cuts the chain itself: the record only says whether
-                    k = k if self.confident and planned > 0 and not self._defer else min(k, planned)
+                    k = min(k, self.policy.plan("draft", allow_probe=probe_ok))
                     if k >= n_min and self.dbase is None and not self._draft_prefill_pays():
                         self.draft_ok = False  # for this request: n-grams or plain steps
                         k = 0
@@ -527,16 +517,6 @@ class Completion:
             source, key, draft = "", "", []
         res.t_draft_ms += (time.perf_counter() - td) * 1000.0
         return source, key, draft
-
-    def _model_beats(self, ngram_key: str, ngram: list[int]) -> bool:
-        """Whether the draft model is expected to yield more per ms than a short n-gram
-        draft (a two-token match's guess can pre-empt a model that would run much longer)."""
-        pol = self.policy
-        if not self.draft_ok or pol.is_off("draft") or pol.source("draft").cost_ms < 0:
-            return False
-        if self.dbase is None and not self._draft_prefill_is_cheap():
-            return False
-        return pol.best("draft")[1] > pol.gain(ngram_key, len(ngram))
 
     def _oracle_draft(self, n_max: int) -> tuple[str, str, list[int]]:
         """A benchmark's ceiling (engine/oracle.py): exactly the draft the target accepts, from
@@ -710,10 +690,7 @@ class Completion:
         for i in range(0, len(pending), dctx.n_batch):
             dcache.append(dst, pending[i : i + dctx.n_batch], logits="last")
         proposals: list[int] = []
-        probs = self.draft_probs
         n_target_vocab = pair.vocab.n_vocab
-        policy, record = self.policy, self.policy.source("draft")
-        chance = 1.0  # that the target accepts every proposal so far
         t0 = time.perf_counter()
         while True:
             row = dctx.logits(-1)
@@ -721,15 +698,8 @@ class Completion:
             p = 1.0 / float(np.exp(row - row[tok]).sum())
             if p < self.p_min or tok >= n_target_vocab:
                 break
-            if self.confident:
-                chance *= record.chance(p)
-                if not policy.keeps("draft", len(proposals), chance):
-                    break
             proposals.append(tok)
-            probs.append(p)
             if len(proposals) >= k:
-                break
-            if self.confident and not policy.goes_on("draft", len(proposals), chance):
                 break
             dcache.append(dst, [tok], logits="last")
         if len(proposals) > 1:

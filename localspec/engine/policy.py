@@ -18,7 +18,6 @@ its c is 0 and ``plan(limit=...)`` picks among the tokens it has ready.
 
 from __future__ import annotations
 
-from bisect import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -26,11 +25,6 @@ WINDOW = 24  # recent drafts per source that shape its estimate
 MAX_BACKOFF = 256  # steps a failing draft model stays off, at most
 FREE_BACKOFF = 16  # the same for a source whose drafts cost nothing to make
 MIN_PREFILL_SAMPLE = 32  # draft prefills shorter than this do not update its per-token cost
-# the draft's own probability of a token, in bands, each with the share of its tokens the
-# target accepted (a small model's confidence is far from the target's acceptance: a band's
-# record, not the raw probability, is what the chain stop weighs)
-P_BANDS = (0.3, 0.5, 0.7, 0.85, 0.95, 0.99)
-BAND_PRIOR = 2.0  # pseudo-observations of a band's own probability before its record counts
 
 
 @dataclass
@@ -42,25 +36,6 @@ class SourceStats:
     runs: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=WINDOW))
     off_until: int = 0  # step number before which the source is skipped
     backoff: int = 4
-    # per band of the draft's probability (P_BANDS): [accepted, seen] drafted tokens that the
-    # target saw (a token after a rejected one is not seen)
-    bands: list[list[float]] = field(default_factory=lambda: [[0.0, 0.0] for _ in range(7)])
-
-    def observe_probs(self, probs: list[float], accepted: int) -> None:
-        for j, p in enumerate(probs[: accepted + 1]):
-            band = self.bands[bisect(P_BANDS, p)]
-            band[0] += j < accepted
-            band[1] += 1
-
-    def chance(self, p: float) -> float:
-        """How likely the target accepts a token the draft proposed with probability p."""
-        a, n = self.bands[bisect(P_BANDS, p)]
-        return (a + BAND_PRIOR * p) / (n + BAND_PRIOR)
-
-    def mean_chance(self) -> float:
-        a = sum(b[0] for b in self.bands)
-        n = sum(b[1] for b in self.bands)
-        return (a + BAND_PRIOR * self.prior) / (n + BAND_PRIOR)
 
     def survival(self, k: int) -> list[float]:
         """S(j) = P(run >= j) for j = 1..k (Kaplan-Meier over the recent drafts; past the
@@ -184,16 +159,11 @@ class SpecPolicy:
         saved = horizon * t1 * (1.0 - 1.0 / g) if g > 1.0 else 0.0
         return saved > n_tokens * price
 
-    def observe_result(
-        self, source: str, drafted: int, accepted: int, probs: list[float] | None = None
-    ) -> None:
-        """A draft's outcome; ``probs``: the draft model's probability of each drafted token."""
+    def observe_result(self, source: str, drafted: int, accepted: int) -> None:
         if drafted <= 0:
             return
         s = self.source(source)
         s.runs.append((accepted, drafted))
-        if probs:
-            s.observe_probs(probs, accepted)
         self._best.pop((source, self.n_max), None)
         if self.best(source)[1] >= self.min_gain:
             s.backoff = 4
@@ -268,23 +238,6 @@ class SpecPolicy:
             return 0  # pays with more tokens than are on offer now
         # off: a short probe once the back-off expires keeps the estimate fresh
         return min(self.probe_len, cap) if allow_probe else 0
-
-    def keeps(self, source: str, n: int, chance: float) -> bool:
-        """Confidence stop: whether the draft's next token (the (n+1)-th; ``chance``: that the
-        target accepts it and all before it) earns its verify row: it yields ``chance``
-        tokens of a plain step's time for the row's extra cost."""
-        t1 = self.verify.t1
-        row = self.verify.cost(n + 2) - self.verify.cost(n + 1)
-        return chance * t1 >= row
-
-    def goes_on(self, source: str, n: int, chance: float) -> bool:
-        """Whether to pay one more draft decode for the token after ``n`` kept ones: its
-        expected yield (``chance`` so far times the source's mean acceptance) must pay for
-        the decode and its verify row."""
-        s = self.source(source)
-        t1 = self.verify.t1
-        row = self.verify.cost(n + 2) - self.verify.cost(n + 1)
-        return chance * s.mean_chance() * t1 >= row + max(s.cost_ms, 0.0)
 
     def is_off(self, source: str, lead: int = 0) -> bool:
         """Whether ``source`` is switched off for at least ``lead`` more steps."""

@@ -81,10 +81,6 @@ class SpecSettings:
     # no drafting while the target's recent entropy (nats, an average over its last steps) is
     # above this: the target is unsure, so the drafts would be rejected; 0: off
     entropy_max: float = 0.0
-    # "auto": the draft model's chain stops where one more token's chance of acceptance (its
-    # probability, calibrated by what the target accepted) no longer pays its verify row and
-    # the next draft decode; the acceptance record then only decides whether to draft
-    confidence_stop: bool = False
 
 
 @dataclass(frozen=True)
