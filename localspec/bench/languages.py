@@ -51,6 +51,8 @@ MODES: dict[str, dict[str, Any]] = {
     "today": {"mode": "auto"},
     "by-context": {"mode": "auto", "by_language": True},  # + entropy_max from the command line
     "relaxed": {"mode": "auto", "accept": "topk"},  # + accept_top_k / accept_p_min
+    # today's cost model without the draft model (where a draft token costs nearly a step)
+    "ngram-auto": {"mode": "ngram", "adaptive": True},
     # the ceiling of any depth policy with this pair (engine/oracle.py): knows the target's
     # output, drafts exactly what it accepts (on this thread: the oracle weighs draft costs)
     "oracle": {"mode": "auto", "pipeline": False},
@@ -58,7 +60,7 @@ MODES: dict[str, dict[str, Any]] = {
     # drafts spend time that n-gram drafts a few tokens later would have saved for free
     "oracle-ngram": {"mode": "ngram", "pipeline": False},
 }
-EXACT = ("today", "by-context", "oracle", "oracle-ngram")
+EXACT = ("today", "by-context", "ngram-auto", "oracle", "oracle-ngram")
 ORACLES = ("oracle", "oracle-ngram")
 SCAN_PER_ROOT = 20_000  # files looked at under each search root, at most
 MIN_BYTES, MAX_BYTES = 3_000, 400_000
@@ -421,6 +423,8 @@ def format_table(result: dict[str, Any]) -> str:
         notes.append(f"by-context: each language's own record{gate}")
     if "relaxed" in modes:
         notes.append(f"relaxed: top-{result['accept_top_k']}, p >= {result['accept_p_min']}")
+    if "ngram-auto" in modes:
+        notes.append("ngram-auto: today's cost model, n-grams only")
     if "oracle" in modes:
         notes.append("oracle: drafts exactly what the target accepts")
     if "oracle-ngram" in modes:
