@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import statistics
 import sys
 import sysconfig
 import time
@@ -34,7 +35,9 @@ from localspec.engine import (
     SpecSettings,
 )
 from localspec.engine.acceptance import Acceptance
+from localspec.engine.completion import draft_window_start
 from localspec.engine.llama import physical_cores, resolved_flash_attn
+from localspec.engine.oracle import DepthOracle
 
 LANGUAGES = ("python", "c", "javascript", "shell")
 EXTENSIONS = {
@@ -48,8 +51,17 @@ MODES: dict[str, dict[str, Any]] = {
     "today": {"mode": "auto"},
     "by-context": {"mode": "auto", "by_language": True},  # + entropy_max from the command line
     "relaxed": {"mode": "auto", "accept": "topk"},  # + accept_top_k / accept_p_min
+    # today's cost model without the draft model (where a draft token costs nearly a step)
+    "ngram-auto": {"mode": "ngram", "adaptive": True},
+    # the ceiling of any depth policy with this pair (engine/oracle.py): knows the target's
+    # output, drafts exactly what it accepts (on this thread: the oracle weighs draft costs)
+    "oracle": {"mode": "auto", "pipeline": False},
+    # the same with n-grams only: where a draft model token costs nearly a target step, its
+    # drafts spend time that n-gram drafts a few tokens later would have saved for free
+    "oracle-ngram": {"mode": "ngram", "pipeline": False},
 }
-EXACT = ("today", "by-context")
+EXACT = ("today", "by-context", "ngram-auto", "oracle", "oracle-ngram")
+ORACLES = ("oracle", "oracle-ngram")
 SCAN_PER_ROOT = 20_000  # files looked at under each search root, at most
 MIN_BYTES, MAX_BYTES = 3_000, 400_000
 
@@ -178,15 +190,23 @@ def run(
     accept_top_k: int = 3,
     accept_p_min: float = 0.1,
     languages: tuple[str, ...] = LANGUAGES,
+    modes_run: tuple[str, ...] = tuple(MODES),
+    rounds: int = 1,
     progress: bool = True,
 ) -> dict[str, Any]:
+    """Every mode on every prompt, ``rounds`` times (interleaved: prompt by prompt, modes in
+    a rotating order), per-round figures kept to show the run-to-run spread."""
     workload = {lang: find_files(lang, per_language) for lang in languages}
     prompts = {lang: prompts_of(files, lines) for lang, files in workload.items()}
-    modes = {
-        name: dict(over) for name, over in MODES.items()
-    }  # copies: the command line's values go in
-    modes["by-context"]["entropy_max"] = entropy_max
-    modes["relaxed"] |= {"accept_top_k": accept_top_k, "accept_p_min": accept_p_min}
+    # copies: the command line's values go in; target-only and today always run (the others
+    # are measured against them)
+    names = ["target-only", "today", *(m for m in MODES if m in modes_run and m not in
+                                       ("target-only", "today"))]  # fmt: skip
+    modes = {name: dict(MODES[name]) for name in names}
+    if "by-context" in modes:
+        modes["by-context"]["entropy_max"] = entropy_max
+    if "relaxed" in modes:
+        modes["relaxed"] |= {"accept_top_k": accept_top_k, "accept_p_min": accept_p_min}
     n_threads = threads or physical_cores()
     target_model = ModelSettings(target, n_ctx=2048, n_threads=threads)
     target_model = replace(target_model, flash_attn=resolved_flash_attn(target_model, 1))
@@ -196,11 +216,13 @@ def run(
     # slot 1 only re-scores a diverging output with a cold cache (divergence_gap)
     settings = EngineSettings(target=target_model, draft=draft_model, spec=base, n_slots=2)
     greedy = SamplingParams(top_k=1, temperature=0.0)
-    totals = {lang: {m: Totals() for m in modes} for lang in languages}
+    # per round, language and mode
+    totals = {(r, lang, m): Totals() for r in range(rounds) for lang in languages for m in modes}
     t_start = time.perf_counter()
     order = list(modes)
-    n_runs = sum(len(p) for p in prompts.values()) * len(order)
+    n_runs = sum(len(p) for p in prompts.values()) * len(order) * rounds
     done = 0
+    refs: dict[tuple[str, int], DepthOracle] = {}
     with Engine.load(settings) as engine:
         # languages take turns, prompt by prompt: an editor's day switches between files
         queue = [
@@ -209,54 +231,83 @@ def run(
             for lang in languages
             for p in prompts[lang][i : i + 1]
         ]
-        for k, (lang, _i, text) in enumerate(queue):
-            prompt = engine.vocab.tokenize(text)[-1024:]
-            engine.settings = settings
-            engine.generate(GenerationRequest(slot=0, prompt=prompt, n_predict=0))
-            engine.prefill_draft(0, prompt)
-            outputs: dict[str, list[int]] = {}
-            for mode in order[k % len(order) :] + order[: k % len(order)]:
-                engine.settings = replace(settings, spec=replace(base, **modes[mode]))
-                res = engine.generate(
-                    GenerationRequest(
-                        slot=0, prompt=prompt, n_predict=n_predict, sampling=greedy, language=lang
+        for r in range(rounds):
+            for k, (lang, i, text) in enumerate(queue):
+                prompt = engine.vocab.tokenize(text)[-1024:]
+                engine.settings = settings
+                engine.generate(GenerationRequest(slot=0, prompt=prompt, n_predict=0))
+                engine.prefill_draft(0, prompt)
+                outputs: dict[str, list[int]] = {}
+                turn = order[(k + r) % len(order) :] + order[: (k + r) % len(order)]
+                for name in ORACLES:  # an oracle needs target-only's output
+                    if name in turn and (lang, i) not in refs:
+                        turn.remove(name)
+                        turn.insert(turn.index("target-only") + 1, name)
+                for mode in turn:
+                    engine.settings = replace(settings, spec=replace(base, **modes[mode]))
+                    res = engine.generate(
+                        GenerationRequest(
+                            slot=0,
+                            prompt=prompt,
+                            n_predict=n_predict,
+                            sampling=greedy,
+                            language=lang,
+                            oracle=refs.get((lang, i)) if mode in ORACLES else None,
+                        )
                     )
-                )
-                totals[lang][mode].add(res)
-                outputs[mode] = res.tokens
-                done += 1
-                if progress:
-                    el = time.perf_counter() - t_start
-                    print(
-                        f"\r[{done}/{n_runs}] {lang:<10} {mode:<11} "
-                        f"{len(res.tokens) / max(res.predicted_ms, 1e-9) * 1e3:7.1f} tok/s "
-                        f"elapsed {el:5.0f}s eta {el / done * (n_runs - done):5.0f}s",
-                        end="",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-            ref = outputs["target-only"]
-            for mode, out in outputs.items():
-                t = totals[lang][mode]
-                t.identical += out == ref
-                if out != ref:
-                    n = min(len(out), len(ref))
-                    t.first_divergence.append(next((j for j in range(n) if out[j] != ref[j]), n))
-                    if mode in EXACT:
+                    totals[(r, lang, mode)].add(res)
+                    outputs[mode] = res.tokens
+                    if mode == "target-only" and (lang, i) not in refs:
                         engine.settings = settings
-                        t.gaps.append(divergence_gap(engine, prompt, ref, out))
-                n = min(len(out), len(ref))
-                t.compared_tokens += max(len(out), len(ref))
-                t.differing_tokens += sum(a != b for a, b in zip(out[:n], ref[:n], strict=True))
-                t.differing_tokens += abs(len(out) - len(ref))
+                        greedy_draft, draft_ms = draft_greedy(engine, prompt, res.tokens)
+                        refs[(lang, i)] = DepthOracle.of(res.tokens, greedy_draft, draft_ms)
+                    done += 1
+                    if progress:
+                        el = time.perf_counter() - t_start
+                        print(
+                            f"\r[{done}/{n_runs}] {lang:<10} {mode:<11} "
+                            f"{len(res.tokens) / max(res.predicted_ms, 1e-9) * 1e3:7.1f} tok/s "
+                            f"elapsed {el:5.0f}s eta {el / done * (n_runs - done):5.0f}s",
+                            end="",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+                ref = outputs["target-only"]
+                for mode, out in outputs.items():
+                    t = totals[(r, lang, mode)]
+                    t.identical += out == ref
+                    if out != ref:
+                        n = min(len(out), len(ref))
+                        t.first_divergence.append(
+                            next((j for j in range(n) if out[j] != ref[j]), n)
+                        )
+                        if mode in EXACT:
+                            engine.settings = settings
+                            t.gaps.append(divergence_gap(engine, prompt, ref, out))
+                    n = min(len(out), len(ref))
+                    t.compared_tokens += max(len(out), len(ref))
+                    t.differing_tokens += sum(a != b for a, b in zip(out[:n], ref[:n], strict=True))
+                    t.differing_tokens += abs(len(out) - len(ref))
     if progress:
         print(file=sys.stderr)
-    overall = {m: Totals() for m in modes}
-    for lang in languages:
-        for m in modes:
-            overall[m].merge(totals[lang][m])
-    rows = [_row(lang, m, totals[lang]) for lang in languages for m in modes]
-    rows += [_row("overall", m, overall) for m in modes]
+
+    def total(lang: str | None, mode: str, r: int | None = None) -> Totals:
+        out = Totals()
+        for (rr, lg, m), t in totals.items():
+            if m == mode and (lang is None or lg == lang) and (r is None or rr == r):
+                out.merge(t)
+        return out
+
+    rows = []
+    spread: dict[str, dict[str, list[float]]] = {}  # per-round vs-today ratios
+    for lang in (*languages, None):
+        label = lang or "overall"
+        by_mode = {m: total(lang, m) for m in modes}
+        rows += [_row(label, m, by_mode) for m in modes]
+        per_round = [{m: total(lang, m, r) for m in modes} for r in range(rounds)]
+        spread[label] = {
+            m: [round(_ratio(pr[m], pr["today"]), 3) for pr in per_round] for m in modes
+        }
     return {
         "target": target,
         "draft": draft,
@@ -270,8 +321,49 @@ def run(
         "accept_p_min": accept_p_min,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "wall_s": round(time.perf_counter() - t_start, 1),
+        "rounds": rounds,
         "rows": rows,
+        "vs_today_by_round": spread,
     }
+
+
+def _ratio(t: Totals, base: Totals) -> float:
+    return t.tok_s / base.tok_s if base.tok_s else 0.0
+
+
+def draft_greedy(
+    engine: Engine, prompt: list[int], output: list[int], n_timed: int = 8
+) -> tuple[list[int], float]:
+    """The draft model's greedy token at each position of ``output`` (after the prompt's
+    draft window and the output before it), in one pass over slot 1's draft sequence; and
+    the ms of one draft token's decode (the median of ``n_timed`` single-token decodes of the
+    output, as drafting runs them)."""
+    pair = engine.pair
+    st = engine.slots[1].draft
+    if pair.dcache is None or pair.dctx is None or st is None or not output:
+        return [], -1.0
+    window = prompt[draft_window_start(len(prompt), pair.settings.spec.draft_window) :]
+    seq = window + output[:-1]
+    first = len(window) - 1  # the row whose logits give output[0]
+    engine.clear_slot(1)
+    out: list[int] = []
+    n_batch = pair.dctx.n_batch
+    try:
+        for at in range(0, len(seq), n_batch):
+            chunk = seq[at : at + n_batch]
+            rows = [j for j in range(len(chunk)) if at + j >= first]
+            pair.dcache.append(st, chunk, logits=rows)
+            out += [int(pair.dctx.logits(j).argmax()) for j in rows]
+        pair.dcache.truncate(st, len(window))
+        times = []
+        for tok in output[:n_timed]:
+            t0 = time.perf_counter()
+            pair.dcache.append(st, [tok], logits="last")
+            pair.dctx.logits(-1).argmax()
+            times.append((time.perf_counter() - t0) * 1000.0)
+    finally:
+        engine.clear_slot(1)
+    return out, statistics.median(times) if times else -1.0
 
 
 def _row(language: str, mode: str, by_mode: dict[str, Totals]) -> dict[str, Any]:
@@ -305,6 +397,8 @@ def format_table(result: dict[str, Any]) -> str:
     )
     lines = [head, "-" * len(head)]
     for r in result["rows"]:
+        if r["mode"] == "target-only" and r["language"] != "overall":
+            continue  # its tok/s is each row's "vs tgt" base: overall's is shown
         acc = f"{r['acceptance']:.0%}" if r["acceptance"] is not None else "-"
         mean = f"{r['mean_accepted']:.2f}" if r["mean_accepted"] is not None else "-"
         lines.append(
@@ -312,15 +406,32 @@ def format_table(result: dict[str, Any]) -> str:
             f"{(r['vs_target'] or 0):>7.2f}x{(r['vs_today'] or 0):>8.2f}x{acc:>8}{mean:>9}"
             f"{r['identical']:>5}/{r['requests']:<4}{r['differing_token_share']:>8.1%}"
         )
-    gate = f" and no drafts above {result['entropy_max']} nats" if result["entropy_max"] else ""
-    lines.append(
-        f"({result['per_language']} files per language, {result['n_predict']} tokens each, "
-        f"greedy, {result['threads']} threads; today: auto; by-context: auto with each "
-        f"language's own record{gate}; relaxed: "
-        f"auto, top-{result['accept_top_k']} above p {result['accept_p_min']}; identical: "
-        "outputs equal to target-only's (the JSON has the logit gap where an exact mode's "
-        "parted); diff tok: share of tokens that differ)"
-    )
+    rounds = result.get("rounds", 1)
+    spread = result.get("vs_today_by_round", {}).get("overall", {})
+    if rounds > 1 and spread:
+        lines.append(
+            "overall vs today per round: "
+            + "; ".join(
+                f"{m} {min(v):.2f}-{max(v):.2f}x"
+                for m, v in spread.items()
+                if m not in ("today", "target-only")
+            )
+        )
+    modes = {r["mode"] for r in result["rows"]}
+    gate = f", entropy gate {result['entropy_max']}" if result["entropy_max"] else ""
+    notes = [
+        f"{result['per_language']} files/language x {rounds} rounds, {result['n_predict']} "
+        f"tokens, greedy, {result['threads']} threads"
+    ]
+    said = {
+        "by-context": f"by-context: own record per language{gate}",
+        "relaxed": f"relaxed: top-{result['accept_top_k']}, p >= {result['accept_p_min']}",
+        "ngram-auto": "ngram-auto: auto without the draft model",
+        "oracle": "oracle: exactly the accepted drafts",
+        "oracle-ngram": "oracle-ngram: n-grams only",
+    }
+    notes += [text for mode, text in said.items() if mode in modes]
+    lines.append("(" + "; ".join(notes) + ")")
     return "\n".join(lines)
 
 
@@ -342,7 +453,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--entropy-max", type=float, default=2.5, help="by-context's gate (nats)")
     ap.add_argument("--top-k", type=int, default=3, help="relaxed: rank limit")
     ap.add_argument("--p-min", type=float, default=0.1, help="relaxed: probability floor")
+    ap.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help="comma-separated, of " + ", ".join(MODES) + " (target-only and today always run)",
+    )
+    ap.add_argument("--rounds", type=int, default=1, help="passes over the prompts (spread)")
     args = ap.parse_args(argv)
+    modes_run = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    unknown = [m for m in modes_run if m not in MODES]
+    if unknown:
+        ap.error(f"unknown mode(s): {', '.join(unknown)}")
     for path in (args.target, args.draft):
         if not Path(path).is_file():
             ap.error(f"model file not found: {path}")
@@ -356,6 +477,8 @@ def main(argv: list[str] | None = None) -> int:
         entropy_max=args.entropy_max,
         accept_top_k=args.top_k,
         accept_p_min=args.p_min,
+        modes_run=modes_run,
+        rounds=max(1, args.rounds),
     )
     table = format_table(result)
     print(table)

@@ -96,6 +96,8 @@ class Completion:
             # the cost model caps the length; p_min only has to stop hopeless drafts (a
             # small draft model is often unsure of tokens the target then accepts)
             self.p_min = min(self.p_min, ADAPTIVE_P_MIN)
+        if req.oracle is not None:
+            self.p_min = 0.0  # the oracle knows which tokens pass, not the draft's confidence
         self.sampler = Sampler(req.sampling, pair.tctx, pair.vocab.handle, req.prompt)
         self.result = GenerationResult(tokens=[], text="", stop_type="none")
         self.result.n_prompt = len(req.prompt)
@@ -126,7 +128,11 @@ class Completion:
 
     def _policy(self, *, pipelined: bool) -> SpecPolicy:
         policy = self.pair.policy_for(
-            pipelined, self.pair.settings.spec, self.p_min, self.req.language
+            pipelined,
+            self.pair.settings.spec,
+            self.p_min,
+            self.req.language,
+            oracle=self.req.oracle is not None,
         )
         policy.n_max = max(self.n_max, 1)
         return policy
@@ -469,6 +475,8 @@ class Completion:
         self.policy.verify = self.pair.step_costs(self.pipe is not None)
         if self.mode == "off" or room < 1 or self.ngram is None:
             return "", "", []
+        if self.req.oracle is not None and self.pipe is None:
+            return self._oracle_draft(min(self.n_max, room))
         entropy_max = self.pair.settings.spec.entropy_max
         if entropy_max > 0 and self.entropy > entropy_max:
             return "", "", []  # the target is unsure here: its drafts would be rejected
@@ -509,6 +517,27 @@ class Completion:
             source, key, draft = "", "", []
         res.t_draft_ms += (time.perf_counter() - td) * 1000.0
         return source, key, draft
+
+    def _oracle_draft(self, n_max: int) -> tuple[str, str, list[int]]:
+        """A benchmark's ceiling (engine/oracle.py): exactly the draft the target accepts, from
+        the source that yields more per ms, or a plain step."""
+        oracle = self.req.oracle
+        assert oracle is not None and self.ngram is not None
+        pos = len(self.out)
+        ngram, match = self.ngram.draft(n_max)
+        ngram_run = oracle.accepted(pos, ngram)
+        model_ok = self.draft_ok and self.mode in ("draft", "hybrid", "auto")
+        draft_run = min(oracle.draft_run(pos), n_max) if model_ok else 0
+        td = time.perf_counter()
+        draft_ms = oracle.draft_ms if oracle.draft_ms >= 0 else self.policy.source("draft").cost_ms
+        source, k = oracle.choose(ngram_run, draft_run, self.policy.verify, draft_ms)
+        out: tuple[str, str, list[int]] = ("", "", [])
+        if source == "ngram":
+            out = ("ngram", ngram_source(match), ngram[:k])
+        elif source == "draft":
+            out = ("draft", "draft", self.draft_with_fallback(k))
+        self.result.t_draft_ms += (time.perf_counter() - td) * 1000.0
+        return out if out[2] else ("", "", [])
 
     def _pipelined_draft(self, n_max: int, auto: bool) -> list[int]:
         """What the draft thread has ready; its cost is hidden, so the policy only weighs

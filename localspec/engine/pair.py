@@ -168,15 +168,23 @@ class ModelPair:
         return need <= (self.governor.threads() if self.governor else physical_cores())
 
     def policy_for(
-        self, pipelined: bool, spec: SpecSettings, p_min: float, language: str | None = None
+        self,
+        pipelined: bool,
+        spec: SpecSettings,
+        p_min: float,
+        language: str | None = None,
+        *,
+        oracle: bool = False,
     ) -> SpecPolicy:
         """The acceptance model of this way of running: a pipelined draft changes what a draft
         costs, and the mode and p_min change what a draft's outcome means (a fixed p_min of
         0.75 turns many would-be-accepted drafts into misses). Its step costs are those of
         the threads the target runs on now. With ``spec.by_language`` each language has its
         own (acceptance differs by tens of points between languages: Python's boilerplate
-        pays long drafts where shell's does not)."""
-        key = (pipelined, spec.mode, spec.adaptive, p_min, language if spec.by_language else None)
+        pays long drafts where shell's does not). Relaxed acceptance and a benchmark's oracle
+        (engine/oracle.py) keep records of their own: their runs are not an exact policy's."""
+        lang = language if spec.by_language else None
+        key = (pipelined, spec.mode, spec.adaptive, p_min, lang, spec.accept, oracle)
         pol = self._policies.get(key)
         if pol is None:
             pol = SpecPolicy(hidden=("draft",) if pipelined else ())

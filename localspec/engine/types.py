@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from localspec.engine.oracle import DepthOracle
 from localspec.planning.types import AUX_ROOM
 
 SpecMode = Literal["off", "draft", "ngram", "hybrid", "auto"]
@@ -244,6 +245,8 @@ class GenerationRequest:
     # the code's language label (localspec.language); with SpecSettings.by_language each
     # language keeps its own acceptance record, which sets its draft lengths
     language: str | None = None
+    # a benchmark's ceiling: drafts cut to what the target will accept (engine/oracle.py)
+    oracle: DepthOracle | None = None
 
 
 @dataclass(frozen=True)
