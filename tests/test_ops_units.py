@@ -68,13 +68,14 @@ def test_request_log_outcomes_and_text_line() -> None:
 
 
 def test_unused_engine_namespace_is_enough_for_probes() -> None:
+    from localspec.server.metrics import Restores
     from localspec.server.state import _probes
 
     worker = SimpleNamespace(
         queued=0, busy=False, n_cancelled=0, slots=[],
         engine=SimpleNamespace(model_path="/m/t.gguf", draft_path="/m/d.gguf"),
     )  # fmt: skip
-    probes = _probes(worker)  # type: ignore[arg-type]
+    probes = _probes(worker, Restores())  # type: ignore[arg-type]
     assert probes.model_files() == {"target": "/m/t.gguf", "draft": "/m/d.gguf"}
 
 
