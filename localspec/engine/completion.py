@@ -485,8 +485,9 @@ class Completion:
         n_min = max(self.n_min, 1)
         td = time.perf_counter()
         source, key, draft = "", "", []
+        spec = self.pair.settings.spec
         if self.mode in ("ngram", "hybrid", "auto"):
-            draft, match = self.ngram.draft(n_max)
+            draft, match = self.ngram.draft(n_max, agree=spec.ngram_agree)
             source, key = "ngram", ngram_source(match)
             if auto and draft:
                 draft = draft[: self.policy.plan(key)]
@@ -500,7 +501,9 @@ class Completion:
             source, key, draft = "", "", []
             if self.draft_ok and self.mode in ("draft", "hybrid", "auto"):
                 k = n_max
-                if auto:
+                if auto and self._draft_too_costly(spec.draft_cost_max):
+                    k = 0
+                elif auto:
                     probe_ok = self._draft_probe_is_cheap()
                     k = min(k, self.policy.plan("draft", allow_probe=probe_ok))
                     if k >= n_min and self.dbase is None and not self._draft_prefill_pays():
@@ -517,6 +520,12 @@ class Completion:
             source, key, draft = "", "", []
         res.t_draft_ms += (time.perf_counter() - td) * 1000.0
         return source, key, draft
+
+    def _draft_too_costly(self, share: float) -> bool:
+        """Whether the draft model's measured per-token cost is at least ``share`` of a target
+        step (``share`` 0: never; unmeasured: not yet, so its one probe measures it)."""
+        cost, t1 = self.policy.source("draft").cost_ms, self.policy.verify.t1
+        return share > 0 and cost >= 0 and t1 > 0 and cost >= share * t1
 
     def _oracle_draft(self, n_max: int) -> tuple[str, str, list[int]]:
         """A benchmark's ceiling (engine/oracle.py): exactly the draft the target accepts, from
