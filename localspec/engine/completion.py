@@ -501,7 +501,7 @@ class Completion:
             source, key, draft = "", "", []
             if self.draft_ok and self.mode in ("draft", "hybrid", "auto"):
                 k = n_max
-                if auto and self._draft_too_costly(spec.draft_cost_max):
+                if auto and self.policy.model_too_costly(spec.draft_cost_max):
                     k = 0
                 elif auto:
                     probe_ok = self._draft_probe_is_cheap()
@@ -520,12 +520,6 @@ class Completion:
             source, key, draft = "", "", []
         res.t_draft_ms += (time.perf_counter() - td) * 1000.0
         return source, key, draft
-
-    def _draft_too_costly(self, share: float) -> bool:
-        """Whether the draft model's measured per-token cost is at least ``share`` of a target
-        step (``share`` 0: never; unmeasured: not yet, so its one probe measures it)."""
-        cost, t1 = self.policy.source("draft").cost_ms, self.policy.verify.t1
-        return share > 0 and cost >= 0 and t1 > 0 and cost >= share * t1
 
     def _oracle_draft(self, n_max: int) -> tuple[str, str, list[int]]:
         """A benchmark's ceiling (engine/oracle.py): exactly the draft the target accepts, from
