@@ -431,6 +431,8 @@ def format_table(result: dict[str, Any]) -> str:
         "by-context": f"by-context: own record per language{gate}",
         "relaxed": f"relaxed: top-{result['accept_top_k']}, p >= {result['accept_p_min']}",
         "ngram-auto": "ngram-auto: auto without the draft model",
+        "agree": "agree: n-gram drafts end where the context disagrees",
+        "exact-depth": "exact-depth: agree, draft model only under half a step",
         "oracle": "oracle: exactly the accepted drafts",
         "oracle-ngram": "oracle-ngram: n-grams only",
     }
