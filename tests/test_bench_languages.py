@@ -32,7 +32,7 @@ def test_bench_languages_table_and_json(
     langs = [lang for lang, files in result["files"].items() if files] + ["overall"]
     for lang in langs:
         assert {m for (lg, m) in rows if lg == lang} == set(languages.MODES)
-        for mode in ("today", "by-context"):  # exact modes: the target's own output
+        for mode in ("today", "by-context", "agree", "exact-depth"):  # exact: the target's output
             assert rows[(lang, mode)]["identical"] == rows[(lang, mode)]["requests"] > 0
             assert rows[(lang, mode)]["divergence_logit_gaps"] == []
         assert rows[(lang, "target-only")]["drafted"] == 0

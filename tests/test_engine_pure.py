@@ -202,12 +202,42 @@ def test_ngram_draft_runs_on_through_a_short_period() -> None:
     assert far.draft(3)[0] == [3, 4, 5]
 
 
+def test_ngram_draft_ends_where_the_earlier_occurrences_disagree() -> None:
+    """``agree``: "1 2" was followed by "3 4 7", "3 5 9" and "3 4 9": only the 3 is sure."""
+    toks = [1, 2, 3, 4, 9, 1, 2, 3, 5, 9, 1, 2, 3, 4, 7, 8, 1, 2]
+    assert NgramIndex(toks).draft(4) == ([3, 4, 7, 8], 2)  # the most recent, all of it
+    assert NgramIndex(toks).draft(4, agree=True) == ([3], 2)
+    # an occurrence whose match is shorter than the best one has no say
+    longer = [0, 1, 2, 3, 4, 9, 5, 1, 2, 3, 5, 9, 0, 1, 2]
+    assert NgramIndex(longer).draft(3, agree=True) == ([3, 4, 9], 3)
+    # occurrences agree as far as their continuations go: a short period still drafts on
+    periodic = [5, 6, 0, 1, 0, 1, 0, 1]
+    assert NgramIndex(periodic).draft(7, agree=True)[0] == [0, 1, 0, 1, 0, 1, 0]
+    # every occurrence disagrees on the first token: no draft
+    split = [1, 2, 5, 1, 2, 6, 1, 2]
+    assert NgramIndex(split).draft(3, agree=True)[0] == []
+
+
 def test_ngram_no_match() -> None:
     idx = NgramIndex([1, 2, 3, 4], n_min=2)
     assert idx.draft(4) == ([], 0)
 
 
 # --- policy ------------------------------------------------------------------------------
+def test_draft_model_only_while_its_token_costs_under_a_share_of_a_step() -> None:
+    pol = SpecPolicy()
+    assert not pol.model_too_costly(0.5)  # nothing measured: a probe measures it
+    pol.observe_target(1, 18.0)
+    assert not pol.model_too_costly(0.5)  # the draft model's cost is not measured yet
+    pol.observe_draft_cost("draft", 12.0)  # a Q4_1 SmolLM2 token beside its f32 target
+    assert pol.model_too_costly(0.5)
+    assert not pol.model_too_costly(0.0)  # 0: no cap
+    pol.observe_draft_cost("draft", 1.0)
+    pol.observe_draft_cost("draft", 1.0)
+    pol.observe_draft_cost("draft", 1.0)
+    assert not pol.model_too_costly(0.5)  # 12 -> 7.7 -> 6.4 -> 5.3 ms: under 9
+
+
 def cpu_like_policy(n_max: int = 16) -> SpecPolicy:
     """Verify costs as measured on a 2-core CPU: a batch of 5 costs 2x a single token."""
     pol = SpecPolicy(n_max=n_max)

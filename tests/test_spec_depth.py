@@ -109,3 +109,28 @@ def test_the_server_hands_the_language_to_the_engine(
         assert len(rust) > 0
     finally:
         stop(live)
+
+
+def test_ngram_drafts_end_where_the_context_disagrees(engine: Engine) -> None:
+    """``ngram_agree`` on the real engine: after the target's 1003, "1002 1003" went on with
+    1004 1005 once and 1004 1009 once, so only 1004 is drafted; output unchanged."""
+    first = [1000, 1001, 1002, 1003, 1004, 1005, 7]
+    prompt = [*first, *first[:5], 1009, 9, *first[:3]]
+    base = engine.settings
+    steps = {}
+    try:
+        for agree in (False, True):
+            spec = replace(base.spec, mode="ngram", ngram_agree=agree)
+            engine.settings = replace(base, spec=spec)
+            req = GenerationRequest(slot=0, prompt=prompt, n_predict=8, sampling=GREEDY)
+            res = engine.generate(req)
+            assert res.tokens == follow_chain(prompt[-1], 8)
+            steps[agree] = res.spec_steps[0]
+        # and with the draft model capped by its cost (the candidate default): still exact
+        spec = replace(base.spec, ngram_agree=True, draft_cost_max=0.5)
+        engine.settings = replace(base, spec=spec)
+        assert engine.generate(req).tokens == follow_chain(prompt[-1], 8)
+    finally:
+        engine.settings = base
+    assert steps[False] == ("ngram", 6, 1)  # the most recent occurrence: 1004 1009 9 ...
+    assert steps[True] == ("ngram", 1, 1)

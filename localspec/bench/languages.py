@@ -53,6 +53,10 @@ MODES: dict[str, dict[str, Any]] = {
     "relaxed": {"mode": "auto", "accept": "topk"},  # + accept_top_k / accept_p_min
     # today's cost model without the draft model (where a draft token costs nearly a step)
     "ngram-auto": {"mode": "ngram", "adaptive": True},
+    # n-gram drafts end where the match's earlier occurrences disagree (SpecSettings.ngram_agree)
+    "agree": {"mode": "auto", "ngram_agree": True},
+    # the same, and the draft model only while a draft token costs under half a target step
+    "exact-depth": {"mode": "auto", "ngram_agree": True, "draft_cost_max": 0.5},
     # the ceiling of any depth policy with this pair (engine/oracle.py): knows the target's
     # output, drafts exactly what it accepts (on this thread: the oracle weighs draft costs)
     "oracle": {"mode": "auto", "pipeline": False},
@@ -60,7 +64,7 @@ MODES: dict[str, dict[str, Any]] = {
     # drafts spend time that n-gram drafts a few tokens later would have saved for free
     "oracle-ngram": {"mode": "ngram", "pipeline": False},
 }
-EXACT = ("today", "by-context", "ngram-auto", "oracle", "oracle-ngram")
+EXACT = ("today", "by-context", "ngram-auto", "agree", "exact-depth", "oracle", "oracle-ngram")
 ORACLES = ("oracle", "oracle-ngram")
 SCAN_PER_ROOT = 20_000  # files looked at under each search root, at most
 MIN_BYTES, MAX_BYTES = 3_000, 400_000
@@ -427,6 +431,8 @@ def format_table(result: dict[str, Any]) -> str:
         "by-context": f"by-context: own record per language{gate}",
         "relaxed": f"relaxed: top-{result['accept_top_k']}, p >= {result['accept_p_min']}",
         "ngram-auto": "ngram-auto: auto without the draft model",
+        "agree": "agree: n-gram drafts end where the context disagrees",
+        "exact-depth": "exact-depth: agree, draft model only under half a step",
         "oracle": "oracle: exactly the accepted drafts",
         "oracle-ngram": "oracle-ngram: n-grams only",
     }

@@ -485,8 +485,9 @@ class Completion:
         n_min = max(self.n_min, 1)
         td = time.perf_counter()
         source, key, draft = "", "", []
+        spec = self.pair.settings.spec
         if self.mode in ("ngram", "hybrid", "auto"):
-            draft, match = self.ngram.draft(n_max)
+            draft, match = self.ngram.draft(n_max, agree=spec.ngram_agree)
             source, key = "ngram", ngram_source(match)
             if auto and draft:
                 draft = draft[: self.policy.plan(key)]
@@ -500,7 +501,9 @@ class Completion:
             source, key, draft = "", "", []
             if self.draft_ok and self.mode in ("draft", "hybrid", "auto"):
                 k = n_max
-                if auto:
+                if auto and self.policy.model_too_costly(spec.draft_cost_max):
+                    k = 0
+                elif auto:
                     probe_ok = self._draft_probe_is_cheap()
                     k = min(k, self.policy.plan("draft", allow_probe=probe_ok))
                     if k >= n_min and self.dbase is None and not self._draft_prefill_pays():

@@ -30,8 +30,12 @@ class NgramIndex:
                 start = len(toks) - n
                 self.index.setdefault(tuple(toks[start:]), []).append(start)
 
-    def draft(self, n_max: int, *, max_candidates: int = 16) -> tuple[list[int], int]:
-        """Up to ``n_max`` proposed tokens and the match length they rest on ((), 0 if none)."""
+    def draft(
+        self, n_max: int, *, max_candidates: int = 16, agree: bool = False
+    ) -> tuple[list[int], int]:
+        """Up to ``n_max`` proposed tokens and the match length they rest on ((), 0 if none).
+        ``agree``: the draft ends where the other occurrences of a match as long disagree on
+        what followed (the text went on in more than one way there; the target picks one)."""
         toks, n = self.tokens, self.n_min
         if n_max <= 0 or len(toks) <= n:
             return [], 0
@@ -40,6 +44,7 @@ class NgramIndex:
         if not cands:
             return [], 0
         best_start, best_len = -1, 0
+        found: list[tuple[int, int]] = []
         # most recent first; the last entry is the tail itself
         for start in reversed(cands[-max_candidates - 1 :]):
             if start + n >= end:
@@ -51,6 +56,7 @@ class NgramIndex:
                 and toks[start - (length - n) - 1] == toks[end - length - 1]
             ):
                 length += 1
+            found.append((start, length))
             if length > best_len:
                 best_start, best_len = start, length
         if best_start < 0:
@@ -58,10 +64,31 @@ class NgramIndex:
         follow = best_start + n
         period = end - follow  # the tail repeats what came this many tokens earlier
         if period >= n_max:
-            return toks[follow : follow + n_max], best_len
-        # a continuation that runs into the tail goes on with the same period: a table row,
-        # a run of "0, 0, 0" (copying the draft itself, as if the text kept repeating)
-        out = toks[follow:end]
-        while len(out) < n_max:
-            out.append(out[len(out) - period])
+            out = toks[follow : follow + n_max]
+        else:
+            # a continuation that runs into the tail goes on with the same period: a table
+            # row, a run of "0, 0, 0" (copying the draft itself, as if the text kept repeating)
+            out = toks[follow:end]
+            while len(out) < n_max:
+                out.append(out[len(out) - period])
+        if agree:
+            out = out[: self._agreed(out, found, best_start, best_len)]
         return out, best_len
+
+    def _agreed(
+        self, out: list[int], found: list[tuple[int, int]], best: int, best_len: int
+    ) -> int:
+        """How many of ``out``'s tokens every other occurrence of a match of ``best_len``
+        tokens continued with too (as far as each occurrence's continuation goes)."""
+        toks, n, end = self.tokens, self.n_min, len(self.tokens)
+        agreed = len(out)
+        for start, length in found:
+            if start == best or length < best_len:
+                continue
+            follow = start + n
+            j = 0
+            while j < agreed and follow + j < end and toks[follow + j] == out[j]:
+                j += 1
+            if follow + j < end:  # stopped on a disagreement, not on the context's end
+                agreed = j
+        return agreed

@@ -184,7 +184,8 @@ class ModelPair:
         pays long drafts where shell's does not). Relaxed acceptance and a benchmark's oracle
         (engine/oracle.py) keep records of their own: their runs are not an exact policy's."""
         lang = language if spec.by_language else None
-        key = (pipelined, spec.mode, spec.adaptive, p_min, lang, spec.accept, oracle)
+        key = (pipelined, spec.mode, spec.adaptive, p_min, lang, spec.accept, oracle,
+               spec.ngram_agree, spec.draft_cost_max)  # fmt: skip
         pol = self._policies.get(key)
         if pol is None:
             pol = SpecPolicy(hidden=("draft",) if pipelined else ())

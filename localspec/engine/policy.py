@@ -239,6 +239,14 @@ class SpecPolicy:
         # off: a short probe once the back-off expires keeps the estimate fresh
         return min(self.probe_len, cap) if allow_probe else 0
 
+    def model_too_costly(self, share: float) -> bool:
+        """Whether a draft model token costs at least ``share`` of a target step (``share`` 0:
+        never; unmeasured: not yet, so a probe measures it). Its cost model prices the tokens
+        but not the catch-ups that keep its cache in step, and a step it drafts is one the free
+        n-gram drafts cannot use: where a token costs most of a step, n-grams alone win."""
+        cost, t1 = self.source("draft").cost_ms, self.verify.t1
+        return share > 0 and cost >= 0 and t1 > 0 and cost >= share * t1
+
     def is_off(self, source: str, lead: int = 0) -> bool:
         """Whether ``source`` is switched off for at least ``lead`` more steps."""
         return self.step + lead < self.source(source).off_until

@@ -81,6 +81,13 @@ class SpecSettings:
     # no drafting while the target's recent entropy (nats, an average over its last steps) is
     # above this: the target is unsure, so the drafts would be rejected; 0: off
     entropy_max: float = 0.0
+    # an n-gram draft stops where the earlier occurrences of its (longest) match disagree on
+    # what came next: past that point half its tokens were rejected
+    ngram_agree: bool = False
+    # auto mode: the draft model drafts only while its measured per-token cost is below this
+    # share of a target step (0: any cost the cost model accepts); a costly draft's time, its
+    # catch-up included, is better left to the free n-gram drafts a few tokens later
+    draft_cost_max: float = 0.0
 
 
 @dataclass(frozen=True)
