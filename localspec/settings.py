@@ -229,6 +229,18 @@ class SpeculativeSettings(_Section):
         le=20.0,
         description="skip drafting while the target's entropy (nats) is above this; 0: never",
     )
+    ngram_agree: bool = Field(
+        False,
+        description="an n-gram draft stops where the earlier occurrences of its match went on "
+        "differently",
+    )
+    draft_cost_max: float = Field(
+        0.0,
+        ge=0.0,
+        le=10.0,
+        description="auto: the draft model drafts only while its token costs less than this "
+        "share of a target step (n-gram drafts otherwise); 0: any cost the cost model accepts",
+    )
 
     @model_validator(mode="after")
     def _min_below_max(self) -> SpeculativeSettings:

@@ -103,6 +103,8 @@ def with_speculation_extras(engine: EngineSettings, settings: Settings) -> Engin
             accept_p_min=spec.accept_p_min,
             by_language=spec.by_language,
             entropy_max=spec.entropy_max,
+            ngram_agree=spec.ngram_agree,
+            draft_cost_max=spec.draft_cost_max,
             pipeline=PIPELINE[spec.pipeline],
         ),
     )
