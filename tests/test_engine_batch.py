@@ -40,16 +40,22 @@ T = TypeVar("T")
 GREEDY = SamplingParams(top_k=1, temperature=0.0)
 
 
-@pytest.fixture(scope="module")
-def engine(qwen_target: Path, qwen_draft: Path) -> Iterator[Engine]:
+def hybrid_pair(target: Path, draft: Path, *, n_slots: int, prefill_chunk: int) -> Engine:
+    """The fixture pair drafting in hybrid mode at any confidence, the draft thread off, so
+    what is drafted does not follow timing."""
     s = EngineSettings(
-        target=model_settings(qwen_target),
-        draft=model_settings(qwen_draft),
-        n_slots=2,
-        prefill_chunk=64,
+        target=model_settings(target),
+        draft=model_settings(draft),
+        n_slots=n_slots,
+        prefill_chunk=prefill_chunk,
         spec=SpecSettings(mode="hybrid", n_max=4, p_min=0.0, pipeline=False),
     )
-    with Engine.load(s) as eng:
+    return Engine.load(s)
+
+
+@pytest.fixture(scope="module")
+def engine(qwen_target: Path, qwen_draft: Path) -> Iterator[Engine]:
+    with hybrid_pair(qwen_target, qwen_draft, n_slots=2, prefill_chunk=64) as eng:
         yield eng
 
 

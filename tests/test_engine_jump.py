@@ -15,31 +15,21 @@ import pytest
 
 from localspec.engine import (
     Engine,
-    EngineSettings,
     GenerationRequest,
     GenerationResult,
     SamplingParams,
-    SpecSettings,
     Task,
 )
 from localspec.engine.scheduler import BEHIND_CHUNK
 from localspec.engine.types import PromptLayout
-from tests.test_engine_batch import each_batch, prompts
-from tests.test_engine_exact import model_settings
+from tests.test_engine_batch import each_batch, hybrid_pair, prompts
 
 GREEDY = SamplingParams(top_k=1, temperature=0.0)
 
 
 @pytest.fixture(scope="module")
 def engine(qwen_target: Path, qwen_draft: Path) -> Iterator[Engine]:
-    s = EngineSettings(
-        target=model_settings(qwen_target),
-        draft=model_settings(qwen_draft),
-        n_slots=1,
-        prefill_chunk=128,
-        spec=SpecSettings(mode="hybrid", n_max=4, p_min=0.0, pipeline=False),
-    )
-    with Engine.load(s) as eng:
+    with hybrid_pair(qwen_target, qwen_draft, n_slots=1, prefill_chunk=128) as eng:
         yield eng
 
 
