@@ -57,6 +57,17 @@ MODES: dict[str, dict[str, Any]] = {
     "agree": {"mode": "auto", "ngram_agree": True},
     # the same, and the draft model only while a draft token costs under half a target step
     "exact-depth": {"mode": "auto", "ngram_agree": True, "draft_cost_max": 0.5},
+    # each step the n-gram draft or the draft model's, by expected yield per ms (the model's
+    # catch-up priced in); the model drafts past unsure tokens while the target takes them
+    "context": {"mode": "auto", "weigh_sources": True, "learn_p_min": True},
+    "context-agree": {
+        "mode": "auto",
+        "weigh_sources": True,
+        "learn_p_min": True,
+        "ngram_agree": True,
+    },
+    # agree's n-gram drafts and today's cost model, no draft model
+    "ngram-agree": {"mode": "ngram", "adaptive": True, "ngram_agree": True},
     # the ceiling of any depth policy with this pair (engine/oracle.py): knows the target's
     # output, drafts exactly what it accepts (on this thread: the oracle weighs draft costs)
     "oracle": {"mode": "auto", "pipeline": False},
@@ -64,7 +75,18 @@ MODES: dict[str, dict[str, Any]] = {
     # drafts spend time that n-gram drafts a few tokens later would have saved for free
     "oracle-ngram": {"mode": "ngram", "pipeline": False},
 }
-EXACT = ("today", "by-context", "ngram-auto", "agree", "exact-depth", "oracle", "oracle-ngram")
+EXACT = (
+    "today",
+    "context",
+    "context-agree",
+    "by-context",
+    "ngram-auto",
+    "agree",
+    "exact-depth",
+    "ngram-agree",
+    "oracle",
+    "oracle-ngram",
+)
 ORACLES = ("oracle", "oracle-ngram")
 SCAN_PER_ROOT = 20_000  # files looked at under each search root, at most
 MIN_BYTES, MAX_BYTES = 3_000, 400_000
@@ -433,6 +455,9 @@ def format_table(result: dict[str, Any]) -> str:
         "ngram-auto": "ngram-auto: auto without the draft model",
         "agree": "agree: n-gram drafts end where the context disagrees",
         "exact-depth": "exact-depth: agree, draft model only under half a step",
+        "ngram-agree": "ngram-agree: agree without the draft model",
+        "context": "context: the better source each step, unsure drafts while they pay",
+        "context-agree": "context-agree: context with agree's n-gram drafts",
         "oracle": "oracle: exactly the accepted drafts",
         "oracle-ngram": "oracle-ngram: n-grams only",
     }

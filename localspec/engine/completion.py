@@ -125,6 +125,9 @@ class Completion:
         self._n_before = 0
         self.t_decode0 = 0.0
         self.entropy = 0.0  # the target's recent entropy (EMA, nats), when spec.entropy_max
+        # positions in this step's draft-model draft of tokens drafted below p_min
+        self._unsure: list[int] = []
+        self._learn_p_min = self.auto and spec.learn_p_min and req.spec_p_min is None
 
     def _policy(self, *, pipelined: bool) -> SpecPolicy:
         policy = self.pair.policy_for(
@@ -312,6 +315,11 @@ class Completion:
             st.accepted += accepted
             self.policy.observe_result(key, len(draft), accepted)
             res.spec_steps.append((source, len(draft), accepted))
+            if source == "draft":
+                for j in self._unsure:
+                    if j <= accepted:  # past the first rejection a token says nothing
+                        self.policy.observe_unsure(j < accepted)
+        self._unsure = []
         self.policy.tick()
         events: list[TokenEvent] = []
         n_emitted = 0
@@ -497,7 +505,10 @@ class Completion:
                 if len(cand) >= n_min and self._prefer_draft(cand, key, draft, auto):
                     source = key = "draft"
                     draft = cand
-        elif len(draft) < n_min:
+        elif (auto and spec.weigh_sources and self._model_beats(key, draft)) or (
+            len(draft) < n_min and not (auto and spec.weigh_sources and self.dbase is not None)
+        ):
+            ngram_pick = (source, key, draft) if len(draft) >= n_min else ("", "", [])
             source, key, draft = "", "", []
             if self.draft_ok and self.mode in ("draft", "hybrid", "auto"):
                 k = n_max
@@ -516,10 +527,32 @@ class Completion:
                     source = key = "draft"
                     if not draft:  # the draft model paid a decode and was unsure: a miss
                         self.policy.observe_result("draft", 1, 0)
+            if len(draft) < n_min and not self.model_k:
+                source, key, draft = ngram_pick
         if len(draft) < n_min:
             source, key, draft = "", "", []
         res.t_draft_ms += (time.perf_counter() - td) * 1000.0
         return source, key, draft
+
+    def _model_beats(self, ngram_key: str, ngram: list[int]) -> bool:
+        """Whether the draft model's draft is expected to yield more per ms than the n-gram
+        draft on offer. The model must first catch up on the tokens it has not seen (the
+        n-gram drafts' accepted runs, a new prompt's window): that batch is priced in, at
+        the draft's measured prefill price, so a long n-gram run is not followed by a model
+        draft that spends the time it saved."""
+        policy = self.policy
+        if not self.draft_ok or policy.model_too_costly(self.pair.settings.spec.draft_cost_max):
+            return False
+        k = policy.plan("draft", allow_probe=False)
+        if k < max(self.n_min, 1):
+            return False
+        if self.dbase is None:
+            behind = self._draft_behind() + len(self.out)
+        else:
+            behind = len(self.dbase) + len(self.out) - len(self.dst.tokens)
+        extra = policy.catch_up_ms(behind)
+        ngram_gain = policy.gain(ngram_key, len(ngram)) if ngram else policy.min_gain
+        return policy.gain("draft", k, extra) > ngram_gain
 
     def _oracle_draft(self, n_max: int) -> tuple[str, str, list[int]]:
         """A benchmark's ceiling (engine/oracle.py): exactly the draft the target accepts, from
@@ -691,20 +724,30 @@ class Completion:
             return []
         # catch up on the tokens emitted since the draft last ran (one batch, usually 1-2)
         for i in range(0, len(pending), dctx.n_batch):
-            dcache.append(dst, pending[i : i + dctx.n_batch], logits="last")
+            chunk = pending[i : i + dctx.n_batch]
+            tc = time.perf_counter()
+            dcache.append(dst, chunk, logits="last")
+            self.policy.draft_batches.observe(len(chunk), (time.perf_counter() - tc) * 1000.0)
         proposals: list[int] = []
+        self._unsure = []
         n_target_vocab = pair.vocab.n_vocab
         t0 = time.perf_counter()
         while True:
             row = dctx.logits(-1)
             tok = int(row.argmax())
             p = 1.0 / float(np.exp(row - row[tok]).sum())
-            if p < self.p_min or tok >= n_target_vocab:
+            if tok >= n_target_vocab:
                 break
+            if p < self.p_min:
+                if not (self._learn_p_min and self.policy.unsure_pays()):
+                    break
+                self._unsure.append(len(proposals))
             proposals.append(tok)
             if len(proposals) >= k:
                 break
+            tc = time.perf_counter()
             dcache.append(dst, [tok], logits="last")
+            self.policy.draft_batches.observe(1, (time.perf_counter() - tc) * 1000.0)
         if len(proposals) > 1:
             per_token = (time.perf_counter() - t0) * 1000.0 / (len(proposals) - 1)
             self.policy.observe_draft_cost("draft", per_token)

@@ -185,7 +185,8 @@ class ModelPair:
         (engine/oracle.py) keep records of their own: their runs are not an exact policy's."""
         lang = language if spec.by_language else None
         key = (pipelined, spec.mode, spec.adaptive, p_min, lang, spec.accept, oracle,
-               spec.ngram_agree, spec.draft_cost_max)  # fmt: skip
+               spec.ngram_agree, spec.draft_cost_max, spec.weigh_sources,
+               spec.learn_p_min)  # fmt: skip
         pol = self._policies.get(key)
         if pol is None:
             pol = SpecPolicy(hidden=("draft",) if pipelined else ())

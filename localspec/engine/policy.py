@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 WINDOW = 24  # recent drafts per source that shape its estimate
 MAX_BACKOFF = 256  # steps a failing draft model stays off, at most
 FREE_BACKOFF = 16  # the same for a source whose drafts cost nothing to make
+UNSURE_PRIOR = 0.8  # one pseudo-observation: unsure tokens get drafted until measured
 MIN_PREFILL_SAMPLE = 32  # draft prefills shorter than this do not update its per-token cost
 
 
@@ -116,6 +117,14 @@ class SpecPolicy:
     # measured yet). The target's stands in for the draft's until the draft has prefilled.
     draft_prefill_ms: float = -1.0
     target_prefill_ms: float = -1.0
+    # the draft model's tokens drafted below p_min ("unsure"), by whether the target took
+    # them (SpecSettings.learn_p_min): a draft that is the target's own weights quantized is
+    # unsure where the target is too, and they still agree; a weaker draft's unsure tokens
+    # are mostly rejected
+    unsure: deque[bool] = field(default_factory=lambda: deque(maxlen=2 * WINDOW))
+    # the draft model's decode time by tokens in the batch: a catch-up on a few tokens costs
+    # several times a token's share of a long prefill
+    draft_batches: VerifyCost = field(default_factory=VerifyCost)
 
     def source(self, name: str) -> SourceStats:
         s = self.sources.get(name)
@@ -175,14 +184,16 @@ class SpecPolicy:
             s.backoff = min(s.backoff * 2, MAX_BACKOFF if s.cost_ms != 0.0 else FREE_BACKOFF)
 
     # --- decisions ----------------------------------------------------------------------
-    def gain(self, source: str, k: int) -> float:
-        """Expected speed-up of drafting k tokens from ``source`` over a plain step."""
+    def gain(self, source: str, k: int, extra_ms: float = 0.0) -> float:
+        """Expected speed-up of drafting k tokens from ``source`` over a plain step
+        (``extra_ms``: what making this draft costs beyond its tokens, a catch-up)."""
         s = self.source(source)
         t1 = self.verify.t1
         if k <= 0 or t1 <= 0:
             return 1.0
         produced = s.expected_accepted(k) + 1.0
-        return produced * t1 / (k * max(s.cost_ms, 0.0) + self.verify.cost(k + 1))
+        cost = k * max(s.cost_ms, 0.0) + extra_ms + self.verify.cost(k + 1)
+        return produced * t1 / cost
 
     def best(self, source: str, limit: int | None = None) -> tuple[int, float]:
         """The best draft length (at most ``limit``) and its expected gain."""
@@ -238,6 +249,33 @@ class SpecPolicy:
             return 0  # pays with more tokens than are on offer now
         # off: a short probe once the back-off expires keeps the estimate fresh
         return min(self.probe_len, cap) if allow_probe else 0
+
+    def catch_up_ms(self, behind: int) -> float:
+        """What bringing the draft model ``behind`` tokens up to date costs beyond the one
+        decode a draft's first token costs anyway."""
+        if behind <= 1:
+            return 0.0
+        table = self.draft_batches
+        if table.t1 > 0 and len(table.ms) > 1:
+            return max(table.cost(behind) - table.t1, 0.0)
+        price = (
+            self.draft_prefill_ms if self.draft_prefill_ms >= 0 else self.source("draft").cost_ms
+        )
+        return (behind - 1) * max(price, 0.0)
+
+    def observe_unsure(self, accepted: bool) -> None:
+        self.unsure.append(accepted)
+
+    def unsure_pays(self) -> bool:
+        """Whether the draft model should draft on past a token it is unsure of: the
+        target's recent acceptance of such tokens (with a prior pseudo-count that lets it
+        be measured) pays for the token's draft decode and its verify row."""
+        t1, cost = self.verify.t1, self.source("draft").cost_ms
+        if t1 <= 0 or cost < 0:
+            return False
+        rate = (sum(self.unsure) + UNSURE_PRIOR) / (len(self.unsure) + 1.0)
+        row = self.verify.cost(3) - self.verify.cost(2)
+        return rate * t1 > cost + max(row, 0.0)
 
     def model_too_costly(self, share: float) -> bool:
         """Whether a draft model token costs at least ``share`` of a target step (``share`` 0:

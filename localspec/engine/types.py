@@ -88,6 +88,13 @@ class SpecSettings:
     # share of a target step (0: any cost the cost model accepts); a costly draft's time, its
     # catch-up included, is better left to the free n-gram drafts a few tokens later
     draft_cost_max: float = 0.0
+    # auto mode: each step takes the n-gram draft or the draft model's, whichever the cost
+    # model expects to yield more per ms (the model's catch-up on the tokens it is behind
+    # priced in); False: the n-gram draft whenever it has one, the model only otherwise
+    weigh_sources: bool = False
+    # auto mode: the draft model drafts on past a token it is less than p_min sure of while
+    # the target has recently accepted such tokens often enough to pay for them
+    learn_p_min: bool = False
 
 
 @dataclass(frozen=True)
