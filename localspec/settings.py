@@ -241,6 +241,16 @@ class SpeculativeSettings(_Section):
         description="auto: the draft model drafts only while its token costs less than this "
         "share of a target step (n-gram drafts otherwise); 0: any cost the cost model accepts",
     )
+    weigh_sources: bool = Field(
+        False,
+        description="auto: each step takes the n-gram draft or the draft model's, whichever "
+        "is expected to yield more per ms (the model's catch-up priced in)",
+    )
+    learn_p_min: bool = Field(
+        False,
+        description="auto: the draft model drafts past a token it is less than p_min sure of "
+        "while the target recently accepted such tokens often enough to pay for them",
+    )
 
     @model_validator(mode="after")
     def _min_below_max(self) -> SpeculativeSettings:

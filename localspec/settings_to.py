@@ -105,6 +105,8 @@ def with_speculation_extras(engine: EngineSettings, settings: Settings) -> Engin
             entropy_max=spec.entropy_max,
             ngram_agree=spec.ngram_agree,
             draft_cost_max=spec.draft_cost_max,
+            weigh_sources=spec.weigh_sources,
+            learn_p_min=spec.learn_p_min,
             pipeline=PIPELINE[spec.pipeline],
         ),
     )

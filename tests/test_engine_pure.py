@@ -332,6 +332,46 @@ def test_policy_weighs_the_draft_prefill_against_the_tokens_left() -> None:
     assert pol.prefill_pays(20, short)  # a warm draft cache: a few tokens to catch up
 
 
+def test_policy_prices_a_draft_catch_up_from_measured_batches() -> None:
+    """A catch-up on a few tokens costs several times a token's share of a long prefill:
+    once the draft's batch times are measured they price it, and the extra cost lowers the
+    model's expected gain (what ``weigh_sources`` weighs against the n-gram draft)."""
+    pol = cpu_like_policy()
+    pol.observe_draft_cost("draft", 12.0)
+    for _ in range(10):
+        pol.observe_result("draft", 8, 8)
+    assert pol.catch_up_ms(1) == 0.0  # the draft's first token's decode: in its token cost
+    pol.observe_draft_prefill(400, 1360.0)  # 3.4 ms a token over a long prefill
+    assert pol.catch_up_ms(9) == pytest.approx(8 * 3.4)  # no batch times yet: that price
+    for n, ms in {1: 12.0, 2: 17.0, 8: 42.0, 32: 108.0}.items():
+        pol.draft_batches.observe(n, ms)
+    assert pol.catch_up_ms(8) == pytest.approx(30.0)  # 42 - 12, not 7 x 3.4
+    assert pol.catch_up_ms(20) == pytest.approx(75.0 - 12.0)  # interpolated, 42..108
+    assert pol.gain("draft", 8, pol.catch_up_ms(20)) < pol.gain("draft", 8)
+
+
+def test_policy_drafts_unsure_tokens_while_the_target_takes_them() -> None:
+    """``learn_p_min``: tokens the draft model is unsure of are drafted while the target's
+    recent acceptance of them pays for a draft decode and a verify row, and not after it
+    rejects them; before any is seen, the prior lets a few be drafted (so they get measured)."""
+    assert not SpecPolicy().unsure_pays()  # no target step measured: nothing to weigh
+    pol = cpu_like_policy()
+    pol.draft_batches.observe(1, 400.0)  # before a draft's token cost, its decodes stand in
+    assert not pol.unsure_pays()
+    pol.observe_draft_cost("draft", 12.0)  # a row costs 84 - 55 .. 98 - 84 = 14 ms here
+    assert pol.unsure_pays()  # 0.8 x 55 > 12 + 14
+    for _ in range(6):
+        pol.observe_unsure(False)
+    assert not pol.unsure_pays()
+    for _ in range(40):
+        pol.observe_unsure(True)
+    assert pol.unsure_pays()  # the window forgot the misses
+    pol.observe_draft_cost("draft", 500.0)
+    for _ in range(30):
+        pol.observe_draft_cost("draft", 500.0)
+    assert not pol.unsure_pays()  # a draft token costing more than a step never pays
+
+
 def test_policy_first_step_is_plain() -> None:
     assert SpecPolicy().plan("ngram") == 0
 

@@ -160,23 +160,28 @@ def test_speculative_pipeline_reaches_the_engine(
 def test_speculative_depth_rules_reach_the_engine(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """``speculative.ngram_agree`` and ``speculative.draft_cost_max`` (opt-in depth rules)
-    reach the engine's SpecSettings from the environment; the defaults leave both off."""
+    """The opt-in depth rules (``speculative.ngram_agree``, ``draft_cost_max``,
+    ``weigh_sources``, ``learn_p_min``) reach the engine's SpecSettings from the environment;
+    the defaults leave them off."""
     target = ModelSettings(path="t.gguf")
     default = st.Settings()
     engine = settings_to.file_engine_settings(default, target, target)
     off = settings_to.with_speculation_extras(engine, default).spec
     assert (off.ngram_agree, off.draft_cost_max) == (False, 0.0)
+    assert (off.weigh_sources, off.learn_p_min) == (False, False)
     from localspec import cli
     from localspec.commands import common
 
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     monkeypatch.setenv("LOCALSPEC_SPECULATIVE_NGRAM_AGREE", "true")
     monkeypatch.setenv("LOCALSPEC_SPECULATIVE_DRAFT_COST_MAX", "0.5")
+    monkeypatch.setenv("LOCALSPEC_SPECULATIVE_WEIGH_SOURCES", "true")
+    monkeypatch.setenv("LOCALSPEC_SPECULATIVE_LEARN_P_MIN", "true")
     args = cli.build_parser().parse_args(["up"])
     loaded = common.load_settings(args, quiet=True).settings
     on = settings_to.with_speculation_extras(engine, loaded).spec
     assert (on.ngram_agree, on.draft_cost_max) == (True, 0.5)
+    assert (on.weigh_sources, on.learn_p_min) == (True, True)
     with pytest.raises(ValueError, match=r"draft_cost_max"):
         st.Settings.model_validate({"speculative": {"draft_cost_max": -1}})
 

@@ -134,3 +134,46 @@ def test_ngram_drafts_end_where_the_context_disagrees(engine: Engine) -> None:
         engine.settings = base
     assert steps[False] == ("ngram", 6, 1)  # the most recent occurrence: 1004 1009 9 ...
     assert steps[True] == ("ngram", 1, 1)
+
+
+CODE = '''def read_config(path):
+    """Read a key = value file into a dict."""
+    result = {}
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            key, _, value = line.partition("=")
+            result[key.strip()] = value.strip()
+    return result
+
+
+def write_config(path, values):
+'''
+
+
+def test_weighed_sources_and_learned_p_min_stay_exact(smollm_f32: Path, smollm_q4: Path) -> None:
+    """The opt-in ``weigh_sources`` and ``learn_p_min`` on a real trained pair whose draft is
+    its target quantized: the draft is often unsure where the target then takes its token, so
+    ``learn_p_min`` drafts past such tokens and records how the target answered them (without
+    it none is drafted); the output stays the target's own, token for token."""
+    settings = _settings(smollm_f32, smollm_q4)
+    with Engine.load(settings) as eng:
+        prompt = eng.vocab.tokenize(CODE)
+        req = GenerationRequest(slot=0, prompt=prompt, n_predict=64, sampling=GREEDY)
+        eng.settings = replace(settings, spec=replace(settings.spec, mode="off"))
+        reference = eng.generate(req).tokens
+        both = replace(settings.spec, weigh_sources=True, learn_p_min=True)
+        model_only = replace(settings.spec, mode="draft", adaptive=True)
+        for spec in (both, model_only, replace(model_only, learn_p_min=True)):
+            eng.settings = replace(settings, spec=spec)
+            res = eng.generate(req)
+            assert res.tokens == reference
+            if spec.mode == "draft":
+                assert sum(d for src, d, _ in res.spec_steps if src == "draft") > 8
+                unsure = eng.pair.policy_for(False, spec, 0.3).unsure
+                if spec.learn_p_min:
+                    assert len(unsure) > 0 and sum(unsure) > 0
+                else:
+                    assert len(unsure) == 0

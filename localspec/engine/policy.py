@@ -271,7 +271,9 @@ class SpecPolicy:
         target's recent acceptance of such tokens (with a prior pseudo-count that lets it
         be measured) pays for the token's draft decode and its verify row."""
         t1, cost = self.verify.t1, self.source("draft").cost_ms
-        if t1 <= 0 or cost < 0:
+        if cost < 0:  # measured only over drafts of two tokens or more: its decodes stand in
+            cost = max(self.draft_batches.t1, 0.0)
+        if t1 <= 0:
             return False
         rate = (sum(self.unsure) + UNSURE_PRIOR) / (len(self.unsure) + 1.0)
         row = self.verify.cost(3) - self.verify.cost(2)
