@@ -418,7 +418,7 @@ def _row(language: str, mode: str, by_mode: dict[str, Totals]) -> dict[str, Any]
 
 def format_table(result: dict[str, Any]) -> str:
     head = (
-        f"{'language':<11}{'mode':<12}{'tok/s':>8}{'vs tgt':>8}{'vs today':>9}{'accept':>8}"
+        f"{'language':<11}{'mode':<14}{'tok/s':>8}{'vs tgt':>8}{'vs today':>9}{'accept':>8}"
         f"{'mean run':>9}{'identical':>10}{'diff tok':>9}"
     )
     lines = [head, "-" * len(head)]
@@ -428,7 +428,7 @@ def format_table(result: dict[str, Any]) -> str:
         acc = f"{r['acceptance']:.0%}" if r["acceptance"] is not None else "-"
         mean = f"{r['mean_accepted']:.2f}" if r["mean_accepted"] is not None else "-"
         lines.append(
-            f"{r['language']:<11}{r['mode']:<12}{r['tok_s']:>8.1f}"
+            f"{r['language']:<11}{r['mode']:<14}{r['tok_s']:>8.1f}"
             f"{(r['vs_target'] or 0):>7.2f}x{(r['vs_today'] or 0):>8.2f}x{acc:>8}{mean:>9}"
             f"{r['identical']:>5}/{r['requests']:<4}{r['differing_token_share']:>8.1%}"
         )
