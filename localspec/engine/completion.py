@@ -494,6 +494,7 @@ class Completion:
         td = time.perf_counter()
         source, key, draft = "", "", []
         spec = self.pair.settings.spec
+        weigh = auto and spec.weigh_sources
         if self.mode in ("ngram", "hybrid", "auto"):
             draft, match = self.ngram.draft(n_max, agree=spec.ngram_agree)
             source, key = "ngram", ngram_source(match)
@@ -505,8 +506,10 @@ class Completion:
                 if len(cand) >= n_min and self._prefer_draft(cand, key, draft, auto):
                     source = key = "draft"
                     draft = cand
-        elif (auto and spec.weigh_sources and self._model_beats(key, draft)) or (
-            len(draft) < n_min and not (auto and spec.weigh_sources and self.dbase is not None)
+        elif (weigh and self._model_beats(key, draft)) or (
+            # weighed, a synced draft model was just priced; before it first runs in this
+            # request, the usual rule (its prompt prefill weighed, probes) decides
+            len(draft) < n_min and not (weigh and self.dbase is not None)
         ):
             ngram_pick = (source, key, draft) if len(draft) >= n_min else ("", "", [])
             source, key, draft = "", "", []
@@ -537,8 +540,8 @@ class Completion:
     def _model_beats(self, ngram_key: str, ngram: list[int]) -> bool:
         """Whether the draft model's draft is expected to yield more per ms than the n-gram
         draft on offer. The model must first catch up on the tokens it has not seen (the
-        n-gram drafts' accepted runs, a new prompt's window): that batch is priced in, at
-        the draft's measured prefill price, so a long n-gram run is not followed by a model
+        n-gram drafts' accepted runs, a new prompt's window): that batch is priced in from
+        the draft's measured batch times, so a long n-gram run is not followed by a model
         draft that spends the time it saved."""
         policy = self.policy
         if not self.draft_ok or policy.model_too_costly(self.pair.settings.spec.draft_cost_max):
