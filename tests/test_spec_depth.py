@@ -137,6 +137,34 @@ def test_ngram_drafts_end_where_the_context_disagrees(engine: Engine) -> None:
     assert steps[True] == ("ngram", 1, 1)
 
 
+def test_weighed_sources_take_the_model_where_it_yields_more(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``weigh_sources``: where the cost model expects the draft model's draft to yield more
+    than the n-gram draft on offer, the step takes the model's; without it the n-gram draft
+    goes first whenever there is one. (The expected gains are pinned: measured ones depend on
+    the machine.) The output stays the target's."""
+    first = [1000, 1001, 1002, 1003, 1004, 1005, 7]
+    prompt = [*first, *first[:5], 1009, 9, *first[:3]]  # the n-gram drafter has a match
+    monkeypatch.setattr(SpecPolicy, "plan", lambda self, source, **kw: 4)
+    monkeypatch.setattr(
+        SpecPolicy, "gain", lambda self, source, k, extra_ms=0.0: 3.0 if source == "draft" else 1.5
+    )
+    base = engine.settings
+    sources = {}
+    try:
+        for weigh in (False, True):
+            engine.settings = replace(base, spec=replace(base.spec, weigh_sources=weigh))
+            req = GenerationRequest(slot=0, prompt=prompt, n_predict=8, sampling=GREEDY)
+            res = engine.generate(req)
+            assert res.tokens == follow_chain(prompt[-1], 8)
+            sources[weigh] = [src for src, _, _ in res.spec_steps]
+    finally:
+        engine.settings = base
+    assert sources[False][0] == "ngram"
+    assert sources[True] and set(sources[True]) == {"draft"}
+
+
 CODE = '''def read_config(path):
     """Read a key = value file into a dict."""
     result = {}

@@ -549,10 +549,8 @@ class Completion:
         k = policy.plan("draft", allow_probe=False)
         if k < max(self.n_min, 1):
             return False
-        if self.dbase is None:
-            behind = self._draft_behind() + len(self.out)
-        else:
-            behind = len(self.dbase) + len(self.out) - len(self.dst.tokens)
+        synced = self.dbase is not None
+        behind = self._draft_lag() if synced else self._draft_behind() + len(self.out)
         extra = policy.catch_up_ms(behind)
         ngram_gain = policy.gain(ngram_key, len(ngram)) if ngram else policy.min_gain
         return policy.gain("draft", k, extra) > ngram_gain
@@ -627,8 +625,12 @@ class Completion:
         or a long catch-up on the tokens emitted since it last ran."""
         if self.dbase is None:
             return self._draft_prefill_is_cheap()
-        behind = len(self.dbase) + len(self.out) - len(self.dst.tokens)
-        return behind <= CHEAP_DRAFT_CATCHUP
+        return self._draft_lag() <= CHEAP_DRAFT_CATCHUP
+
+    def _draft_lag(self) -> int:
+        """Tokens a synced draft model has not seen: what it emitted since it last ran."""
+        assert self.dbase is not None
+        return len(self.dbase) + len(self.out) - len(self.dst.tokens)
 
     def _draft_prefill_is_cheap(self) -> bool:
         """Whether the draft's cache already holds most of this request's window (then a
